@@ -1,0 +1,86 @@
+"""EngineConfig: the single source of engine knobs.
+
+Every option `LLM(...)`, the CLI and (later) the server accept is a field here. Unknown options are an
+error, never silently dropped. Environment variables are only documented aliases of fields
+(`OPENINFER_CACHE` -> `cache_dir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """`OPENINFER_CACHE` if set, else `~/.cache/openinfer`."""
+    env = os.environ.get("OPENINFER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "openinfer"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str | None = None             # "cpu" / "cuda" / "cuda:N"; None: cuda if present
+    dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int | None = None      # None: the model's max_position_embeddings, capped to the KV pool
+    max_num_seqs: int = 256               # running requests per step
+    max_num_batched_tokens: int = 2048    # tokens per step (decodes + prefill chunks)
+    block_size: int = 128                 # tokens per KV page (DeepInfer's block size)
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # KV pool budget; None: 2 GiB on CPU, see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the engine may use in total
+    num_kv_blocks: int | None = None      # exact pool size (overrides the byte budget; tests use it)
+    seed: int = 0                         # engine RNG for requests without their own seed
+    logprobs_mode: str = "raw_logprobs"   # "raw_logprobs" (model) or "processed_logprobs" (after penalties/temperature/top-k/p)
+    cache_dir: str | None = None          # converted weights and fetched models; alias: OPENINFER_CACHE
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but torch sees no CUDA device")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

@@ -1,0 +1,129 @@
+"""LLMEngine: the engine core loop. add_request -> step() (schedule, execute, process outputs) -> outputs.
+
+It wires the parts together and owns request bookkeeping; it holds no policy of its own: the scheduler
+decides what runs, the KV manager where it lives, the runner how it runs, the output processor when a
+request is done.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from openinfer.config import EngineConfig
+from openinfer.engine.model_runner import ModelRunner
+from openinfer.engine.output_processor import OutputProcessor
+from openinfer.engine.request import Request, RequestStatus
+from openinfer.engine.scheduler import Scheduler
+from openinfer.kv_cache.kv_cache_manager import KVCacheManager
+from openinfer.layers.attention import TorchPagedAttention
+from openinfer.loader.model_source import resolve_model_dir
+from openinfer.loader.weights import build_model, read_hf_config
+from openinfer.outputs import RequestMetrics, RequestOutput
+from openinfer.sampling_params import SamplingParams
+from openinfer.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model, config.cache_path)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        hf = read_hf_config(self.model_dir)
+        model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), TorchPagedAttention(),
+                            max_positions=config.max_model_len)
+        self.model_config = model.config
+        self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
+        self.max_model_len = self._resolve_max_model_len(hf)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._next_id = 0
+
+    def _resolve_max_model_len(self, hf: dict) -> int:
+        model_max = self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
+        capacity = self.runner.num_blocks * self.config.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if window is not None and wanted > window:
+                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window {window}; "
+                                 f"sliding-window attention is not supported for this model family yet")
+            if wanted > capacity:
+                raise ValueError(f"max_model_len {wanted} does not fit the KV pool ({self.runner.num_blocks} blocks "
+                                 f"x {self.config.block_size} = {capacity} tokens); raise the KV budget")
+            return wanted
+        return min(model_max, capacity, window or model_max)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue one request; raises ValueError (engine state untouched) on bad input."""
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                      metrics=RequestMetrics(arrival_time or time.time()), prompt=prompt,
+                      eos_token_ids=self.tokenizer.eos_token_ids, generator=generator)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        req.metrics.finished_time = time.time()
+        return self.output_processor.make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched.scheduled)
+        outputs = []
+        for req, finish in self.output_processor.process(runner_out, self.requests):
+            if finish is not None:
+                self.scheduler.finish(req, finish)
+                req.metrics.finished_time = time.time()
+                del self.requests[req.request_id]
+            out = self.output_processor.make_output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ---- introspection ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.kv_manager
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks, "kv_usage": kv.usage(),
+            "prefix_cache_hit_rate": kv.prefix_stats.hit_rate, "prefix_cache_hit_tokens": kv.prefix_stats.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,130 @@
+"""OutputProcessor: turns sampled tokens into request state and RequestOutputs.
+
+Per new token: append it, record logprobs, detokenize incrementally, then check stop conditions in vLLM's
+order (EOS / stop token ids -> stop strings -> max_tokens / max_model_len). Stop strings are searched in
+the tail of the text, so one split across token boundaries is still found; the text is cut before it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from openinfer.engine.model_runner import PromptLogprobsChunk, RunnerOutput
+from openinfer.engine.request import Request, RequestStatus
+from openinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from openinfer.sampling_params import RequestOutputKind
+from openinfer.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def _position_logprobs(self, token_id: int, logprob: float, rank: int,
+                           top_ids: list[int], top_lps: list[float]) -> PositionLogprobs:
+        dec = self.tokenizer.id_to_token_text
+        d = {tid: Logprob(lp, i + 1, dec(tid)) for i, (tid, lp) in enumerate(zip(top_ids, top_lps))}
+        if token_id not in d:
+            d[token_id] = Logprob(logprob, rank, dec(token_id))
+        return d
+
+    def add_prompt_logprobs(self, req: Request, chunk: PromptLogprobsChunk) -> None:
+        n_top = req.sampling_params.prompt_logprobs
+        lp = chunk.logprobs
+        actual = torch.tensor(chunk.token_ids, device=lp.device)
+        actual_lp = lp.gather(-1, actual[:, None]).squeeze(-1)
+        ranks = ((lp > actual_lp[:, None]).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(n_top, dim=-1) if n_top > 0 else (None, None)
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        for i, tid in enumerate(chunk.token_ids):
+            req.prompt_logprobs.append(self._position_logprobs(
+                tid, actual_lp[i].item(), ranks[i],
+                top_ids[i].tolist() if n_top else [], top_lp[i].tolist() if n_top else []))
+
+    def process(self, runner_out: RunnerOutput, requests: dict[str, Request]) -> list[tuple[Request, RequestStatus | None]]:
+        """Apply one step's results; returns (request, finish status or None) for each request that got a token."""
+        for rid, chunk in runner_out.prompt_logprobs.items():
+            self.add_prompt_logprobs(requests[rid], chunk)
+        touched = []
+        s = runner_out.sampled
+        if s is None:
+            return touched
+        token_ids = s.token_ids.tolist()
+        lps = s.logprobs.tolist() if s.logprobs is not None else None
+        ranks = s.ranks.tolist() if s.ranks is not None else None
+        top_ids = s.top_ids.tolist() if s.top_ids is not None else None
+        top_lps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+        now = time.time()
+        for rid, i in runner_out.sample_index.items():
+            req = requests[rid]
+            tok = token_ids[i]
+            req.output_token_ids.append(tok)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            n_lp = req.sampling_params.logprobs
+            if n_lp is not None:
+                req.cumulative_logprob += lps[i]
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.append(self._position_logprobs(tok, lps[i], ranks[i],
+                                                            top_ids[i][:n_lp] if n_lp else [],
+                                                            top_lps[i][:n_lp] if n_lp else []))
+            touched.append((req, self._append_text_and_check_stop(req, tok)))
+        return touched
+
+    def _append_text_and_check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.detok_state is None:
+            req.detok_state = self.tokenizer.decode_stream(p.skip_special_tokens)
+        new_text = self.tokenizer.step_decode(req.detok_state, tok)
+        req.output_text += new_text
+        past_min = req.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and tok in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and p.stop and new_text:
+            text = req.output_text
+            search_from = max(0, len(text) - len(new_text) - p.max_stop_len + 1)
+            for stop in p.stop:
+                idx = text.find(stop, search_from)
+                if idx != -1:
+                    req.output_text = text[:idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+        if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_output(self, req: Request) -> RequestOutput | None:
+        """The RequestOutput to report now, per the request's output kind (None: nothing to report)."""
+        kind = req.sampling_params.output_kind
+        finished = req.is_finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text, token_ids, logprobs = req.output_text, req.output_token_ids, req.logprobs
+        if kind == RequestOutputKind.DELTA:
+            first_report = req.num_sent_tokens == 0
+            hold = 0 if finished else max(req.sampling_params.max_stop_len - 1, 0)
+            end = max(req.num_sent_chars, len(text) - hold)
+            text = text[req.num_sent_chars:end]
+            token_ids = token_ids[req.num_sent_tokens:]
+            logprobs = logprobs[req.num_sent_tokens:] if logprobs is not None else None
+            req.num_sent_chars, req.num_sent_tokens = end, req.num_output_tokens
+            prompt_logprobs = req.prompt_logprobs if first_report else None   # sent once, with the first delta
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+            prompt_logprobs = req.prompt_logprobs
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids,
+            cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
+            logprobs=logprobs, finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             prompt_logprobs=prompt_logprobs, outputs=[completion], finished=finished,
+                             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=req.metrics)

@@ -1,0 +1,82 @@
+"""Request: the plain state of one request as it crosses engine, scheduler, KV manager and runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from openinfer.outputs import PositionLogprobs, RequestMetrics
+from openinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    metrics: RequestMetrics
+    prompt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (or scheduled to be written this step).
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first scheduling (-1: not scheduled yet).
+    num_cached_tokens: int = -1
+    # Per-request RNG when the request carries a seed: same seed => same samples, whatever the batch.
+    generator: torch.Generator | None = None
+    # Hash chain of full blocks of all_token_ids, extended as tokens arrive (KV manager fills it).
+    block_hashes: list[bytes] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    # Detokenizer state, owned by the output processor.
+    output_text: str = ""
+    detok_state: object = None
+    # What has been reported so far (DELTA outputs).
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

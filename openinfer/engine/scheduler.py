@@ -1,0 +1,129 @@
+"""Scheduler: decides *what* runs each step (continuous batching with chunked prefill).
+
+There are no prefill and decode phases: every request has `num_computed_tokens` and wants to reach
+`num_tokens`. Each step first serves running requests (a decode is 1 token, an unfinished prefill takes
+what is left of the token budget), then admits waiting requests, prefix-cache hits first subtracted. When
+the KV pool runs dry the most recently admitted running request is preempted (its blocks freed, to be
+recomputed later; cached blocks usually make that cheap) instead of failing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from openinfer.engine.request import Request, RequestStatus
+from openinfer.kv_cache.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int          # tokens to run this step, starting at request.num_computed_tokens
+    block_ids: list[int]
+    state_slot: int | None = None
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so it yields a new token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.time()
+
+        # 1) Running requests, oldest first; preempt from the back when the pool is dry.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
+                                                      self.kv.state_slot(req.request_id)))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing behind it is left
+
+        # 2) Waiting requests, in arrival order, while seats, budget and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
+                                                  self.kv.state_slot(req.request_id)))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, scheduled: list[ScheduledRequest]) -> None:
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length or aborted) and return its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)

@@ -1,0 +1,102 @@
+"""LLM: the offline entry point (vLLM-compatible in shape): generate() and chat() over one LLMEngine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm import tqdm
+
+from openinfer.config import EngineConfig
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        if model is not None:
+            engine_options["model"] = model
+        self.config = EngineConfig.from_kwargs(**engine_options)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (text, or token ids) to completion; outputs come back in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str):
+                    raise TypeError(f"prompts[{i}] must be a str, got {type(p).__name__}")
+            texts: list[str | None] = list(prompts)
+            token_lists = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            token_lists = [list(t) for t in prompt_token_ids]
+            texts = [None] * len(token_lists)
+        return self._run(token_lists, texts, sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        texts = [self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                                    **(chat_template_kwargs or {})) for conv in messages]
+        token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(token_lists, texts, sampling_params, use_tqdm)
+
+    def _run(self, token_lists, texts, sampling_params, use_tqdm) -> list[RequestOutput]:
+        n = len(token_lists)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
+            if len(params) != n:
+                raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        # Offline: only final outputs are needed.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        # Validate everything before queueing anything, so one bad prompt leaves the engine untouched.
+        limit = self.engine.max_model_len
+        for i, toks in enumerate(token_lists):
+            if not toks:
+                raise ValueError(f"prompt {i} is empty: at least one token is needed")
+            if len(toks) > limit:
+                raise ValueError(f"prompt {i} has {len(toks)} tokens, more than max_model_len={limit}")
+        ids = []
+        try:
+            for toks, text, p in zip(token_lists, texts, params):
+                ids.append(self.engine.add_request(toks, p, prompt=text))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=n, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(results) < n:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,43 @@
+"""Build a model from an HF-layout directory: config.json -> model class -> safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from openinfer.layers.attention import AttentionBackend
+from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name).to(dtype)
+
+
+def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+                max_positions: int | None = None) -> LlamaForCausalLM:
+    hf = read_hf_config(model_dir)
+    cfg = LlamaConfig.from_hf(hf)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.reset_tables(device)   # buffers made on "meta" are recomputed for real, in float32
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(iter_safetensors(model_dir, dtype))
+    return model.eval()

@@ -1,0 +1,97 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus what HF keeps beside it (special tokens, chat template, EOS ids).
+
+Loads from an HF-layout directory (tokenizer.json, tokenizer_config.json, optional chat_template.jinja and
+generation_config.json) without importing transformers, so a cached model starts fast. Chat templates
+render in a sandboxed Jinja environment configured as HF does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, extra_eos_ids: list[int] = ()):
+        self.hf = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        eos = set(extra_eos_ids)
+        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+            eos.add(tokenizer.token_to_id(eos_token))
+        self.eos_token_ids = frozenset(eos)
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json")
+        cfg = _read_json(path / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):   # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        eos_ids = []
+        for src in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+            e = src.get("eos_token_id")
+            eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), template,
+                   _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token_text(self, token_id: int) -> str:
+        """How one token reads on its own (for Logprob.decoded_token)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step_decode(self, stream: DecodeStream, token_id: int) -> str:
+        return stream.step(self.hf, token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a raw prompt")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                               extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)

@@ -1,0 +1,44 @@
+"""Shared fixtures: the real default model (fetched/converted once into the openinfer cache) and its HF reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openinfer.config import default_cache_dir
+from openinfer.loader.model_source import fetch_registered, resolve_model_dir
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    return resolve_model_dir("smollm2-135m-instruct", default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    return fetch_registered("smollm2-135m-instruct", default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_gguf):
+    """HF transformers' own GGUF loading of the same file, fp32: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm(smollm_dir):
+    from openinfer import LLM
+
+    return LLM(str(smollm_dir), device="cpu", dtype="float32", max_num_seqs=16)
+
+
+def assert_pool_idle(engine):
+    """No request holds a block: every block is free (cached ones included)."""
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
