@@ -111,7 +111,7 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                prefills.append(PrefillChunk(row, n, start + n, table.to(dev)))
+                prefills.append(PrefillChunk(row, n, start + n, table.to(dev), bs))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))
@@ -120,8 +120,8 @@ class ModelRunner:
                 out.sample_index[req.request_id] = len(sampling_reqs) - 1
                 logit_rows.append(row + n - 1)
             row += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), num_decode_tokens=len(decode_tables),
-                                 prefills=prefills)
+        meta = AttentionMetadata(block_size=bs, slot_mapping=torch.cat(slots).to(dev),
+                                 num_decode_tokens=len(decode_tables), prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
@@ -129,6 +129,7 @@ class ModelRunner:
                 padded[i, :len(t)] = t
             meta.decode_block_tables = padded.to(dev)
             meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
+            meta.max_decode_context_len = max(decode_lens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, torch.cat(pos).to(dev), self.kv_caches, meta)
 

@@ -12,10 +12,17 @@ prefill chunk then runs on its own with a causal mask offset by the tokens alrea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [0, length) for a block table [..., num_blocks] -> [..., length]."""
+    pos = torch.arange(length, device=block_table.device)
+    return block_table[..., pos // block_size] * block_size + pos % block_size
 
 
 @dataclass
@@ -24,15 +31,32 @@ class PrefillChunk:
     query_len: int
     context_len: int        # tokens in the cache after this step (cached prefix + this chunk)
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
+    block_size: int
+
+    @cached_property
+    def context_slots(self) -> torch.Tensor:
+        return context_slots(self.block_ids, self.context_len, self.block_size)
 
 
 @dataclass
 class AttentionMetadata:
+    block_size: int
     slot_mapping: torch.Tensor            # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int = 0            # rows [0, num_decode_tokens) are single-token sequences
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] (padded with 0)
     decode_context_lens: torch.Tensor | None = None   # [num_decodes]
+    max_decode_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @cached_property
+    def decode_context_slots(self) -> torch.Tensor:
+        """[num_decodes, max_decode_context_len] flat slots (padding rows point at valid memory)."""
+        return context_slots(self.decode_block_tables, self.max_decode_context_len, self.block_size)
+
+    @cached_property
+    def decode_valid(self) -> torch.Tensor:
+        pos = torch.arange(self.max_decode_context_len, device=self.decode_context_lens.device)
+        return pos < self.decode_context_lens[:, None]
 
 
 class AttentionBackend(Protocol):
@@ -43,8 +67,15 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    flat = kv_cache.view(-1, *kv_cache.shape[2:])
-    flat[slot_mapping] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
+    rows = kv_cache.view(-1, kv_cache[0, 0].numel())
+    rows.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype).view(len(slot_mapping), -1))
+
+
+def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at `slots` [..., L] -> two [..., L, KVH, D] views (index_select on rows: a fast gather)."""
+    rows = kv_cache.view(-1, kv_cache[0, 0].numel())
+    ctx = rows.index_select(0, slots.reshape(-1)).view(*slots.shape, *kv_cache.shape[2:])
+    return ctx[..., 0, :, :], ctx[..., 1, :, :]
 
 
 class TorchPagedAttention:
@@ -55,15 +86,16 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            ctx = kv_cache[meta.decode_block_tables].flatten(1, 2)          # [B, L, 2, KVH, D]
-            keys, vals = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)  # [B, KVH, L, D]
-            valid = torch.arange(ctx.shape[1], device=q.device) < meta.decode_context_lens[:, None]
-            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=valid[:, None, None, :],
-                                               scale=scale, enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+            keys, vals = gather_kv(kv_cache, meta.decode_context_slots)     # [B, L, KVH, D]
+            kvh = keys.shape[2]
+            # The H/KVH query heads sharing a KV head ride as that head's query rows: no K/V expansion.
+            qg = q[:nd].view(nd, kvh, -1, q.shape[-1])                      # [B, KVH, G, D]
+            o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=meta.decode_valid[:, None, None, :], scale=scale)
+            out[:nd] = o.reshape(nd, *q.shape[1:])
         for p in meta.prefills:
-            ctx = kv_cache[p.block_ids].flatten(0, 1)[:p.context_len]       # [L, 2, KVH, D]
-            keys, vals = ctx[:, 0].transpose(0, 1), ctx[:, 1].transpose(0, 1)   # [KVH, L, D]
+            keys, vals = gather_kv(kv_cache, p.context_slots)               # [L, KVH, D]
+            keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             rows = slice(p.query_start, p.query_start + p.query_len)
             qs = q[rows].transpose(0, 1)                                     # [H, q, D]
             if p.query_len == p.context_len:

@@ -1,0 +1,112 @@
+"""`openinfer` command line: generate, bench offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from openinfer.config import DEFAULT_MODEL
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF directory or .gguf file")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+
+
+def _make_llm(args):
+    from openinfer import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+
+
+def cmd_generate(args) -> int:
+    from openinfer import SamplingParams
+
+    llm = _make_llm(args)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    start = time.perf_counter()
+    if args.raw or not llm.tokenizer.chat_template:
+        outs = llm.generate(args.prompts, sp, use_tqdm=len(args.prompts) > 1)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp,
+                        use_tqdm=len(args.prompts) > 1)
+    elapsed = time.perf_counter() - start
+    for prompt, o in zip(args.prompts, outs):
+        print(f"### {prompt}\n{o.outputs[0].text.strip()}\n")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_cached = sum(o.num_cached_tokens for o in outs)
+    print(f"[{len(outs)} prompt(s): {sum(len(o.prompt_token_ids) for o in outs)} prompt tokens "
+          f"({n_cached} cached), {n_out} generated tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s "
+          f"on {llm.config.device}]")
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from openinfer.benchmarks.offline import OfflineWorkload, parse_range, run_offline
+
+    workload = OfflineWorkload(args.num_requests, parse_range(args.input_len), parse_range(args.output_len), args.seed)
+    llm = _make_llm(args)
+    result = run_offline(llm, workload)
+    result.update(model=args.model, device=llm.config.device, dtype=str(llm.config.torch_dtype),
+                  max_num_seqs=args.max_num_seqs)
+    print(f"{args.num_requests} requests, "
+          f"{result['input_tokens']} prompt + {result['output_tokens']} output tokens in {result['elapsed_s']:.2f}s: "
+          f"{result['output_tok_per_s']:.1f} output tok/s, {result['total_tok_per_s']:.1f} total tok/s, "
+          f"{result['requests_per_s']:.2f} req/s")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openinfer", description="openinfer inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer prompts (chat template applied unless --raw)")
+    _engine_args(gen)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bench_sub.add_parser("offline", help="offline throughput on random prompts, EOS ignored")
+    _engine_args(off)
+    off.add_argument("--num-requests", type=int, default=64)
+    off.add_argument("--input-len", default="128", help="N or LO:HI (uniform)")
+    off.add_argument("--output-len", default="128", help="N or LO:HI (uniform)")
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--result-json", default=None)
+    off.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"openinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
