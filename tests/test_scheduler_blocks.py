@@ -130,3 +130,29 @@ def test_step_respects_token_and_seat_budgets(smollm_dir, budget):
     assert seen and all(t <= budget and r <= 3 for t, r in seen)
     assert max(t for t, _ in seen) == budget
     assert_pool_idle(eng)
+
+
+def test_per_request_state_slots_bound_admission_and_are_returned():
+    """A model declaring per-request state (e.g. a sliding-window ring) gets one slot per running request."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False, num_state_slots=2)
+    a, b, c = _req("a", [1, 2]), _req("b", [3, 4]), _req("c", [5, 6])
+    assert kv.allocate_slots(a, 2) and kv.allocate_slots(b, 2)
+    assert {kv.state_slot("a"), kv.state_slot("b")} == {0, 1}
+    assert not kv.allocate_slots(c, 2)              # blocks are there, but no state slot
+    assert kv.num_free_blocks == 14 and kv.state_slot("c") is None
+    kv.free(a)
+    assert kv.allocate_slots(c, 2) and kv.state_slot("c") in (0, 1)
+
+
+def test_cache_specs_size_blocks_for_compressed_entries():
+    import torch
+
+    from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
+
+    full = PagedCacheSpec("kv", num_layers=2, entry_shape=(2, 4, 8), dtype=torch.float32)
+    compressed = PagedCacheSpec("csa", num_layers=2, entry_shape=(16,), dtype=torch.bfloat16, tokens_per_entry=4)
+    assert full.block_shape(128) == (128, 2, 4, 8) and compressed.block_shape(128) == (32, 16)
+    assert compressed.bytes_per_block(128) == 2 * 32 * 16 * 2
+    with pytest.raises(ValueError, match="multiple"):
+        compressed.block_shape(6)
+    assert RequestStateSpec("swa", 3, (128, 16), torch.float32).bytes_per_slot() == 3 * 128 * 16 * 4

@@ -19,7 +19,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
 from openinfer.loader.model_source import resolve_model_dir
-from openinfer.loader.weights import build_model, read_hf_config
+from openinfer.loader.weights import build_model
 from openinfer.outputs import RequestMetrics, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
@@ -30,19 +30,19 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        hf = read_hf_config(self.model_dir)
         model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), TorchPagedAttention(),
                             max_positions=config.max_model_len)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
-        self.max_model_len = self._resolve_max_model_len(hf)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         num_state_slots=self.runner.num_state_slots)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
 
-    def _resolve_max_model_len(self, hf: dict) -> int:
+    def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
         window = self.model_config.sliding_window
         capacity = self.runner.num_blocks * self.config.block_size

@@ -16,7 +16,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.engine.scheduler import SchedulerOutput
-from openinfer.kv_cache.spec import PagedCacheSpec
+from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 from openinfer.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -51,12 +51,19 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.cache_specs = model.cache_specs(self.dtype)
+        # one state slot per running request when the model declares per-request state
+        self.num_state_slots = config.max_num_seqs if any(
+            isinstance(s, RequestStateSpec) for s in self.cache_specs) else 0
         self.num_blocks = self._num_blocks()
-        self.kv_caches = self._allocate_caches()
+        self.caches = self._allocate_caches()
 
     # ---- cache allocation -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         return sum(s.bytes_per_block(self.block_size) for s in self.cache_specs if isinstance(s, PagedCacheSpec))
+
+    def state_bytes(self) -> int:
+        return self.num_state_slots * sum(s.bytes_per_slot() for s in self.cache_specs
+                                          if isinstance(s, RequestStateSpec))
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -69,22 +76,32 @@ class ModelRunner:
                 free, total = torch.cuda.mem_get_info(self.device)
                 reserve = (1 << 30) + self.config.max_num_batched_tokens * self.vocab_size * 4
                 budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
-        num = budget // self.bytes_per_block()
+        num = (budget - self.state_bytes()) // self.bytes_per_block()
         if num < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block()} bytes "
-                             f"(block_size={self.block_size}); raise kv_cache_memory_bytes")
+                             f"(block_size={self.block_size}) beside {self.state_bytes()} bytes of per-request "
+                             f"state; raise kv_cache_memory_bytes")
         return int(num)
 
-    def _allocate_caches(self) -> list[torch.Tensor]:
-        (spec,) = [s for s in self.cache_specs if isinstance(s, PagedCacheSpec)]
-        shape = (self.num_blocks, *spec.block_shape(self.block_size))
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Zeroed, not empty: masked-out slots still enter the matmul and must not hold NaN/Inf bit patterns.
         # On the CPU, numpy's calloc gives zero pages lazily, so a large pool costs nothing until used.
         if self.device.type == "cpu":
-            nbytes = math.prod(shape) * spec.dtype.itemsize
-            return [torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(spec.dtype).view(shape)
-                    for _ in range(spec.num_layers)]
-        return [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+            nbytes = math.prod(shape) * dtype.itemsize
+            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _allocate_caches(self) -> dict[str, list[torch.Tensor]]:
+        """Per declared cache kind, one tensor per layer: [num_blocks, *block_shape] for paged kinds,
+        [num_state_slots, *state_shape] for per-request state."""
+        caches = {}
+        for spec in self.cache_specs:
+            if isinstance(spec, PagedCacheSpec):
+                shape = (self.num_blocks, *spec.block_shape(self.block_size))
+            else:
+                shape = (self.num_state_slots, *spec.state_shape)
+            caches[spec.name] = [self._zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+        return caches
 
     # ---- one step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,7 +148,7 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
             meta.max_decode_context_len = max(decode_lens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, torch.cat(pos).to(dev), self.kv_caches, meta)
+        hidden = self.model(input_ids, torch.cat(pos).to(dev), self.caches, meta)
 
         if plp_spans:
             for req, first, n, tok_index in plp_spans:

@@ -129,11 +129,12 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         return [PagedCacheSpec("kv", c.num_hidden_layers, (2, c.num_key_value_heads, c.head_dim), dtype)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flattened batch; logits come from compute_logits on chosen rows."""
+        """Hidden states [T, hidden] for the flattened batch; logits come from compute_logits on chosen rows.
+        `caches` holds one tensor per layer for each kind declared by cache_specs (here only "kv")."""
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, caches["kv"]):
             x = layer(x, positions, self.rotary, kv_cache, meta)
         return self.norm(x)
 
