@@ -3,11 +3,16 @@
 Loads from an HF-layout directory (tokenizer.json, tokenizer_config.json, optional chat_template.jinja and
 generation_config.json) without importing transformers, so a cached model starts fast. Chat templates
 render in a sandboxed Jinja environment configured as HF does.
+
+Control tokens come only from the template, never from user text: `encode_chat` renders the template with
+every user-supplied string replaced by a sentinel, encodes the template's own text with special tokens
+recognized and each user string as plain text (a user typing `<|im_start|>` gets those characters).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -31,6 +36,8 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
                  eos_token: str | None, extra_eos_ids: list[int] = ()):
         self.hf = tokenizer
+        self.hf_plain = HFTokenizer.from_str(tokenizer.to_str())   # encodes special-token spellings as text
+        self.hf_plain.encode_special_tokens = True
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -65,6 +72,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Encode untrusted text: special-token spellings become ordinary text tokens."""
+        return self.hf_plain.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -77,6 +88,30 @@ class Tokenizer:
 
     def step_decode(self, stream: DecodeStream, token_id: int) -> str:
         return stream.step(self.hf, token_id) or ""
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Token ids of a conversation, with user-supplied strings (in messages and kwargs such as tools)
+        encoded as plain text; see the module docstring."""
+        user_strings: list[str] = []
+
+        def mask(x):
+            if isinstance(x, str):
+                user_strings.append(x)
+                return f"\x00{len(user_strings) - 1}\x00"
+            if isinstance(x, dict):
+                return {k: (v if k in ("role", "type") else mask(v)) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [mask(v) for v in x]
+            return x
+
+        rendered = self.apply_chat_template(mask(messages), add_generation_prompt, **mask(kwargs))
+        ids: list[int] = []
+        for i, part in enumerate(_SENTINEL.split(rendered)):
+            if i % 2 == 0:   # the template's own text: its control tokens are real
+                ids += self.encode(part, add_special_tokens=False)
+            else:
+                ids += self.encode_plain(user_strings[int(part)])
+        return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
@@ -91,6 +126,9 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+_SENTINEL = re.compile("\x00(\\d+)\x00")
 
 
 def _raise(message: str):

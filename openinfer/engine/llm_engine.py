@@ -68,15 +68,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.validate_prompt(prompt_token_ids)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
@@ -87,6 +79,18 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError naming the problem if this prompt can't be served (read-only: thread-safe)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""

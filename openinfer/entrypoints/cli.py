@@ -1,4 +1,4 @@
-"""`openinfer` command line: generate, bench offline."""
+"""`openinfer` command line: generate, serve, bench offline, bench serve."""
 
 from __future__ import annotations
 
@@ -72,6 +72,31 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from openinfer.serving.api_server import ServerConfig, run_server
+
+    llm = _make_llm(args)
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+    run_server(llm.engine, config, args.model)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from openinfer.benchmarks.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model_name,
+                           num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+                           request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
+                           seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                           api_key=args.api_key)
+    result = run_serve_bench(cfg)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description="openinfer inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
     gen.set_defaults(func=cmd_generate)
 
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer / x-api-key)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    serve.add_argument("--max-waiting", type=int, default=None, help="queue limit; beyond it requests get 429")
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="offline throughput on random prompts, EOS ignored")
@@ -96,6 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--result-json", default=None)
     off.set_defaults(func=cmd_bench_offline)
+    srv = bench_sub.add_parser("serve", help="load a running server; TTFT/TPOT/ITL percentiles and goodput")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    srv.add_argument("--model-name", default=None, help="model name to send (default: the server's first model)")
+    srv.add_argument("--num-prompts", type=int, default=64)
+    load = srv.add_mutually_exclusive_group()
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    srv.add_argument("--input-len", type=int, default=128)
+    srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--slo-ttft-ms", type=float, default=None)
+    srv.add_argument("--slo-tpot-ms", type=float, default=None)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--result-json", default=None)
+    srv.set_defaults(func=cmd_bench_serve)
     return parser
 
 

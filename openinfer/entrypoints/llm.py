@@ -52,9 +52,9 @@ class LLM:
         """Generate replies to one conversation or a list of them, with the model's chat template."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        texts = [self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
-                                                    **(chat_template_kwargs or {})) for conv in messages]
-        token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        kwargs = chat_template_kwargs or {}
+        texts = [self.tokenizer.apply_chat_template(list(conv), add_generation_prompt, **kwargs) for conv in messages]
+        token_lists = [self.tokenizer.encode_chat(list(conv), add_generation_prompt, **kwargs) for conv in messages]
         return self._run(token_lists, texts, sampling_params, use_tqdm)
 
     def _run(self, token_lists, texts, sampling_params, use_tqdm) -> list[RequestOutput]:

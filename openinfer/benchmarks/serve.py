@@ -1,0 +1,157 @@
+"""Serving benchmark: load an OpenAI-compatible server, report throughput, TTFT/TPOT/ITL percentiles and
+goodput (requests/s meeting the TTFT and TPOT SLOs; the seeds judge serving by goodput, not raw throughput).
+
+Works against any server with /v1/chat/completions or /v1/completions that streams with usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+_WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+          "word but not what all were we when your can said there use an each which she do how their if will up "
+          "other about out many then them these so some her would make like him into time has look two more write "
+          "go see number no way could people my than first water been call who oil its now find long down day did "
+          "get come made may part").split()
+
+
+@dataclass
+class ServeBenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "chat"                 # chat | completions
+    model: str | None = None
+    num_prompts: int = 64
+    max_concurrency: int | None = None
+    request_rate: float | None = None      # Poisson arrivals per second; None with no concurrency: all at once
+    input_len: int = 128                   # words (about one token each)
+    output_len: int = 128
+    seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    api_key: str | None = None
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def _prompts(cfg: ServeBenchConfig) -> list[str]:
+    rng = random.Random(cfg.seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(cfg.input_len)) for _ in range(cfg.num_prompts)]
+
+
+async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) -> RequestResult:
+    if cfg.endpoint == "chat":
+        url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+    else:
+        url, body = "/v1/completions", {"prompt": prompt}
+    body.update(model=cfg.model, max_tokens=cfg.output_len, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})
+    start = time.perf_counter()
+    res, last = RequestResult(ok=False), None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"])
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                choice = (chunk.get("choices") or [{}])[0]
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(xs) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+async def _run(cfg: ServeBenchConfig) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=max(cfg.max_concurrency or cfg.num_prompts, 1))
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
+        if cfg.model is None:
+            cfg.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        prompts = _prompts(cfg)
+        sem = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
+        rng = np.random.default_rng(cfg.seed)
+
+        async def limited(p: str) -> RequestResult:
+            async with sem:
+                return await _one(client, cfg, p)
+
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(limited(p)))
+            if cfg.request_rate:
+                await asyncio.sleep(float(rng.exponential(1.0 / cfg.request_rate)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if (cfg.slo_ttft_ms is None or r.ttft * 1e3 <= cfg.slo_ttft_ms)
+            and (cfg.slo_tpot_ms is None or r.tpot * 1e3 <= cfg.slo_tpot_ms)]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "config": asdict(cfg), "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "input_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "goodput_req_s": len(good) / duration if (cfg.slo_ttft_ms or cfg.slo_tpot_ms) else None,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+    }
+
+
+def run_serve_bench(cfg: ServeBenchConfig, quiet: bool = False) -> dict:
+    result = asyncio.run(_run(cfg))
+    if not quiet:
+        print(f"completed {result['completed']}/{cfg.num_prompts} in {result['duration_s']:.2f}s; "
+              f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tok/s"
+              + (f", goodput {result['goodput_req_s']:.2f} req/s" if result["goodput_req_s"] is not None else ""))
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = result[key]
+            print(f"  {key:8s} mean {s['mean']:8.1f}  p50 {s['p50']:8.1f}  p90 {s['p90']:8.1f}  p99 {s['p99']:8.1f}")
+        if result["errors"]:
+            print("  errors:", result["errors"])
+    return result

@@ -1,0 +1,1 @@
+"""The HTTP service around the engine: OpenAI / Anthropic protocols, streaming, metrics."""

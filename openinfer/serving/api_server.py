@@ -1,0 +1,272 @@
+"""`openinfer serve`: the FastAPI app (OpenAI- and Anthropic-compatible) over one AsyncLLMEngine.
+
+Routes: /health, /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /metrics,
+/tokenize, /detokenize. Errors are OpenAI-shaped (Anthropic-shaped on /v1/messages); bad input is a 4xx,
+never a 5xx or a hang. A client that disconnects aborts its request (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import signal
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from openinfer.serving.chat import ChatFrontend
+from openinfer.serving.completions import CompletionsFrontend
+from openinfer.serving.errors import APIError
+from openinfer.serving.metrics import EngineMetrics
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None   # default: the --model argument
+    max_waiting: int | None = None         # requests allowed to wait for a seat; more get 429
+    graceful_shutdown_s: float = 30.0      # on SIGTERM: time in-flight requests get to finish
+
+
+def _is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(_is_anthropic(request)), status_code=err.status)
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    served = config.served_model_name or model_name
+    metrics = EngineMetrics(served)
+    async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=metrics.observe_step)
+    chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served)
+    completions = CompletionsFrontend(async_engine, engine.tokenizer, served)
+    state = {"accepting": True}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        state["accepting"] = False
+        async_engine.shutdown()
+
+    app = FastAPI(title="openinfer", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.served_model_name = served
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return _error_response(request, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        msg = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
+        return _error_response(request, APIError(err.status_code, msg))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        return _error_response(request, APIError(400, str(err.errors()[:1])))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        return _error_response(request, APIError(500, f"internal error: {type(err).__name__}: {err}"))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        path = request.url.path
+        if not state["accepting"] and path not in ("/health", "/metrics"):
+            return _error_response(request, APIError(503, "server is shutting down"))
+        if config.api_key and path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not secrets.compare_digest(given.encode(), config.api_key.encode()):
+                return _error_response(request, APIError(401, "missing or invalid API key"))
+        return await call_next(request)
+
+    def check_model(body: dict) -> None:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "'model' is required (a string)", param="model")
+        if model != served:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served!r}", param="model")
+
+    async def run_guarded(request: Request, coro):
+        """Run a non-streaming generation; cancel it (aborting the request) if the client goes away."""
+        task = asyncio.ensure_future(coro)
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+        return task.result()
+
+    def engine_errors(fn):
+        async def wrapped(request: Request):
+            try:
+                return await fn(request)
+            except QueueFullError as e:
+                raise APIError(429, str(e)) from None
+            except EngineDeadError as e:
+                raise APIError(503, str(e)) from None
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        wrapped.__name__ = fn.__name__
+        return wrapped
+
+    def sse(events: AsyncIterator[tuple[str | None, str]], done: str | None) -> StreamingResponse:
+        async def gen():
+            try:
+                async for name, data in events:
+                    yield (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
+            except (QueueFullError, EngineDeadError, ValueError, APIError) as e:
+                err = e if isinstance(e, APIError) else APIError(503 if isinstance(e, EngineDeadError) else 400, str(e))
+                yield f"data: {json.dumps(err.body(False))}\n\n"
+            if done is not None:
+                yield f"data: {done}\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def first_then_rest(agen: AsyncIterator):
+        """Pull the first item before answering, so queue-full / bad input become a proper HTTP status."""
+        first = await agen.__anext__()
+
+        async def rest():
+            yield first
+            async for item in agen:
+                yield item
+        return rest()
+
+    # ---- routes -----------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if async_engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
+                                            "owned_by": "openinfer", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def chat_like(request: Request, protocol: str):
+        body = await _json_body(request)
+        check_model(body)
+        prepared = chat.prepare(protocol, body)
+        if not prepared.stream:
+            return Response(await run_guarded(request, chat.complete(prepared)), media_type="application/json")
+        events = chat.events(prepared)
+        try:
+            events = await first_then_rest(events)
+        except StopAsyncIteration:
+            events = _empty()
+
+        async def named():
+            async for ev in events:
+                yield chat.sse_name(protocol, ev), ev.to_json()
+        return sse(named(), chat.sse_done(protocol))
+
+    @app.post("/v1/chat/completions")
+    @engine_errors
+    async def chat_completions(request: Request):
+        return await chat_like(request, "chat")
+
+    @app.post("/v1/responses")
+    @engine_errors
+    async def responses(request: Request):
+        return await chat_like(request, "responses")
+
+    @app.post("/v1/messages")
+    @engine_errors
+    async def messages(request: Request):
+        return await chat_like(request, "messages")
+
+    @app.post("/v1/completions")
+    @engine_errors
+    async def completions_route(request: Request):
+        body = await _json_body(request)
+        check_model(body)
+        req, ids, params = completions.prepare(body)
+        if not req.stream:
+            return JSONResponse(await run_guarded(request, completions.complete(req, ids, params)))
+        chunks = await first_then_rest(completions.stream(req, ids, params))
+
+        async def named():
+            async for c in chunks:
+                yield None, json.dumps(c)
+        return sse(named(), "[DONE]")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json_body(request)
+        if "model" in body:
+            check_model(body)
+        if isinstance(body.get("prompt"), str):
+            ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        elif isinstance(body.get("messages"), list):
+            ids = chat.prepare("chat", {"model": served, "messages": body["messages"]}).prompt_token_ids
+        else:
+            raise APIError(400, "give 'prompt' (a string) or 'messages' (a list)", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json_body(request)
+        if "model" in body:
+            check_model(body)
+        ids = body.get("tokens")
+        vocab = engine.model_config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    return app
+
+
+async def _empty():
+    return
+    yield  # pragma: no cover
+
+
+def run_server(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
+    """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish (up to
+    graceful_shutdown_s; the rest are aborted) and exit 0."""
+    import uvicorn
+
+    app = build_app(engine, config, model_name)
+    # uvicorn re-raises a caught SIGTERM once its graceful shutdown is done; with this handler in place
+    # (uvicorn restores it before re-raising) that ends as a clean exit 0 instead of death by signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                    timeout_graceful_shutdown=config.graceful_shutdown_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,148 @@
+"""AsyncLLMEngine: one LLMEngine stepping in a background thread, shared by every HTTP request.
+
+Coroutines never touch the engine directly: they post commands (add / abort) to an inbox the engine thread
+drains between steps, and receive DELTA RequestOutputs on a per-request asyncio.Queue. A stream that ends
+early (client gone, task cancelled) aborts its request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import RequestOutputKind, SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting for a seat; the client should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; the server cannot serve requests."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._num_pending = 0           # submitted, not yet taken by the engine thread
+        self._pending_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="openinfer-engine", daemon=True)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort what is still running and stop the engine thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._num_pending
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs of one request; aborts it if the consumer stops early."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        if self._stopping:
+            raise EngineDeadError("server is shutting down")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"server busy: {self.num_waiting} requests already waiting "
+                                 f"(max_waiting={self.max_waiting}); retry later")
+        self.engine.validate_prompt(prompt_token_ids)
+        params.output_kind = RequestOutputKind.DELTA
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        with self._pending_lock:
+            self._num_pending += 1
+        self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, prompt = cmd
+                with self._pending_lock:
+                    self._num_pending -= 1
+                if rid not in self._streams:      # consumer already gone
+                    continue
+                try:
+                    self.engine.add_request(ids, params, prompt=prompt, request_id=rid)
+                except Exception as e:          # bad input caught late: report, keep serving
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                if self.on_step is not None:
+                    self.on_step(self.engine, outputs)
+        except BaseException as e:  # surface to every waiting stream instead of hanging them
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop failed: {e!r}"))
+            raise
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+                self._deliver(rid, EngineDeadError("server is shutting down"))

@@ -1,0 +1,68 @@
+"""Prometheus metrics in the spirit of vLLM's names (`openinfer:` prefix), updated by the engine thread."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": self.registry}
+        self.running = Gauge("openinfer:num_requests_running", "Requests in the running batch.", **label)
+        self.waiting = Gauge("openinfer:num_requests_waiting", "Requests waiting for a seat.", **label)
+        self.kv_usage = Gauge("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", **label)
+        self.prefix_hit_rate = Gauge("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).", **label)
+        self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
+        self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
+        self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
+        self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished requests.", **label)
+        self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens.", **label)
+        self.success = Counter("openinfer:request_success", "Finished requests.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        hist = {"labelnames": ["model_name"], "registry": self.registry, "buckets": _LATENCY_BUCKETS}
+        self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token.", **hist)
+        self.tpot = Histogram("openinfer:time_per_output_token_seconds", "Mean time per output token "
+                              "after the first, per request.", **hist)
+        self.e2e = Histogram("openinfer:e2e_request_latency_seconds", "Arrival to finish.", **hist)
+        self.model = model_name
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._num_out: dict[str, int] = {}
+
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        m = self.model
+        self.running.labels(m).set(len(engine.scheduler.running))
+        self.waiting.labels(m).set(len(engine.scheduler.waiting))
+        kv = engine.kv_manager
+        self.kv_usage.labels(m).set(kv.usage())
+        self.prefix_hit_rate.labels(m).set(kv.prefix_stats.hit_rate)
+        for key, counter, value in (("preemptions", self.preemptions, engine.scheduler.num_preemptions),
+                                    ("queries", self.prefix_queries, kv.prefix_stats.queried_tokens),
+                                    ("hits", self.prefix_hits, kv.prefix_stats.hit_tokens)):
+            counter.labels(m).inc(value - self._seen[key])
+            self._seen[key] = value
+        for out in outputs:
+            n_new = len(out.outputs[0].token_ids)
+            self.generation_tokens.labels(m).inc(n_new)
+            total = self._num_out[out.request_id] = self._num_out.get(out.request_id, 0) + n_new
+            if out.finished:
+                self._num_out.pop(out.request_id, None)
+                self.observe_finished(out, total)
+
+    def observe_finished(self, out: RequestOutput, num_output_tokens: int) -> None:
+        m, mt = self.model, out.metrics
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.success.labels(m, out.outputs[0].finish_reason or "abort").inc()
+        if mt is None or mt.finished_time is None:
+            return
+        self.e2e.labels(m).observe(mt.finished_time - mt.arrival_time)
+        if mt.first_token_time is not None:
+            self.ttft.labels(m).observe(mt.first_token_time - mt.arrival_time)
+            if num_output_tokens > 1:
+                self.tpot.labels(m).observe((mt.finished_time - mt.first_token_time) / (num_output_tokens - 1))

@@ -1,0 +1,63 @@
+"""`openinfer serve` as a real process: SIGTERM lets in-flight requests finish, refuses new ones, exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.live_server import _free_port
+
+
+def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer.entrypoints.cli", "serve", "--model", str(smollm_dir),
+                             "--device", "cpu", "--port", str(port), "--served-model-name", "smollm2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        result = {}
+
+        def stream():
+            text, finish = "", None
+            body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choice = json.loads(line[6:])["choices"][0]
+                        text += choice["text"]
+                        finish = choice["finish_reason"] or finish
+                    if line.startswith("data: ") and "started" not in result:
+                        result["started"] = True
+            result.update(text=text, finish=finish)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while "started" not in result:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        assert result["finish"] == "length" and result["text"]      # the in-flight stream ran to its end
+        assert proc.wait(timeout=60) == 0
+        try:
+            refused = httpx.get(base + "/health", timeout=2).status_code != 200
+        except httpx.HTTPError:
+            refused = True
+        assert refused
+    finally:
+        if proc.poll() is None:
+            proc.kill()
