@@ -94,7 +94,9 @@ class ChatFrontend:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, more than this model's context "
                                 f"(max_model_len={self.max_model_len})", param="messages")
         io = conv.inference_options
-        if io.output_constraint is not None:
+        # A plain `tool_call` constraint (tools with tool_choice=auto) only describes what a call would look
+        # like; the parser handles calls without enforcement. The others would be silently ignored: refuse.
+        if io.output_constraint is not None and io.output_constraint.kind != "tool_call":
             raise APIError(400, f"constrained output ({io.output_constraint.kind}: response_format / "
                                 "tool_choice=required) is not supported yet", param="response_format")
         try:
@@ -155,8 +157,9 @@ class ChatFrontend:
             logprobs = [(entry[t].logprob, [(tid, lp.logprob) for tid, lp in sorted(entry.items(),
                                                                                    key=lambda kv: kv[1].rank or 0)])
                         for t, entry in zip(ids, c.logprobs)]
-        # Template models end on their EOS control token: counted as generated, not shown as text.
-        eos_tail = (not self.deepseek and c.finish_reason == "stop" and c.stop_reason is None and ids
+        # A generation ending on EOS: the token counts as generated but is not text (the recipe's decoder
+        # would spell it out), so it goes to the processor as an empty text chunk worth one token.
+        eos_tail = (c.finish_reason == "stop" and c.stop_reason is None and ids
                     and ids[-1] in self.tokenizer.eos_token_ids)
         if eos_tail:
             ids, logprobs = ids[:-1], (logprobs[:-1] if logprobs is not None else None)
