@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int = 0                         # engine RNG for requests without their own seed
     logprobs_mode: str = "raw_logprobs"   # "raw_logprobs" (model) or "processed_logprobs" (after penalties/temperature/top-k/p)
     cache_dir: str | None = None          # converted weights and fetched models; alias: OPENINFER_CACHE
+    attention_backend: str = "auto"       # "torch" (reference) | "triton" (CUDA); auto: triton on CUDA
+    enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
+    load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -64,6 +67,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.device == "cpu":
+            raise ValueError("attention_backend='triton' needs device='cuda'")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
 
@@ -80,6 +89,16 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         return _DTYPES[self.dtype]
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend == "auto":
+            return "torch" if self.device == "cpu" else "triton"
+        return self.attention_backend
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device != "cpu" and not self.enforce_eager and self.resolved_attention_backend == "triton"
 
     @property
     def cache_path(self) -> Path:

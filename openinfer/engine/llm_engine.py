@@ -18,6 +18,7 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
+from openinfer.layers.basic import TORCH_OPS
 from openinfer.loader.model_source import resolve_model_dir
 from openinfer.loader.weights import build_model
 from openinfer.outputs import RequestMetrics, RequestOutput
@@ -25,13 +26,24 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
 
 
+def make_kernels(config: EngineConfig):
+    """(attention backend, layer ops), chosen once at start-up; models never branch on hardware."""
+    if config.resolved_attention_backend == "triton":
+        from openinfer.layers.triton_attention import TritonPagedAttention
+        from openinfer.layers.triton_ops import TRITON_OPS
+
+        return TritonPagedAttention(), TRITON_OPS
+    return TorchPagedAttention(), TORCH_OPS
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), TorchPagedAttention(),
-                            max_positions=config.max_model_len)
+        backend, ops = make_kernels(config)
+        model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), backend, ops,
+                            max_positions=config.max_model_len, dummy=config.load_format == "dummy")
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
@@ -39,6 +51,8 @@ class LLMEngine:
                                          num_state_slots=self.runner.num_state_slots)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        if config.use_cuda_graphs:
+            self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
 

@@ -9,6 +9,8 @@ or where cache lives: block ids arrive in the SchedulerOutput.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +58,7 @@ class ModelRunner:
             isinstance(s, RequestStateSpec) for s in self.cache_specs) else 0
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode batch size -> graph
 
     # ---- cache allocation -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -97,11 +100,67 @@ class ModelRunner:
         caches = {}
         for spec in self.cache_specs:
             if isinstance(spec, PagedCacheSpec):
-                shape = (self.num_blocks, *spec.block_shape(self.block_size))
+                # one block more than the KV manager hands out: a scratch page for padded CUDA-graph rows
+                shape = (self.num_blocks + 1, *spec.block_shape(self.block_size))
             else:
                 shape = (self.num_state_slots, *spec.state_shape)
             caches[spec.name] = [self._zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
         return caches
+
+    # ---- CUDA graphs for decode steps --------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """Capture the model forward for decode-only batches of bucketed sizes. Padded rows attend to one
+        token of the scratch page and write their KV there, so they touch no real block."""
+        sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+                 if b <= self.config.max_num_seqs] or [1]
+        if sizes[-1] < self.config.max_num_seqs:
+            sizes.append(self.config.max_num_seqs)
+        dev, bs, n = self.device, self.block_size, sizes[-1]
+        self.scratch_slot = self.num_blocks * bs
+        width = -(-max_model_len // bs)
+        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.g_tables = torch.full((n, width), self.num_blocks, dtype=torch.long, device=dev)
+        self.g_lens = torch.ones(n, dtype=torch.long, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for b in reversed(sizes):
+            meta = AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
+                                     decode_block_tables=self.g_tables[:b], decode_context_lens=self.g_lens[:b],
+                                     max_decode_context_len=max_model_len)
+            self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)      # warm-up (kernel compile)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
+            self.graphs[b] = (graph, hidden)
+        torch.cuda.synchronize(dev)
+        print(f"[openinfer] captured CUDA graphs for decode batch sizes {sizes} in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+
+    def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
+                       tables: list[list[int]], lens: list[int]) -> torch.Tensor | None:
+        b = len(ids)
+        bucket = next((s for s in sorted(self.graphs) if s >= b), None)
+        if bucket is None:
+            return None
+        host_tables = _pad_tables(tables, fill=self.num_blocks)
+        width = host_tables.shape[1]
+        self.g_ids[:b].copy_(torch.tensor(ids, dtype=torch.long))
+        self.g_pos[:b].copy_(pos)
+        self.g_slots[:b].copy_(slots)
+        self.g_tables[:b, :width].copy_(torch.from_numpy(host_tables))
+        self.g_lens[:b].copy_(torch.tensor(lens, dtype=torch.long))
+        graph, hidden = self.graphs[bucket]
+        graph.replay()
+        # leave the padded rows pointing at the scratch page for the next replay
+        self.g_slots[b:bucket].fill_(self.scratch_slot)
+        self.g_tables[b:bucket].fill_(self.num_blocks)
+        self.g_lens[b:bucket].fill_(1)
+        self.g_tables[:b, width:].fill_(self.num_blocks)
+        return hidden[:b]
 
     # ---- one step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,7 +168,9 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        ids, pos, slots = [], [], []
+        ids: list[int] = []
+        dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
+        pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
         prefills: list[PrefillChunk] = []
         decode_tables, decode_lens = [], []
         logit_rows: list[int] = []
@@ -118,17 +179,19 @@ class ModelRunner:
         plp_spans = []   # (request, first row, n rows, first token index)
         row = 0
         for s in order:
-            req, start, n = s.request, s.start, s.num_new_tokens
+            req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
             ids.extend(req.token_ids_slice(start, start + n))
-            positions = torch.arange(start, start + n)
-            table = torch.tensor(s.block_ids, dtype=torch.long)
-            pos.append(positions)
-            slots.append(table[positions // bs] * bs + positions % bs)
             if n == 1:
+                dec_pos.append(start)
+                dec_slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                prefills.append(PrefillChunk(row, n, start + n, table.to(dev), bs))
+                positions = np.arange(start, start + n)
+                np_table = np.asarray(table, dtype=np.int64)
+                pre_pos.append(positions)
+                pre_slots.append(np_table[positions // bs] * bs + positions % bs)
+                prefills.append(PrefillChunk(row, n, start + n, torch.from_numpy(np_table).to(dev), bs))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))
@@ -137,18 +200,13 @@ class ModelRunner:
                 out.sample_index[req.request_id] = len(sampling_reqs) - 1
                 logit_rows.append(row + n - 1)
             row += n
-        meta = AttentionMetadata(block_size=bs, slot_mapping=torch.cat(slots).to(dev),
-                                 num_decode_tokens=len(decode_tables), prefills=prefills)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                padded[i, :len(t)] = t
-            meta.decode_block_tables = padded.to(dev)
-            meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
-            meta.max_decode_context_len = max(decode_lens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, torch.cat(pos).to(dev), self.caches, meta)
+        pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
+        slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
+        hidden = None
+        if not prefills and self.graphs:
+            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens)
+        if hidden is None:
+            hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills)
 
         if plp_spans:
             for req, first, n, tok_index in plp_spans:
@@ -161,3 +219,23 @@ class ModelRunner:
             out.sampled = self.sampler(logits, meta_s, self.generator)
             out.logits = logits
         return out
+
+    def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills) -> torch.Tensor:
+        dev = self.device
+        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=slots.to(dev),
+                                 num_decode_tokens=len(decode_tables), prefills=prefills)
+        if decode_tables:
+            meta.decode_block_tables = torch.from_numpy(_pad_tables(decode_tables, fill=0)).to(dev)
+            meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
+            meta.max_decode_context_len = max(decode_lens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return self.model(input_ids, pos.to(dev), self.caches, meta)
+
+
+def _pad_tables(tables: list[list[int]], fill: int) -> np.ndarray:
+    """Block tables as one [rows, longest] int64 array, short rows padded with `fill`."""
+    width = max(len(t) for t in tables)
+    out = np.full((len(tables), width), fill, dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out

@@ -79,20 +79,32 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
 
 
 class TorchPagedAttention:
-    """Reference backend (see module docstring)."""
+    """Reference backend (see module docstring). Faster backends override `write`, `decode_into`,
+    `prefill_into`."""
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        write_kv(kv_cache, meta.slot_mapping, k, v)
+        self.write(kv_cache, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            self.decode_into(q, kv_cache, meta, scale, out)
+        if meta.prefills:
+            self.prefill_into(q, kv_cache, meta, scale, out)
+        return out
+
+    def write(self, kv_cache, slot_mapping, k, v):
+        write_kv(kv_cache, slot_mapping, k, v)
+
+    def decode_into(self, q, kv_cache, meta, scale, out):
         nd = meta.num_decode_tokens
-        if nd:
-            keys, vals = gather_kv(kv_cache, meta.decode_context_slots)     # [B, L, KVH, D]
-            kvh = keys.shape[2]
-            # The H/KVH query heads sharing a KV head ride as that head's query rows: no K/V expansion.
-            qg = q[:nd].view(nd, kvh, -1, q.shape[-1])                      # [B, KVH, G, D]
-            o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2),
-                                               attn_mask=meta.decode_valid[:, None, None, :], scale=scale)
-            out[:nd] = o.reshape(nd, *q.shape[1:])
+        keys, vals = gather_kv(kv_cache, meta.decode_context_slots)     # [B, L, KVH, D]
+        kvh = keys.shape[2]
+        # The H/KVH query heads sharing a KV head ride as that head's query rows: no K/V expansion.
+        qg = q[:nd].view(nd, kvh, -1, q.shape[-1])                      # [B, KVH, G, D]
+        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2),
+                                           attn_mask=meta.decode_valid[:, None, None, :], scale=scale)
+        out[:nd] = o.reshape(nd, *q.shape[1:])
+
+    def prefill_into(self, q, kv_cache, meta, scale, out):
         for p in meta.prefills:
             keys, vals = gather_kv(kv_cache, p.context_slots)               # [L, KVH, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
@@ -105,4 +117,3 @@ class TorchPagedAttention:
                 mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
             out[rows] = o.transpose(0, 1)
-        return out

@@ -1,25 +1,70 @@
-"""Small building blocks shared by decoder models: RMSNorm, rotary embedding, SiLU-gated MLP."""
+"""Small building blocks shared by decoder models: RMSNorm, rotary embedding, SiLU-gated MLP, and the
+LayerOps they run on (torch reference ops; `triton_ops.py` holds the fused CUDA ones)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF semantics: normalize in float32, cast back, then scale by the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def torch_add_rms_norm(x, residual, weight, eps):
+    residual = x + residual
+    return torch_rms_norm(residual, weight, eps), residual
+
+
+def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_rotary(positions, cos, sin, *xs):
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # [T, 1, D/2]
+    out = []
+    for x in xs:                                                          # [T, heads, D]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The elementwise/normalization kernels a model uses, chosen once at start-up (like the attention
+    backend): torch reference ops here, fused Triton ones in `triton_ops.py`."""
+    rms_norm: Callable
+    add_rms_norm: Callable   # (x, residual, weight, eps) -> (normed, residual + x)
+    silu_mul: Callable
+    rotary: Callable         # (positions, cos, sin, *xs) -> rotated xs
+
+
+TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x) when residual is None; else (rms_norm(x + residual), x + residual)."""
+        if residual is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        shape = x.shape
+        return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,8 +92,10 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 ops: LayerOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -61,23 +108,17 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(1)   # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:                              # [T, heads, D]
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return tuple(out)
+        return self.ops.rotary(positions, self.cos, self.sin, *xs)
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from openinfer.layers.attention import AttentionBackend
+from openinfer.layers.basic import TORCH_OPS, LayerOps
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -28,16 +29,26 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str,
 
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-                max_positions: int | None = None) -> LlamaForCausalLM:
+                ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False) -> LlamaForCausalLM:
+    """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape."""
     hf = read_hf_config(model_dir)
     cfg = LlamaConfig.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, ops)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_tables(device)   # buffers made on "meta" are recomputed for real, in float32
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_safetensors(model_dir, dtype))
+    if dummy:
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        model.load_weights(iter_safetensors(model_dir, dtype))
     return model.eval()

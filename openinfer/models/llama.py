@@ -1,8 +1,9 @@
 """Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), from HF config.json.
 
 Read top to bottom: config -> attention -> decoder layer -> model -> weight loading. Attention over the
-paged cache is delegated to an AttentionBackend chosen once by the runner; the model never branches on
-hardware.
+paged cache is delegated to an AttentionBackend, norms/rotary/activation to LayerOps, both chosen once at
+start-up; the model never branches on hardware. Layers pass the residual stream separately so a backend
+can fuse the residual add into the next RMSNorm (math identical to `x = x + f(norm(x))`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata
-from openinfer.layers.basic import GatedMLP, RMSNorm, RotaryEmbedding
+from openinfer.layers.basic import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -72,15 +73,15 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
         self.backend = backend
@@ -99,28 +100,35 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(cfg, backend, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+        """(x, residual) -> (mlp output, residual before it); the caller adds them (fused into the next norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.config = cfg
         # weights come from a checkpoint: skip Embedding's random init (slow on the meta device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -133,10 +141,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened batch; logits come from compute_logits on chosen rows.
         `caches` holds one tensor per layer for each kind declared by cache_specs (here only "kv")."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, caches["kv"]):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -60,6 +60,10 @@ class SamplingMetadata:
     min_p: torch.Tensor            # [N] float
     all_greedy: bool
     any_random: bool
+    # which masks any row uses, known on the host (no device sync to find out)
+    any_min_p: bool
+    any_top_k: bool
+    any_top_p: bool
     generators: list[torch.Generator | None]
     max_num_logprobs: int | None   # None: no row asked for logprobs
     # penalties (None when no row uses any)
@@ -82,6 +86,9 @@ class SamplingMetadata:
             min_p=torch.tensor([p.min_p for p in ps], **f32),
             all_greedy=all(p.greedy for p in ps),
             any_random=any(not p.greedy for p in ps),
+            any_min_p=any(p.min_p > 0 for p in ps),
+            any_top_k=any(p.top_k > 0 for p in ps),
+            any_top_p=any(p.top_p < 1.0 for p in ps),
             generators=[r.generator for r in requests],
             max_num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None),
         )
@@ -140,11 +147,11 @@ class Sampler:
         else:
             temp = torch.where(meta.temperature < 1e-5, 1.0, meta.temperature)
             processed = logits / temp[:, None]
-            if bool((meta.min_p > 0).any()):
+            if meta.any_min_p:
                 processed = apply_min_p(processed, meta.min_p)
-            if bool((meta.top_k > 0).any()):
+            if meta.any_top_k:
                 processed = apply_top_k(processed, meta.top_k)
-            if bool((meta.top_p < 1.0).any()):
+            if meta.any_top_p:
                 processed = apply_top_p(processed, meta.top_p)
             probs = processed.softmax(-1)
             noise = torch.empty_like(probs).exponential_(generator=default_generator)

@@ -1,0 +1,113 @@
+"""Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
+the paged KV write. Each replaces several small torch kernels (the decode step is launch-bound at small
+batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openinfer.layers.basic import LayerOps
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_ptr.dtype.element_ty)        # the residual stream keeps the model dtype, as in eager
+        tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    y = (x * inv).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, w * y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], eps, x.stride(0), 0, out.stride(0),
+                                    HAS_RES=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """residual += x (in place); returns (rms_norm(residual) * weight, residual)."""
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[1], eps, x.stride(0), residual.stride(0),
+                                    out.stride(0), HAS_RES=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out, residual
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cs, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, HALF)
+    base = x_ptr + t * stride_t + h * stride_h
+    x1 = tl.load(base + i).to(tl.float32)
+    x2 = tl.load(base + HALF + i).to(tl.float32)
+    c = tl.load(cos_ptr + pos * stride_cs + i)
+    s = tl.load(sin_ptr + pos * stride_cs + i)
+    tl.store(base + i, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty))
+    tl.store(base + HALF + i, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty))
+
+
+def rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor):
+    """Neox-style RoPE applied in place to each [T, heads, D] tensor (views with unit last stride)."""
+    for x in xs:
+        T, H, D = x.shape
+        if T:
+            _rotary_kernel[(T, H)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=D // 2)
+    return xs
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cslot, stride_ckv, stride_ch, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    dst = cache_ptr + slot * stride_cslot + h * stride_ch + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty))
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty))
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter new K/V rows [T, KVH, D] into the paged cache [blocks, page, 2, KVH, D] at flat slots."""
+    T, H, D = k.shape
+    if T:
+        flat = kv_cache.view(-1, *kv_cache.shape[2:])
+        _write_kv_kernel[(T, H)](k, v, flat, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 flat.stride(0), flat.stride(1), flat.stride(2), D=D)
+
+
+TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary)

@@ -1,0 +1,160 @@
+"""GPU tests (`pytest -m gpu`, on the device): kernels against the torch reference, CUDA-graph replay against
+eager, and SmolLM2 CUDA bf16 against CPU fp32."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from openinfer import LLM, SamplingParams  # noqa: E402
+from openinfer.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from openinfer.layers.triton_attention import paged_decode_attention  # noqa: E402
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, page", [(32, 8, 128, 128), (9, 3, 64, 128), (8, 8, 64, 16),
+                                                             (64, 4, 128, 64)])
+def test_paged_decode_kernel_matches_reference(heads, kv_heads, head_dim, page):
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))   # fresh inputs each run
+    lens = [1, 7, page, page + 1, 1000, 2 * page - 1]
+    num_blocks = sum(-(-n // page) for n in lens) + 5
+    cache = torch.randn(num_blocks, page, 2, kv_heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=g, device="cuda")        # pages scattered over the pool
+    width = max(-(-n // page) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.long, device="cuda")
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // page)
+        tables[i, :k] = order[used:used + k]
+        used += k
+    q = torch.randn(len(lens), heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, device="cuda")
+    out = torch.full_like(q, float("nan"))                                  # poisoned: every element must be written
+    scale = head_dim ** -0.5
+    paged_decode_attention(q, cache, tables, ctx, scale, out)
+    meta = AttentionMetadata(block_size=page, slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"),
+                             num_decode_tokens=len(lens), decode_block_tables=tables, decode_context_lens=ctx,
+                             max_decode_context_len=max(lens))
+    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    TorchPagedAttention().decode_into(q.float(), cache.float(), meta, scale, ref)
+    assert not out.isnan().any()
+    assert _rel(out, ref) < 1e-2
+
+
+def _smollm_dir():
+    from openinfer.config import default_cache_dir
+    from openinfer.loader.model_source import resolve_model_dir
+
+    return str(resolve_model_dir("smollm2-135m-instruct", default_cache_dir()))
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           "1, 2, 3, 4,", "The three primary colors are", "Q: What is the boiling point of water?\nA:",
+           "import numpy as np\n\n# mean of a list\ndef mean(xs):\n    return", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def smollm_dir():
+    return _smollm_dir()
+
+
+def test_cuda_graph_replay_equals_eager(smollm_dir):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphs = LLM(smollm_dir, device="cuda", dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.3)
+    assert graphs.engine.runner.graphs
+    a = [o.outputs[0].token_ids for o in graphs.generate(PROMPTS, sp, use_tqdm=False)]
+    del graphs
+    eager = LLM(smollm_dir, device="cuda", dtype="bfloat16", max_num_seqs=16, enforce_eager=True,
+                gpu_memory_utilization=0.3)
+    assert not eager.engine.runner.graphs
+    b = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
+    assert a == b
+
+
+def test_triton_backend_equals_torch_backend_fp32(smollm_dir):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(smollm_dir, device="cuda", dtype="float32", attention_backend=backend, enforce_eager=True,
+                  gpu_memory_utilization=0.3)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        del llm
+    agree = sum(a == b for a, b in zip(outs["torch"], outs["triton"]))
+    assert agree >= len(PROMPTS) - 1, outs      # tf32 in the kernel's dots may flip one near-tie
+
+
+def test_smollm2_cuda_bf16_agrees_with_cpu_fp32(smollm_dir):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    gpu = LLM(smollm_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    g = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, sp, use_tqdm=False)]
+    del gpu
+    cpu = LLM(smollm_dir, device="cpu", dtype="float32")
+    c = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, sp, use_tqdm=False)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(g, c)]
+    report = f"bf16-vs-fp32 common greedy prefix per prompt: {prefix} (of {sp.max_tokens})"
+    print(report)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bf16_vs_fp32_agreement.txt"), "w") as f:
+            f.write(report + "\n")
+    assert sum(p >= 4 for p in prefix) >= len(PROMPTS) - 2, report
+    assert sum(prefix) >= len(PROMPTS) * sp.max_tokens // 2, report
+
+
+def _fresh(*shape, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    return torch.randn(*shape, generator=g, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 4096), (37, 576), (300, 4096)])
+def test_fused_norms_match_reference(rows, dim):
+    from openinfer.layers import triton_ops
+    from openinfer.layers.basic import torch_add_rms_norm, torch_rms_norm
+
+    x, res, w = _fresh(rows, dim), _fresh(rows, dim), _fresh(dim)
+    assert _rel(triton_ops.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5)) < 1e-2
+    ref_out, ref_res = torch_add_rms_norm(x, res, w, 1e-5)
+    out, new_res = triton_ops.add_rms_norm(x, res.clone(), w, 1e-5)
+    assert _rel(out, ref_out) < 1e-2 and torch.equal(new_res, ref_res)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 14336), (19, 1536)])
+def test_fused_silu_mul_matches_reference(rows, inter):
+    from openinfer.layers import triton_ops
+    from openinfer.layers.basic import torch_silu_mul
+
+    x = _fresh(rows, 2 * inter)
+    assert _rel(triton_ops.silu_mul(x), torch_silu_mul(x)) < 1e-2
+
+
+def test_fused_rotary_and_kv_write_match_reference():
+    from openinfer.layers import triton_ops
+    from openinfer.layers.attention import write_kv
+    from openinfer.layers.basic import RotaryEmbedding, torch_rotary
+
+    T, H, KVH, D = 45, 32, 8, 128
+    rope = RotaryEmbedding(D, 8192, 500000.0, None)
+    rope.reset_tables(torch.device("cuda"))
+    qkv = _fresh(T, (H + 2 * KVH) * D)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+    pos = torch.randint(0, 8000, (T,), device="cuda")
+    ref_q, ref_k = torch_rotary(pos, rope.cos, rope.sin, q, k)
+    triton_ops.rotary(pos, rope.cos, rope.sin, q, k)              # in place on the qkv views
+    assert _rel(q, ref_q) < 1e-2 and _rel(k, ref_k) < 1e-2
+    cache_a = torch.full((8, 16, 2, KVH, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cache_b = cache_a.clone()
+    slots = torch.randperm(8 * 16, device="cuda")[:T]
+    write_kv(cache_a, slots, k, v)
+    triton_ops.write_kv(cache_b, slots, k, v)
+    assert torch.equal(cache_a.nan_to_num(0), cache_b.nan_to_num(0))
+    assert cache_b.view(-1, 2, KVH, D)[slots].isnan().sum() == 0
