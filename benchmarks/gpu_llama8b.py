@@ -73,6 +73,13 @@ def param_count(llm: LLM) -> tuple[int, int]:
     return total, total - m.embed_tokens.weight.numel()   # the embedding is a lookup, not a matmul
 
 
+_BATCHES: list[int] = []
+
+
+def args_batches() -> list[int]:
+    return _BATCHES
+
+
 def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(batch)
@@ -104,6 +111,20 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
         e.record()
         e.synchronize()
         fwd = s.elapsed_time(e) / 1e3 / 10
+    profile = None
+    if batch == max(args_batches()):
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        profile = buf.getvalue()[-3500:]
     for rid in list(eng.requests):
         eng.abort_request(rid)
     total, nonembed = param_count(llm)
@@ -116,7 +137,7 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
     step = sorted(walls)[len(walls) // 2]
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
             "ratio_to_floor": step / floor, "graph_forward_ms": fwd * 1e3, "forward_ratio_to_floor": fwd / floor,
-            "gpu_idle_fraction": max(0.0, 1 - fwd / step)}
+            "gpu_idle_fraction": max(0.0, 1 - fwd / step), "cpu_profile_5_steps": profile}
 
 
 def prefill_mfu(llm: LLM, n: int, ceil: dict) -> dict:
@@ -151,14 +172,14 @@ def hf_generate_batch(d: Path, num_requests: int) -> dict:
     prompts, _ = wl.build(128000)
     gen_cfg = GenerationConfig(max_new_tokens=512, min_new_tokens=512, do_sample=False, eos_token_id=-1,
                                pad_token_id=0)
-    with torch.inference_mode():
-        model.generate_batch(inputs=[p[:16] for p in prompts[:4]], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), progress_bar=False)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
-        torch.cuda.synchronize()
-        el = time.perf_counter() - t0
+    # generate_batch runs its own worker thread (no inference_mode around it: its tensors are updated in place)
+    model.generate_batch(inputs=[p[:16] for p in prompts[:4]], generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), progress_bar=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+    torch.cuda.synchronize()
+    el = time.perf_counter() - t0
     n_out = sum(len(r.generated_tokens) for r in out.values())
     del model
     torch.cuda.empty_cache()
@@ -172,6 +193,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     args = ap.parse_args()
+    _BATCHES[:] = args.batches
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
     res = {"benchmark": "gpu_llama8b", "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
            "torch": torch.__version__}

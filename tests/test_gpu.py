@@ -22,9 +22,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("splits", [None, 1, 4, 16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, page", [(32, 8, 128, 128), (9, 3, 64, 128), (8, 8, 64, 16),
                                                              (64, 4, 128, 64)])
-def test_paged_decode_kernel_matches_reference(heads, kv_heads, head_dim, page):
+def test_paged_decode_kernel_matches_reference(heads, kv_heads, head_dim, page, splits):
     g = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))   # fresh inputs each run
     lens = [1, 7, page, page + 1, 1000, 2 * page - 1]
     num_blocks = sum(-(-n // page) for n in lens) + 5
@@ -41,7 +42,7 @@ def test_paged_decode_kernel_matches_reference(heads, kv_heads, head_dim, page):
     ctx = torch.tensor(lens, device="cuda")
     out = torch.full_like(q, float("nan"))                                  # poisoned: every element must be written
     scale = head_dim ** -0.5
-    paged_decode_attention(q, cache, tables, ctx, scale, out)
+    paged_decode_attention(q, cache, tables, ctx, scale, out, num_splits=splits)
     meta = AttentionMetadata(block_size=page, slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"),
                              num_decode_tokens=len(lens), decode_block_tables=tables, decode_context_lens=ctx,
                              max_decode_context_len=max(lens))

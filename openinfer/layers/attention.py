@@ -110,10 +110,16 @@ class TorchPagedAttention:
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             rows = slice(p.query_start, p.query_start + p.query_len)
             qs = q[rows].transpose(0, 1)                                     # [H, q, D]
+            gqa = {"enable_gqa": True}
+            if q.is_cuda and qs.shape[0] != keys.shape[0]:
+                # CUDA's flash kernel is only picked with equal head counts: expand K/V (cheap next to the
+                # quadratic work) rather than fall back to the math path
+                group = qs.shape[0] // keys.shape[0]
+                keys, vals, gqa = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0), {}
             if p.query_len == p.context_len:
-                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, **gqa)
             else:
                 q_pos = torch.arange(p.context_len - p.query_len, p.context_len, device=q.device)
                 mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
-                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, **gqa)
             out[rows] = o.transpose(0, 1)
