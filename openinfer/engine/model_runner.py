@@ -200,6 +200,10 @@ class ModelRunner:
                 out.sample_index[req.request_id] = len(sampling_reqs) - 1
                 logit_rows.append(row + n - 1)
             row += n
+        # Host-to-device copies first: made after the forward is queued, each would wait for it.
+        if sampling_reqs:
+            meta_s = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, dev)
+            logit_index = torch.tensor(logit_rows, device=dev)
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         hidden = None
@@ -214,8 +218,7 @@ class ModelRunner:
                 out.prompt_logprobs[req.request_id] = PromptLogprobsChunk(
                     tok_index, lp, req.prompt_token_ids[tok_index:tok_index + n])
         if sampling_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-            meta_s = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, dev)
+            logits = self.model.compute_logits(hidden[logit_index])
             out.sampled = self.sampler(logits, meta_s, self.generator)
             out.logits = logits
         return out

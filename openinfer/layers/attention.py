@@ -116,10 +116,11 @@ class TorchPagedAttention:
                 # quadratic work) rather than fall back to the math path
                 group = qs.shape[0] // keys.shape[0]
                 keys, vals, gqa = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0), {}
+            qs, keys, vals = qs[None], keys[None], vals[None]   # 4-D: the fused CUDA kernels need a batch dim
             if p.query_len == p.context_len:
                 o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, **gqa)
             else:
                 q_pos = torch.arange(p.context_len - p.query_len, p.context_len, device=q.device)
                 mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, **gqa)
-            out[rows] = o.transpose(0, 1)
+            out[rows] = o[0].transpose(0, 1)
