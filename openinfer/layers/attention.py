@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -105,6 +106,13 @@ class TorchPagedAttention:
         out[:nd] = o.reshape(nd, *q.shape[1:])
 
     def prefill_into(self, q, kv_cache, meta, scale, out):
+        if q.is_cuda:
+            # Not cuDNN: it plans a graph per new (query, context) shape, and prefill chunk shapes rarely repeat.
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return self._prefill_into(q, kv_cache, meta, scale, out)
+        return self._prefill_into(q, kv_cache, meta, scale, out)
+
+    def _prefill_into(self, q, kv_cache, meta, scale, out):
         for p in meta.prefills:
             keys, vals = gather_kv(kv_cache, p.context_slots)               # [L, KVH, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
