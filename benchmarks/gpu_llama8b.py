@@ -6,7 +6,7 @@ Measures, in the same run: copy bandwidth and bf16 matmul peak (the ceilings), t
  (c) OW-256x512 offline throughput (256 requests, prompts U[100,1024] seed 0, 512 output tokens, EOS ignored),
      and HF transformers `generate_batch` (continuous batching) on a model of the same shape,
  (d) GPU idle fraction of a decode step: 1 - (forward time, the captured graph replayed back to back) / (step
-     wall time); async scheduling is not built yet, so only the synchronous engine is measured.
+     time, steps run back to back), with async scheduling on and off (decode and OW run in both modes).
 Writes JSON to $OUT (or benchmarks/results/) and prints a table last.
 
     python benchmarks/gpu_llama8b.py --tokenizer-json PATH [--hf-requests 64] [--skip-hf]
@@ -91,12 +91,12 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):          # no sync per step: async scheduling overlaps consecutive steps
         eng.step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / steps
     # GPU time of the forward alone: the captured graph replayed back to back (device saturated)
     runner = eng.runner
     bucket = next((b for b in sorted(runner.graphs) if b >= batch), None)
@@ -134,7 +134,6 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
     bytes_moved = nonembed * 2 + batch * avg_ctx * kv_bytes_per_token
     flops = 2 * nonembed * batch + 4 * batch * avg_ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
     floor = max(bytes_moved / (ceil["copy_TBps"] * 1e12), flops / (ceil["bf16_matmul_TFLOPs"] * 1e12))
-    step = sorted(walls)[len(walls) // 2]
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
             "ratio_to_floor": step / floor, "graph_forward_ms": fwd * 1e3, "forward_ratio_to_floor": fwd / floor,
             "gpu_idle_fraction": max(0.0, 1 - fwd / step), "cpu_profile_5_steps": profile}
@@ -208,26 +207,29 @@ def main() -> None:
     ceil = res["ceilings"] = ceilings()
     print("ceilings", ceil, flush=True)
     d = model_dir(args.tokenizer_json)
-    t0 = time.perf_counter()
-    llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=256,
-              max_num_batched_tokens=8192, max_model_len=8192, gpu_memory_utilization=0.85)
-    res["engine_startup_s"] = time.perf_counter() - t0
-    for name, fn in (
-        ("decode", lambda: [decode_steps(llm, b, 1024, ceil) for b in args.batches]),
-        ("prefill_8k", lambda: prefill_mfu(llm, 8192, ceil)),
-        ("ow_256x512", lambda: run_offline(llm, OfflineWorkload(256, (100, 1024), (512, 512), seed=0),
-                                           use_tqdm=False)),
-    ):
-        try:
-            t0 = time.perf_counter()
-            res[name] = fn()
-            print(name, json.dumps(res[name]), f"({time.perf_counter() - t0:.0f}s)", flush=True)
-        except Exception:
-            res[name] = {"error": traceback.format_exc()[-2000:]}
-            print(name, "FAILED", res[name]["error"], flush=True)
-        save()
-    del llm
-    torch.cuda.empty_cache()
+    for mode in ("async", "sync"):
+        t0 = time.perf_counter()
+        llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=256,
+                  max_num_batched_tokens=8192, max_model_len=8192, gpu_memory_utilization=0.85,
+                  async_scheduling=mode == "async")
+        res[f"engine_startup_s_{mode}"] = time.perf_counter() - t0
+        jobs = [("decode", lambda: [decode_steps(llm, b, 1024, ceil) for b in args.batches]),
+                ("ow_256x512", lambda: run_offline(llm, OfflineWorkload(256, (100, 1024), (512, 512), seed=0),
+                                                   use_tqdm=False))]
+        if mode == "async":
+            jobs.insert(1, ("prefill_8k", lambda: prefill_mfu(llm, 8192, ceil)))
+        for name, fn in jobs:
+            key = name if mode == "async" else f"{name}_sync"
+            try:
+                t0 = time.perf_counter()
+                res[key] = fn()
+                print(key, json.dumps(res[key]), f"({time.perf_counter() - t0:.0f}s)", flush=True)
+            except Exception:
+                res[key] = {"error": traceback.format_exc()[-2000:]}
+                print(key, "FAILED", res[key]["error"], flush=True)
+            save()
+        del llm
+        torch.cuda.empty_cache()
     if not args.skip_hf:
         try:
             res["hf_generate_batch"] = hf_generate_batch(d, args.hf_requests)
@@ -245,9 +247,13 @@ def main() -> None:
     if "mfu_vs_measured_peak" in p:
         print(f"| prefill 8K | {p['time_ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s | {ceil['bf16_matmul_TFLOPs']:.0f} | "
               f"MFU {p['mfu_vs_measured_peak']:.2%} |")
-    o = res.get("ow_256x512", {})
-    if "output_tok_per_s" in o:
-        print(f"| OW-256x512 openinfer | {o['output_tok_per_s']:.0f} out tok/s | | |")
+    for r in res.get("decode_sync", []) if isinstance(res.get("decode_sync"), list) else []:
+        print(f"| decode b={r['batch']} SYNC | step {r['step_ms']:.2f} ms | {r['floor_ms']:.2f} ms | "
+              f"{r['ratio_to_floor']:.2f}x (idle {r['gpu_idle_fraction']:.0%}) |")
+    for key in ("ow_256x512", "ow_256x512_sync"):
+        o = res.get(key, {})
+        if "output_tok_per_s" in o:
+            print(f"| OW-256x512 openinfer {key} | {o['output_tok_per_s']:.0f} out tok/s | | |")
     h = res.get("hf_generate_batch", {})
     if "output_tok_per_s" in h:
         print(f"| HF generate_batch ({h['requests']} req) | {h['output_tok_per_s']:.0f} out tok/s | | |")

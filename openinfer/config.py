@@ -48,6 +48,7 @@ class EngineConfig:
     attention_backend: str = "auto"       # "torch" (reference) | "triton" (CUDA); auto: triton on CUDA
     enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
+    async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA, off for CPU
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -99,6 +100,10 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.device != "cpu" and not self.enforce_eager and self.resolved_attention_backend == "triton"
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property
     def cache_path(self) -> Path:

@@ -159,3 +159,40 @@ def test_fused_rotary_and_kv_write_match_reference():
     triton_ops.write_kv(cache_b, slots, k, v)
     assert torch.equal(cache_a.nan_to_num(0), cache_b.nan_to_num(0))
     assert cache_b.view(-1, 2, KVH, D)[slots].isnan().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dummy_dir(tmp_path_factory):
+    """A small Llama shape with random weights and a word-level tokenizer (no downloads, no checkpoint)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("tiny-dummy")
+    vocab = {f"w{i}": i for i in range(2000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=1)))
+    return str(d)
+
+
+def test_async_scheduling_equals_sync_on_gpu(tiny_dummy_dir):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 2000, (int(n),), generator=g).tolist() for n in torch.randint(5, 300, (24,), generator=g)]
+    params = [SamplingParams(temperature=0 if i % 3 else 0.9, seed=i, max_tokens=int(m), ignore_eos=i % 2 == 0)
+              for i, m in enumerate(torch.randint(1, 60, (24,), generator=g))]
+    results = {}
+    for mode in (True, False):
+        llm = LLM(tiny_dummy_dir, device="cuda", dtype="bfloat16", load_format="dummy", async_scheduling=mode,
+                  max_num_seqs=16, max_num_batched_tokens=512, block_size=16, gpu_memory_utilization=0.2)
+        assert llm.config.use_async_scheduling == mode
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        kv = llm.engine.kv_manager
+        assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
+        del llm
+    assert results[True] == results[False]

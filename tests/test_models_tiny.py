@@ -51,8 +51,8 @@ def test_tiny_model_logits_match_hf(tmp_path, smollm_dir, variant):
     recorded: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording_execute(sched):   # observe the real runner's output; nothing is replaced
-        out = execute(sched)
+    def recording_execute(sched, *rest):   # observe the real runner's output; nothing is replaced
+        out = execute(sched, *rest)
         for rid, i in out.sample_index.items():
             recorded.setdefault(rid, []).append(out.logits[i].clone())
         return out

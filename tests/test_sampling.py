@@ -136,8 +136,8 @@ def test_logprobs_are_log_softmax_of_the_logits_used(smollm_dir, mode):
     captured = []
     execute = llm.engine.runner.execute
 
-    def recording_execute(sched):   # observe the real runner's output
-        out = execute(sched)
+    def recording_execute(sched, *rest):   # observe the real runner's output
+        out = execute(sched, *rest)
         if out.logits is not None:
             captured.append(out.logits[0].clone())
         return out

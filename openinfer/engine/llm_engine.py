@@ -55,6 +55,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
+        self._in_flight = None   # the step queued on the device and not yet read back (async scheduling)
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -116,15 +117,51 @@ class LLMEngine:
         return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight whose requests all finished holds nothing: the next step() reads it back.
         return self.scheduler.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, queue the step on the device, report what finished computing.
+
+        With async scheduling (`003_…txt` §5) the previous step is read back only after this step's device
+        work is queued, so host bookkeeping (detokenization, stop checks, scheduling) overlaps device
+        compute. A request's newest token may still be on the device when the next step is scheduled: the
+        runner feeds it from there. Stops are therefore found one step late; the extra token computed for a
+        finished request is discarded, and its blocks are freed when the stop is found (the late write lands
+        in a block no other request can hit yet). Requests whose sampling reads their output history
+        (penalties) wait for it: such a step reads back first."""
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and (not self.config.use_async_scheduling or self._reads_history(prev)):
+            outputs += self._process(prev)
+            prev = None
         sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        runner_out = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched.scheduled)
+        current = None
+        if not sched.empty:
+            current = self.runner.execute(sched, prev)
+            sampling = [s.request for s in sched.scheduled if s.samples]
+            self.scheduler.update_after_step(sched.scheduled)
+            for req in sampling:
+                req.num_pending += 1
+        if prev is not None:
+            outputs += self._process(prev)
+        if current is not None:
+            if self.config.use_async_scheduling and not current.prompt_logprobs:
+                self._in_flight = current
+            else:
+                outputs += self._process(current)
+        return outputs
+
+    def _reads_history(self, runner_out) -> bool:
+        for rid in runner_out.sample_index:
+            req = self.requests.get(rid)
+            p = req.sampling_params if req is not None else None
+            if p is not None and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+                return True
+        return False
+
+    def _process(self, runner_out) -> list[RequestOutput]:
         outputs = []
         for req, finish in self.output_processor.process(runner_out, self.requests):
             if finish is not None:

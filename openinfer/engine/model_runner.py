@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.device_io import D2HCopy, h2d
 from openinfer.engine.scheduler import SchedulerOutput
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
@@ -36,8 +37,13 @@ class PromptLogprobsChunk:
 class RunnerOutput:
     # request_id -> index into `sampled` for requests that produced a token this step
     sample_index: dict[str, int] = field(default_factory=dict)
-    sampled: SamplerOutput | None = None
+    sampled: SamplerOutput | None = None   # on the device (the next step reads pending tokens from it)
     logits: torch.Tensor | None = None     # the rows the sampler got, aligned with `sampled`
+    host_copy: D2HCopy | None = None       # `sampled` on its way to pinned host memory
+
+    def sampled_on_host(self) -> dict[str, torch.Tensor | None]:
+        """The sampler's outputs on the host; waits only for this step's GPU work."""
+        return self.host_copy.wait() if self.host_copy is not None else {}
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
@@ -141,18 +147,21 @@ class ModelRunner:
               file=sys.stderr, flush=True)
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
-                       tables: list[list[int]], lens: list[int]) -> torch.Tensor | None:
+                       tables: list[list[int]], lens: list[int], fixups=None) -> torch.Tensor | None:
         b = len(ids)
         bucket = next((s for s in sorted(self.graphs) if s >= b), None)
         if bucket is None:
             return None
         host_tables = _pad_tables(tables, fill=self.num_blocks)
         width = host_tables.shape[1]
-        self.g_ids[:b].copy_(torch.tensor(ids, dtype=torch.long))
-        self.g_pos[:b].copy_(pos)
-        self.g_slots[:b].copy_(slots)
-        self.g_tables[:b, :width].copy_(torch.from_numpy(host_tables))
-        self.g_lens[:b].copy_(torch.tensor(lens, dtype=torch.long))
+        dev = self.device
+        self.g_ids[:b].copy_(h2d(torch.tensor(ids, dtype=torch.long), dev))
+        if fixups is not None:
+            self.g_ids[fixups[0]] = fixups[1]
+        self.g_pos[:b].copy_(h2d(pos, dev))
+        self.g_slots[:b].copy_(h2d(slots, dev))
+        self.g_tables[:b, :width].copy_(h2d(torch.from_numpy(host_tables), dev))
+        self.g_lens[:b].copy_(h2d(torch.tensor(lens, dtype=torch.long), dev))
         graph, hidden = self.graphs[bucket]
         graph.replay()
         # leave the padded rows pointing at the scratch page for the next replay
@@ -164,7 +173,9 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, prev: RunnerOutput | None = None) -> RunnerOutput:
+        """Queue one step on the device; nothing here waits for the GPU. A request whose newest token is still
+        on the device (sampled by `prev`, async scheduling) gets it from there, by a device-side copy."""
         dev, bs = self.device, self.block_size
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -177,10 +188,17 @@ class ModelRunner:
         out = RunnerOutput()
         sampling_reqs = []
         plp_spans = []   # (request, first row, n rows, first token index)
+        fix_rows, fix_src = [], []               # rows whose input token is prev's sample
         row = 0
         for s in order:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
-            ids.extend(req.token_ids_slice(start, start + n))
+            if start >= req.num_tokens:          # the token is pending on the device
+                assert n == 1 and prev is not None, "only a decode can start from a pending token"
+                ids.append(0)
+                fix_rows.append(row)
+                fix_src.append(prev.sample_index[req.request_id])
+            else:
+                ids.extend(req.token_ids_slice(start, start + n))
             if n == 1:
                 dec_pos.append(start)
                 dec_slots.append(table[start // bs] * bs + start % bs)
@@ -191,7 +209,7 @@ class ModelRunner:
                 np_table = np.asarray(table, dtype=np.int64)
                 pre_pos.append(positions)
                 pre_slots.append(np_table[positions // bs] * bs + positions % bs)
-                prefills.append(PrefillChunk(row, n, start + n, torch.from_numpy(np_table).to(dev), bs))
+                prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))
@@ -203,14 +221,17 @@ class ModelRunner:
         # Host-to-device copies first: made after the forward is queued, each would wait for it.
         if sampling_reqs:
             meta_s = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, dev)
-            logit_index = torch.tensor(logit_rows, device=dev)
+            logit_index = h2d(torch.tensor(logit_rows), dev)
+        fixups = None
+        if fix_rows:
+            fixups = (h2d(torch.tensor(fix_rows), dev), prev.sampled.token_ids[h2d(torch.tensor(fix_src), dev)])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         hidden = None
         if not prefills and self.graphs:
-            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens)
+            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups)
         if hidden is None:
-            hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills)
+            hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups)
 
         if plp_spans:
             for req, first, n, tok_index in plp_spans:
@@ -221,18 +242,23 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logit_index])
             out.sampled = self.sampler(logits, meta_s, self.generator)
             out.logits = logits
+            smp = out.sampled
+            out.host_copy = D2HCopy({"token_ids": smp.token_ids, "logprobs": smp.logprobs, "ranks": smp.ranks,
+                                     "top_ids": smp.top_ids, "top_logprobs": smp.top_logprobs})
         return out
 
-    def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills) -> torch.Tensor:
+    def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None) -> torch.Tensor:
         dev = self.device
-        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=slots.to(dev),
+        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills)
         if decode_tables:
-            meta.decode_block_tables = torch.from_numpy(_pad_tables(decode_tables, fill=0)).to(dev)
-            meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_block_tables = h2d(torch.from_numpy(_pad_tables(decode_tables, fill=0)), dev)
+            meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
             meta.max_decode_context_len = max(decode_lens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return self.model(input_ids, pos.to(dev), self.caches, meta)
+        input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
+        if fixups is not None:
+            input_ids[fixups[0]] = fixups[1]
+        return self.model(input_ids, h2d(pos, dev), self.caches, meta)
 
 
 def _pad_tables(tables: list[list[int]], fill: int) -> np.ndarray:

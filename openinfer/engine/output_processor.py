@@ -50,17 +50,18 @@ class OutputProcessor:
         for rid, chunk in runner_out.prompt_logprobs.items():
             self.add_prompt_logprobs(requests[rid], chunk)
         touched = []
-        s = runner_out.sampled
-        if s is None:
+        if runner_out.sampled is None:
             return touched
-        token_ids = s.token_ids.tolist()
-        lps = s.logprobs.tolist() if s.logprobs is not None else None
-        ranks = s.ranks.tolist() if s.ranks is not None else None
-        top_ids = s.top_ids.tolist() if s.top_ids is not None else None
-        top_lps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+        host = runner_out.sampled_on_host()
+        lists = {k: (v.tolist() if v is not None else None) for k, v in host.items()}
+        token_ids, lps, ranks = lists["token_ids"], lists["logprobs"], lists["ranks"]
+        top_ids, top_lps = lists["top_ids"], lists["top_logprobs"]
         now = time.time()
         for rid, i in runner_out.sample_index.items():
-            req = requests[rid]
+            req = requests.get(rid)
+            if req is None or req.is_finished:   # finished or aborted while this step ran: token discarded
+                continue
+            req.num_pending = max(0, req.num_pending - 1)
             tok = token_ids[i]
             req.output_token_ids.append(tok)
             if req.metrics.first_token_time is None:

@@ -35,6 +35,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (or scheduled to be written this step).
     num_computed_tokens: int = 0
+    # Tokens sampled on the device but not yet read back (async scheduling: 0 or 1).
+    num_pending: int = 0
     # Prompt tokens found in the prefix cache at first scheduling (-1: not scheduled yet).
     num_cached_tokens: int = -1
     # Per-request RNG when the request carries a seed: same seed => same samples, whatever the batch.
@@ -63,6 +65,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,7 +1,7 @@
 """Scheduler: decides *what* runs each step (continuous batching with chunked prefill).
 
 There are no prefill and decode phases: every request has `num_computed_tokens` and wants to reach
-`num_tokens`. Each step first serves running requests (a decode is 1 token, an unfinished prefill takes
+`num_tokens` (plus a token still on the device, under async scheduling). Each step first serves running requests (a decode is 1 token, an unfinished prefill takes
 what is left of the token budget), then admits waiting requests, prefix-cache hits first subtracted. When
 the KV pool runs dry the most recently admitted running request is preempted (its blocks freed, to be
 recomputed later; cached blocks usually make that cheap) instead of failing.
@@ -30,8 +30,8 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so it yields a new token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """Whether this step reaches the last token (known or still on the device), so it yields a new one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens_with_pending
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -90,6 +90,8 @@ class Scheduler:
         # 2) Waiting requests, in arrival order, while seats, budget and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_pending:      # preempted with a token still on the device: admit once it is read back
+                break
             hits, num_cached = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, hits):

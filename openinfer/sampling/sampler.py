@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openinfer.device_io import h2d
 from openinfer.engine.request import Request
 
 
@@ -79,11 +80,15 @@ class SamplingMetadata:
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         ps = [r.sampling_params for r in requests]
         f32 = dict(dtype=torch.float32, device=device)
+
+        def col(values, dtype=torch.float32):
+            return h2d(torch.tensor(values, dtype=dtype), device)
+
         meta = cls(
-            temperature=torch.tensor([p.temperature for p in ps], **f32),
-            top_k=torch.tensor([p.top_k for p in ps], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in ps], **f32),
-            min_p=torch.tensor([p.min_p for p in ps], **f32),
+            temperature=col([p.temperature for p in ps]),
+            top_k=col([p.top_k for p in ps], torch.long),
+            top_p=col([p.top_p for p in ps]),
+            min_p=col([p.min_p for p in ps]),
             all_greedy=all(p.greedy for p in ps),
             any_random=any(not p.greedy for p in ps),
             any_min_p=any(p.min_p > 0 for p in ps),
@@ -102,13 +107,13 @@ class SamplingMetadata:
                 if r.output_token_ids:
                     ids = torch.tensor(r.output_token_ids, device=device)
                     meta.output_counts[i].index_add_(0, ids, torch.ones(len(ids), **f32))
-            meta.presence = torch.tensor([p.presence_penalty for p in ps], **f32)
-            meta.frequency = torch.tensor([p.frequency_penalty for p in ps], **f32)
-            meta.repetition = torch.tensor([p.repetition_penalty for p in ps], **f32)
+            meta.presence = col([p.presence_penalty for p in ps])
+            meta.frequency = col([p.frequency_penalty for p in ps])
+            meta.repetition = col([p.repetition_penalty for p in ps])
         banned = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + r.num_pending < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:
                     banned.append((i, ids))

@@ -1,0 +1,42 @@
+"""Host<->device copies that never make the host wait for queued GPU work.
+
+A plain `torch.tensor(..., device="cuda")` or `.tolist()` is a synchronous copy through pageable memory: it
+waits for everything already queued on the stream, which would serialize the engine's CPU work with the
+previous step's GPU work. These go through pinned memory with non-blocking copies instead; reading a
+device result back waits on an event recorded right after it, not on later work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a CPU tensor to `device` without blocking the host (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class D2HCopy:
+    """Device tensors copied to pinned host buffers, readable once the GPU has produced them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor | None]):
+        self.host: dict[str, torch.Tensor | None] = {}
+        self.event = None
+        cuda = any(t is not None and t.is_cuda for t in tensors.values())
+        for name, t in tensors.items():
+            if t is None or not cuda:
+                self.host[name] = t
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                self.host[name] = buf
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> dict[str, torch.Tensor | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

@@ -1,0 +1,78 @@
+"""Async scheduling (one step in flight, stops found one step late) gives exactly the synchronous results.
+
+On the CPU the host and the device are the same, so nothing overlaps here, but every piece of the logic
+runs: pending tokens fed from the previous step's samples, late stops with the extra token discarded,
+preemption and aborts with a step in flight, block accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from openinfer import LLM, SamplingParams
+from tests.conftest import assert_pool_idle
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "1, 2, 3,", "Hello",
+           "The weather today is", "Q: What is 2+2?\nA:", "import os"]
+
+
+def _params():
+    return [SamplingParams(temperature=0, max_tokens=1),
+            SamplingParams(temperature=0, max_tokens=2),
+            SamplingParams(temperature=0, max_tokens=24, stop=[" the", "\n"]),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=[28]),
+            SamplingParams(temperature=0.8, seed=11, max_tokens=20),
+            SamplingParams(temperature=0, max_tokens=40),                          # may stop on EOS
+            SamplingParams(temperature=0.7, seed=5, max_tokens=16, logprobs=2),
+            SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)]  # reads its history
+
+
+def _run(llm):
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sync_results(smollm_dir):
+    return _run(LLM(str(smollm_dir), device="cpu", async_scheduling=False, block_size=16))
+
+
+
+def test_async_equals_sync(smollm_dir, sync_results):
+    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16)
+    assert llm.config.use_async_scheduling
+    assert _run(llm) == sync_results
+    assert_pool_idle(llm.engine)
+
+
+def test_async_with_preemption_and_small_chunks(smollm_dir, sync_results):
+    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16, num_kv_blocks=6,
+              max_num_batched_tokens=24, enable_prefix_caching=False)
+    assert _run(llm) == sync_results
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pool_idle(llm.engine)
+
+
+def test_async_chat_stops_on_eos_one_step_late(smollm_dir):
+    sp = SamplingParams(temperature=0, max_tokens=200)
+    conv = [{"role": "user", "content": "Say hello."}]
+    a = LLM(str(smollm_dir), device="cpu", async_scheduling=True).chat(conv, sp, use_tqdm=False)[0].outputs[0]
+    b = LLM(str(smollm_dir), device="cpu", async_scheduling=False).chat(conv, sp, use_tqdm=False)[0].outputs[0]
+    assert a.finish_reason == "stop" and a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_async_abort_with_a_step_in_flight(smollm_dir):
+    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16)
+    eng = llm.engine
+    ids = [eng.add_request(llm.tokenizer.encode(p), SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(3):
+        eng.step()
+    assert eng._in_flight is not None
+    for rid in ids[::2]:
+        eng.abort_request(rid)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert set(done) == set(ids[1::2]) and all(len(o.outputs[0].token_ids) == 40 for o in done.values())
+    assert_pool_idle(eng)
