@@ -76,3 +76,23 @@ def test_async_abort_with_a_step_in_flight(smollm_dir):
             done[o.request_id] = o
     assert set(done) == set(ids[1::2]) and all(len(o.outputs[0].token_ids) == 40 for o in done.values())
     assert_pool_idle(eng)
+
+
+def test_async_never_schedules_past_max_model_len(smollm_dir):
+    """The token still on the device may end the request (max_model_len / max_tokens): it is not extended."""
+    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16, max_model_len=40)
+    eng = llm.engine
+    seen = []
+    schedule = eng.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        seen.extend(s.start + s.num_new_tokens for s in out.scheduled)
+        return out
+
+    eng.scheduler.schedule = recording_schedule
+    outs = llm.generate(prompt_token_ids=[[5] * 30, [7] * 39, [9] * 40],
+                        sampling_params=SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10, 1, 1]
+    assert max(seen) <= 40
+    assert_pool_idle(eng)

@@ -3,6 +3,7 @@ eager, and SmolLM2 CUDA bf16 against CPU fp32."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -194,5 +195,7 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_dummy_dir):
         results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
         kv = llm.engine.kv_manager
         assert not llm.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
-        del llm
+        del llm, kv
+        gc.collect()
+        torch.cuda.empty_cache()
     assert results[True] == results[False]

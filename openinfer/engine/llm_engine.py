@@ -49,7 +49,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         if config.use_cuda_graphs:
             self.runner.capture_decode_graphs(self.max_model_len)
@@ -139,7 +140,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         current = None
         if not sched.empty:
-            current = self.runner.execute(sched, prev)
+            try:
+                current = self.runner.execute(sched, prev)
+            except BaseException:
+                self._in_flight = prev   # still to be read back; the failed step left no trace but its blocks
+                raise
             sampling = [s.request for s in sched.scheduled if s.samples]
             self.scheduler.update_after_step(sched.scheduled)
             for req in sampling:

@@ -83,6 +83,8 @@ class ModelRunner:
                 budget = _CPU_KV_BUDGET
             else:
                 free, total = torch.cuda.mem_get_info(self.device)
+                # memory PyTorch caches but no tensor uses is ours too
+                free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
                 reserve = (1 << 30) + self.config.max_num_batched_tokens * self.vocab_size * 4
                 budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
         num = (budget - self.state_bytes()) // self.bytes_per_block()

@@ -49,8 +49,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None):
         self.kv = kv_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -72,6 +74,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._pending_token_ends(req):
+                i += 1           # its last token is on the device: nothing to extend, it finishes on read-back
+                continue
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -108,6 +113,12 @@ class Scheduler:
                                                   self.kv.state_slot(req.request_id)))
             budget -= n
         return out
+
+    def _pending_token_ends(self, req: Request) -> bool:
+        """Whether the token still on the device reaches max_tokens or max_model_len (known without it)."""
+        p = req.sampling_params
+        return ((self.max_model_len is not None and req.num_tokens_with_pending >= self.max_model_len)
+                or (p.max_tokens is not None and req.num_output_tokens + req.num_pending >= p.max_tokens))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
