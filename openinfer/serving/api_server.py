@@ -193,20 +193,15 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
                 yield chat.sse_name(protocol, ev), ev.to_json()
         return sse(named(), chat.sse_done(protocol))
 
-    @app.post("/v1/chat/completions")
-    @engine_errors
-    async def chat_completions(request: Request):
-        return await chat_like(request, "chat")
+    def chat_route(protocol: str):
+        async def route(request: Request):
+            return await chat_like(request, protocol)
+        route.__name__ = f"{protocol}_route"
+        return engine_errors(route)
 
-    @app.post("/v1/responses")
-    @engine_errors
-    async def responses(request: Request):
-        return await chat_like(request, "responses")
-
-    @app.post("/v1/messages")
-    @engine_errors
-    async def messages(request: Request):
-        return await chat_like(request, "messages")
+    for path, protocol in (("/v1/chat/completions", "chat"), ("/v1/responses", "responses"),
+                           ("/v1/messages", "messages")):
+        app.post(path)(chat_route(protocol))
 
     @app.post("/v1/completions")
     @engine_errors
