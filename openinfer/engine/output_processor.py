@@ -106,10 +106,10 @@ class OutputProcessor:
         """The RequestOutput to report now, per the request's output kind (None: nothing to report)."""
         kind = req.sampling_params.output_kind
         finished = req.is_finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text, token_ids, logprobs = req.output_text, req.output_token_ids, req.logprobs
-        if kind == RequestOutputKind.DELTA:
+        if kind is RequestOutputKind.DELTA:
             first_report = req.num_sent_tokens == 0
             hold = 0 if finished else max(req.sampling_params.max_stop_len - 1, 0)
             end = max(req.num_sent_chars, len(text) - hold)

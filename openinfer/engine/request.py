@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING   # identity: Enum hashing is slow
 
 
 @dataclass(eq=False)

@@ -42,6 +42,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}   # the same tables as ids (what the runner reads)
         self._num_registered: dict[str, int] = {}   # leading blocks already offered to the prefix cache
         self._free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self._state_slot: dict[str, int] = {}
@@ -59,7 +60,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table as ids (a live view: read it, don't keep or change it)."""
+        return self._block_ids.get(request_id, [])
 
     def state_slot(self, request_id: str) -> int | None:
         return self._state_slot.get(request_id)
@@ -97,8 +99,16 @@ class KVCacheManager:
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus cache hits); False if the
         pool can't, in which case nothing changed."""
-        computed_blocks = computed_blocks or []
         rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if blocks is not None and not computed_blocks:
+            # fast path (most decode steps): the tokens fit the last block and no block fills up
+            total = request.num_computed_tokens + num_new_tokens
+            if (total <= len(blocks) * self.block_size and (self.num_state_slots == 0 or rid in self._state_slot)
+                    and (not self.enable_prefix_caching
+                         or min(total, request.num_tokens) // self.block_size <= self._num_registered.get(rid, 0))):
+                return True
+        computed_blocks = computed_blocks or []
         blocks = self._blocks.setdefault(rid, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
@@ -109,9 +119,9 @@ class KVCacheManager:
                 del self._blocks[rid]
             return False
         self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        new_blocks = computed_blocks + (self.pool.allocate(need) if need > 0 else [])
+        blocks.extend(new_blocks)
+        self._block_ids.setdefault(rid, []).extend(b.block_id for b in new_blocks)
         if need_slot:
             self._state_slot[rid] = self._free_state_slots.pop()
         if self.enable_prefix_caching:
@@ -126,6 +136,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         rid = request.request_id
         self.pool.free(list(reversed(self._blocks.pop(rid, []))))
+        self._block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
         slot = self._state_slot.pop(rid, None)
         if slot is not None:
