@@ -258,3 +258,50 @@ def test_queue_full_is_429_not_a_hang(smollm_dir):
                 assert (await waiting).status_code == 200        # the queued one is served once a seat frees
         asyncio.run(go())
         assert s.wait_idle()
+
+
+def test_async_scheduling_server_streams_and_disconnects(smollm_dir, server):
+    """The configuration GPU servers run by default (async scheduling) serves the same greedy text and
+    frees a disconnected client's blocks."""
+    with LiveServer(str(smollm_dir), served_model_name="smollm2", max_num_seqs=16, block_size=16,
+                    async_scheduling=True) as s:
+        assert s.engine.config.use_async_scheduling
+        prompts = [f"Fact number {i} about the moon:" for i in range(12)]
+
+        async def one(client, base, p, stream):
+            body = {"model": "smollm2", "prompt": p, "max_tokens": 8, "temperature": 0, "stream": stream}
+            if not stream:
+                return (await client.post(base + "/v1/completions", json=body)).json()["choices"][0]["text"]
+            text = ""
+            async with client.stream("POST", base + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as client:
+                ref = [await one(client, server.base_url, p, False) for p in prompts]     # sync server
+                got = await asyncio.gather(*(one(client, s.base_url, p, True) for p in prompts))
+                return ref, got
+        ref, got = asyncio.run(go())
+        assert got == ref
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x")
+        stream = client.completions.create(model="smollm2", prompt="A long story:", max_tokens=1500,
+                                           extra_body={"ignore_eos": True}, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        assert s.wait_idle()
+
+
+def test_chat_logprobs(server, oai):
+    r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Count to five."}],
+                                    max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].finish_reason == "length" and len(content) == r.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)   # greedy: the top token
