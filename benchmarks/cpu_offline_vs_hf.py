@@ -5,7 +5,7 @@ openinfer runs them as B requests with max_num_seqs=B; HF runs one `generate` ca
 (equal lengths: no padding). Also times the model's matmuls alone on a [B, hidden] input (the weight-
 streaming floor of one decode step on this machine), so the numbers say how close to the floor each is.
 
-    python benchmarks/cpu_offline_vs_hf.py --dtypes float32 bfloat16 --batches 1 16
+    python benchmarks/cpu_offline_vs_hf.py --dtypes float32 bfloat16 int4 --batches 1 16
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def commit() -> str:
 
 
 def matmul_floor_ms(llm: LLM, batch: int, reps: int = 5) -> float:
-    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in linears}
+    from openinfer.layers.quantized import Int4Linear
+
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    dtype = llm.config.torch_dtype
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
     with torch.inference_mode():
         for m in linears:
             m(xs[m.in_features])
@@ -67,7 +70,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -78,9 +81,12 @@ def main() -> None:
     model_dir = resolve_model_dir("smollm2-135m-instruct", default_cache_dir())
     rows = []
     for dtype in args.dtypes:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+        # "int4": openinfer's int4 weight-only path (bf16 activations); its dense peer is HF in bf16
+        hf_dtype = "bfloat16" if dtype == "int4" else dtype
+        engine_dtype = {"dtype": "bfloat16", "quantization": "int4"} if dtype == "int4" else {"dtype": dtype}
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, hf_dtype)).eval()
         for batch in args.batches:
-            llm = LLM(str(model_dir), device="cpu", dtype=dtype, max_num_seqs=batch)
+            llm = LLM(str(model_dir), device="cpu", max_num_seqs=batch, **engine_dtype)
             workload = OfflineWorkload(batch, (args.input_len,) * 2, (args.output_len,) * 2, seed=0)
             prompts, _ = workload.build(llm.engine.model_config.vocab_size)
             run_offline(llm, OfflineWorkload(batch, (16, 16), (4, 4), seed=1), use_tqdm=False)  # warm-up
@@ -89,7 +95,7 @@ def main() -> None:
             hf_tps = batch * args.output_len / hf_s
             floor = matmul_floor_ms(llm, batch)
             row = {
-                "dtype": dtype, "batch": batch, "input_len": args.input_len, "output_len": args.output_len,
+                "dtype": dtype, "hf_dtype": hf_dtype, "batch": batch, "input_len": args.input_len, "output_len": args.output_len,
                 "openinfer_output_tok_s": round(ours["output_tok_per_s"], 1),
                 "hf_generate_output_tok_s": round(hf_tps, 1),
                 "ratio_vs_hf": round(ours["output_tok_per_s"] / hf_tps, 2),

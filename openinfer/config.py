@@ -49,6 +49,7 @@ class EngineConfig:
     enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
     async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA, off for CPU
+    quantization: str | None = None       # "int4": weight-only int4 linears, bf16 activations (CPU)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -74,6 +75,13 @@ class EngineConfig:
             raise ValueError("attention_backend='triton' needs device='cuda'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None, "int4"):
+            raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
+        if self.quantization == "int4":
+            if self.device != "cpu":
+                raise ValueError("quantization='int4' is a CPU path (torch's int4 CPU kernel); use device='cpu'")
+            if self.dtype not in ("auto", "bfloat16", "bf16"):
+                raise ValueError(f"quantization='int4' computes in bfloat16; dtype {self.dtype!r} is not possible")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
 
@@ -88,7 +96,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
+            return torch.float32 if self.device == "cpu" and self.quantization is None else torch.bfloat16
         return _DTYPES[self.dtype]
 
     @property

@@ -43,7 +43,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         backend, ops = make_kernels(config)
         model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), backend, ops,
-                            max_positions=config.max_model_len, dummy=config.load_format == "dummy")
+                            max_positions=config.max_model_len, dummy=config.load_format == "dummy",
+                            quantization=config.quantization)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()

@@ -29,8 +29,12 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str,
 
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-                ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False) -> LlamaForCausalLM:
-    """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape."""
+                ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
+                quantization: str | None = None) -> LlamaForCausalLM:
+    """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
+    `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
+    is cast to `dtype`."""
+    final_dtype, dtype = dtype, (torch.float32 if quantization else dtype)
     hf = read_hf_config(model_dir)
     cfg = LlamaConfig.from_hf(hf)
     if max_positions is not None:
@@ -51,4 +55,10 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
                     p.normal_(0.0, 0.02, generator=gen)
     else:
         model.load_weights(iter_safetensors(model_dir, dtype))
+    if quantization == "int4":
+        from openinfer.layers.quantized import quantize_linears
+
+        quantize_linears(model)
+        model.to(final_dtype)
+        model.rotary.reset_tables(device)
     return model.eval()
