@@ -21,6 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next")
 
 
 def _make_llm(args):
@@ -29,7 +32,8 @@ def _make_llm(args):
     return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
+               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None)
 
 
 def cmd_generate(args) -> int:
