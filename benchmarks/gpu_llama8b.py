@@ -213,16 +213,16 @@ def main() -> None:
                   max_num_batched_tokens=8192, max_model_len=8192, gpu_memory_utilization=0.85,
                   async_scheduling=mode == "async")
         res[f"engine_startup_s_{mode}"] = time.perf_counter() - t0
-        jobs = [("decode", lambda: [decode_steps(llm, b, 1024, ceil) for b in args.batches]),
-                ("ow_256x512", lambda: run_offline(llm, OfflineWorkload(256, (100, 1024), (512, 512), seed=0),
-                                                   use_tqdm=False))]
+        jobs = [("decode", lambda m: [decode_steps(m, b, 1024, ceil) for b in args.batches]),
+                ("ow_256x512", lambda m: run_offline(m, OfflineWorkload(256, (100, 1024), (512, 512), seed=0),
+                                                     use_tqdm=False))]
         if mode == "async":
-            jobs.insert(1, ("prefill_8k", lambda: prefill_mfu(llm, 8192, ceil)))
+            jobs.insert(1, ("prefill_8k", lambda m: prefill_mfu(m, 8192, ceil)))
         for name, fn in jobs:
             key = name if mode == "async" else f"{name}_sync"
             try:
                 t0 = time.perf_counter()
-                res[key] = fn()
+                res[key] = fn(llm)
                 print(key, json.dumps(res[key]), f"({time.perf_counter() - t0:.0f}s)", flush=True)
             except Exception:
                 res[key] = {"error": traceback.format_exc()[-2000:]}
