@@ -42,6 +42,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV pool budget; None: 2 GiB on CPU, see gpu_memory_utilization
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the engine may use in total
     num_kv_blocks: int | None = None      # exact pool size (overrides the byte budget; tests use it)
+    # models with per-request state (DeepSeek-V4's sliding window, compressor rows): how many copies of that
+    # state, taken at 128-token block boundaries, the prefix cache keeps (None: 2 x max_num_seqs)
+    num_state_snapshots: int | None = None
     seed: int = 0                         # engine RNG for requests without their own seed
     logprobs_mode: str = "raw_logprobs"   # "raw_logprobs" (model) or "processed_logprobs" (after penalties/temperature/top-k/p)
     cache_dir: str | None = None          # converted weights and fetched models; alias: OPENINFER_CACHE

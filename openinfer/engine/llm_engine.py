@@ -49,11 +49,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         num_state_slots=self.runner.num_state_slots)
+                                         num_state_slots=self.runner.num_state_slots,
+                                         num_state_snapshots=self.runner.num_state_snapshots)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        if config.use_cuda_graphs:
+        if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
@@ -61,7 +62,7 @@ class LLMEngine:
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
+        window = getattr(self.runner.model, "unsupported_window", None)
         capacity = self.runner.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
         if wanted is not None:

@@ -62,8 +62,16 @@ class ModelRunner:
         # one state slot per running request when the model declares per-request state
         self.num_state_slots = config.max_num_seqs if any(
             isinstance(s, RequestStateSpec) for s in self.cache_specs) else 0
+        self.num_state_snapshots = 0
+        if self.num_state_slots and config.enable_prefix_caching:
+            self.num_state_snapshots = (config.num_state_snapshots if config.num_state_snapshots is not None
+                                        else 2 * config.max_num_seqs)
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches()
+        # copies of per-request state at block boundaries, for prefix-cache hits (see KVCacheManager)
+        self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
+                                   for _ in range(s.num_layers)]
+                          for s in self.cache_specs if isinstance(s, RequestStateSpec) and self.num_state_snapshots}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode batch size -> graph
 
     # ---- cache allocation -------------------------------------------------------------------------------
@@ -71,8 +79,18 @@ class ModelRunner:
         return sum(s.bytes_per_block(self.block_size) for s in self.cache_specs if isinstance(s, PagedCacheSpec))
 
     def state_bytes(self) -> int:
-        return self.num_state_slots * sum(s.bytes_per_slot() for s in self.cache_specs
-                                          if isinstance(s, RequestStateSpec))
+        return (self.num_state_slots + self.num_state_snapshots) * sum(
+            s.bytes_per_slot() for s in self.cache_specs if isinstance(s, RequestStateSpec))
+
+    def _copy_states(self, pairs: list[tuple[int, int]], restore: bool) -> None:
+        if not pairs:
+            return
+        src_idx = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst_idx = torch.tensor([b for _, b in pairs], device=self.device)
+        for name, snaps in self.snapshots.items():
+            for live, snap in zip(self.caches[name], snaps):
+                src, dst = (snap, live) if restore else (live, snap)
+                dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -179,13 +197,14 @@ class ModelRunner:
         """Queue one step on the device; nothing here waits for the GPU. A request whose newest token is still
         on the device (sampled by `prev`, async scheduling) gets it from there, by a device-side copy."""
         dev, bs = self.device, self.block_size
+        self._copy_states(sched.state_copies.restores, restore=True)
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         ids: list[int] = []
         dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
         pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
         prefills: list[PrefillChunk] = []
-        decode_tables, decode_lens = [], []
+        decode_tables, decode_lens, decode_state_slots = [], [], []
         logit_rows: list[int] = []
         out = RunnerOutput()
         sampling_reqs = []
@@ -206,12 +225,14 @@ class ModelRunner:
                 dec_slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
+                decode_state_slots.append(s.state_slot)
             else:
                 positions = np.arange(start, start + n)
                 np_table = np.asarray(table, dtype=np.int64)
                 pre_pos.append(positions)
                 pre_slots.append(np_table[positions // bs] * bs + positions % bs)
-                prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs))
+                prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs,
+                                             s.state_slot))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))
@@ -233,8 +254,10 @@ class ModelRunner:
         if not prefills and self.graphs:
             hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups)
         if hidden is None:
-            hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups)
+            hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
+                                         decode_state_slots)
 
+        self._copy_states(sched.state_copies.saves, restore=False)
         if plp_spans:
             for req, first, n, tok_index in plp_spans:
                 lp = self.model.compute_logits(hidden[first:first + n]).float().log_softmax(-1)
@@ -249,7 +272,8 @@ class ModelRunner:
                                      "top_ids": smp.top_ids, "top_logprobs": smp.top_logprobs})
         return out
 
-    def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None) -> torch.Tensor:
+    def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
+                       decode_state_slots=None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills)
@@ -257,6 +281,8 @@ class ModelRunner:
             meta.decode_block_tables = h2d(torch.from_numpy(_pad_tables(decode_tables, fill=0)), dev)
             meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
             meta.max_decode_context_len = max(decode_lens)
+            if self.num_state_slots:
+                meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]

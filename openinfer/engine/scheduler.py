@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request, RequestStatus
-from openinfer.kv_cache.kv_cache_manager import KVCacheManager
+from openinfer.kv_cache.kv_cache_manager import KVCacheManager, StateCopies
 
 
 @dataclass
@@ -38,6 +38,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    state_copies: StateCopies = field(default_factory=StateCopies)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -77,7 +78,8 @@ class Scheduler:
             if req.num_pending and self._pending_token_ends(req):
                 i += 1           # its last token is on the device: nothing to extend, it finishes on read-back
                 continue
-            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = self._snapshot_aligned(req, req.num_computed_tokens,
+                                       min(req.num_tokens_with_pending - req.num_computed_tokens, budget))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +100,7 @@ class Scheduler:
             if req.num_pending:      # preempted with a token still on the device: admit once it is read back
                 break
             hits, num_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_cached, budget)
+            n = self._snapshot_aligned(req, num_cached, min(req.num_tokens - num_cached, budget))
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
@@ -112,7 +114,17 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
                                                   self.kv.state_slot(req.request_id)))
             budget -= n
+        out.state_copies = self.kv.take_state_copies()
         return out
+
+    def _snapshot_aligned(self, req: Request, start: int, n: int) -> int:
+        """With state snapshots, a prompt's chunk stops at the prompt's last block boundary so the state
+        there can be kept for later requests sharing the prefix (spec 003 §3.2)."""
+        if not self.kv.num_state_snapshots or start >= req.num_prompt_tokens:
+            return n
+        bs = self.kv.block_size
+        boundary = (req.num_prompt_tokens - 1) // bs * bs
+        return boundary - start if start < boundary < start + n else n
 
     def _pending_token_ends(self, req: Request) -> bool:
         """Whether the token still on the device reaches max_tokens or max_model_len (known without it)."""

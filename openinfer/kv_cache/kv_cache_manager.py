@@ -4,7 +4,11 @@ The scheduler asks it two things: which prefix of a new request is already cache
 for N more tokens can be had. It never touches tensors; the runner maps block ids to memory.
 
 Prefix caching: block i of a request is keyed by sha256(hash of block i-1 || its token ids), so a hit on
-block i implies the whole prefix before it matches. A block is registered once all its tokens are
+block i implies the whole prefix before it matches. Models with per-request state (a sliding-window ring,
+compressor rows) also need that state as it was at the end of the hit: a step that ends a request's
+computed tokens on a block boundary queues a copy of its state slot into a snapshot slot keyed by that
+block's hash (spec 003 §3.2: saved at 128-token boundaries only), and a hit counts only up to the last
+block with a snapshot, which is copied into the new request's slot before the step runs (§3.3). A block is registered once all its tokens are
 scheduled; within one step every layer writes the whole batch's KV before any attention reads it, so a
 request scheduled after the writer in the same step may already share the block.
 """
@@ -13,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request
 from openinfer.kv_cache.block_pool import BlockPool, KVBlock
@@ -35,8 +40,17 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass
+class StateCopies:
+    """State-slot copies for the runner: restores (snapshot -> slot) before the step's forward, saves
+    (slot -> snapshot) after it."""
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -47,6 +61,13 @@ class KVCacheManager:
         self._free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self._state_slot: dict[str, int] = {}
         self.num_state_slots = num_state_slots
+        # block hash -> snapshot slot, least recently used first
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()
+        self._free_snapshots = list(range(num_state_snapshots - 1, -1, -1))
+        self.num_state_snapshots = num_state_snapshots
+        self._restore: dict[str, int] = {}      # request -> snapshot slot to restore once it has a slot
+        self._unkeyed: dict[str, tuple[int, int]] = {}   # request -> (block index, snapshot) awaiting its hash
+        self.state_copies = StateCopies()       # drained by the scheduler into each step's output
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +100,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
+        if self.num_state_slots and not self.num_state_snapshots:
+            return [], 0
         self._extend_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -87,6 +110,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.num_state_slots:   # usable up to the last hit block whose end state was kept
+            while hits and request.block_hashes[len(hits) - 1] not in self._snapshots:
+                hits.pop()
+            if hits:
+                h = request.block_hashes[len(hits) - 1]
+                self._snapshots.move_to_end(h)
+                self._restore[request.request_id] = self._snapshots[h]
         self.prefix_stats.queried_tokens += request.num_tokens
         self.prefix_stats.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -106,7 +136,8 @@ class KVCacheManager:
             total = request.num_computed_tokens + num_new_tokens
             if (total <= len(blocks) * self.block_size and (self.num_state_slots == 0 or rid in self._state_slot)
                     and (not self.enable_prefix_caching
-                         or min(total, request.num_tokens) // self.block_size <= self._num_registered.get(rid, 0))):
+                         or min(total, request.num_tokens) // self.block_size <= self._num_registered.get(rid, 0))
+                    and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed))):
                 return True
         computed_blocks = computed_blocks or []
         blocks = self._blocks.setdefault(rid, [])
@@ -124,6 +155,9 @@ class KVCacheManager:
         self._block_ids.setdefault(rid, []).extend(b.block_id for b in new_blocks)
         if need_slot:
             self._state_slot[rid] = self._free_state_slots.pop()
+        snapshot = self._restore.pop(rid, None)
+        if snapshot is not None and computed_blocks:
+            self.state_copies.restores.append((snapshot, self._state_slot[rid]))
         if self.enable_prefix_caching:
             self._extend_hashes(request)
             start = self._num_registered.get(rid, 0)
@@ -131,10 +165,53 @@ class KVCacheManager:
             for i in range(start, full):
                 self.pool.cache(blocks[i], request.block_hashes[i])
             self._num_registered[rid] = max(start, full)
+            if self.num_state_snapshots:
+                self._snapshot_state(request, total)
         return True
+
+    def _snapshot_state(self, request: Request, total: int) -> None:
+        """After this step the request's state is at `total` tokens: keep a copy when that is a block
+        boundary. Under async scheduling the block's last token may still be on the device: the copy is
+        taken now and keyed once the token (so the block hash) is known."""
+        rid, hashes = request.request_id, request.block_hashes
+        unkeyed = self._unkeyed.get(rid)
+        if unkeyed is not None and len(hashes) > unkeyed[0]:
+            del self._unkeyed[rid]
+            self._key_snapshot(hashes[unkeyed[0]], unkeyed[1])
+        if total % self.block_size or total == 0:
+            return
+        index = total // self.block_size - 1
+        if index < len(hashes) and hashes[index] in self._snapshots:
+            self._snapshots.move_to_end(hashes[index])
+            return
+        if self._free_snapshots:
+            snap = self._free_snapshots.pop()
+        elif self._snapshots:
+            snap = self._snapshots.popitem(last=False)[1]
+        else:
+            return
+        self.state_copies.saves.append((self._state_slot[rid], snap))
+        if index < len(hashes):
+            self._key_snapshot(hashes[index], snap)
+        else:
+            self._unkeyed[rid] = (index, snap)
+
+    def _key_snapshot(self, block_hash: bytes, snap: int) -> None:
+        if block_hash in self._snapshots:      # another request kept the same state meanwhile
+            self._free_snapshots.append(snap)
+        else:
+            self._snapshots[block_hash] = snap
+
+    def take_state_copies(self) -> StateCopies:
+        copies, self.state_copies = self.state_copies, StateCopies()
+        return copies
 
     def free(self, request: Request) -> None:
         rid = request.request_id
+        self._restore.pop(rid, None)
+        unkeyed = self._unkeyed.pop(rid, None)
+        if unkeyed is not None:
+            self._free_snapshots.append(unkeyed[1])
         self.pool.free(list(reversed(self._blocks.pop(rid, []))))
         self._block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
@@ -143,4 +220,8 @@ class KVCacheManager:
             self._free_state_slots.append(slot)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            self._free_snapshots.extend(self._snapshots.values())
+            self._snapshots.clear()
+        return ok

@@ -33,6 +33,7 @@ class PrefillChunk:
     context_len: int        # tokens in the cache after this step (cached prefix + this chunk)
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
     block_size: int
+    state_slot: int | None = None   # the request's per-request state slot (models with RequestStateSpecs)
 
     @cached_property
     def context_slots(self) -> torch.Tensor:
@@ -48,6 +49,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None   # [num_decodes]
     max_decode_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_state_slots: torch.Tensor | None = None    # [num_decodes] state slot per decode row
 
     @cached_property
     def decode_context_slots(self) -> torch.Tensor:

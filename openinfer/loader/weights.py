@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from openinfer.layers.attention import AttentionBackend
 from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -36,6 +37,10 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     is cast to `dtype`."""
     final_dtype, dtype = dtype, (torch.float32 if quantization else dtype)
     hf = read_hf_config(model_dir)
+    if hf.get("model_type") == "deepseek_v4":
+        if quantization:
+            raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")
+        return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy)
     cfg = LlamaConfig.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
@@ -62,3 +67,42 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         model.to(final_dtype)
         model.rotary.reset_tables(device)
     return model.eval()
+
+
+def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
+                       max_positions: int | None, dummy: bool) -> DeepseekV4ForCausalLM:
+    cfg = DeepseekV4Config.from_hf(hf)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg)
+    model = model.to_empty(device=device).cast(dtype)
+    for rope in model.ropes.values():
+        rope.reset(device)
+    if dummy:
+        init_deepseek_v4_random(model, seed=0)
+    else:
+        model.load_weights(iter_safetensors(model_dir, torch.float32))
+    return model.eval()
+
+
+def init_deepseek_v4_random(model: DeepseekV4ForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights of a working shape: normal(std) matrices, unit norms and mHC scales, small random
+    biases/sinks, a random hash table (tid2eid), so every branch carries signal."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n_experts = model.config.n_routed_experts
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(("_hc.scale", "hc_head.hc_scale")):
+                v = torch.ones(p.shape)
+            elif name.endswith(("sinks", "position_bias", "_hc.base", "hc_head.hc_base")):
+                v = torch.randn(p.shape, generator=gen) * 0.5
+            else:
+                v = torch.randn(p.shape, generator=gen) * std
+            p.copy_(v.to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(n_experts, generator=gen)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)

@@ -133,6 +133,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def unsupported_window(self) -> int | None:
+        """A sliding window this model would need and the engine does not run yet (Mistral-style)."""
+        return self.config.sliding_window
+
     def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
         c = self.config
         return [PagedCacheSpec("kv", c.num_hidden_layers, (2, c.num_key_value_heads, c.head_dim), dtype)]

@@ -1,0 +1,817 @@
+"""DeepSeek-V4 (HF `DeepseekV4ForCausalLM` config and weight names) over openinfer's paged caches.
+
+Read top to bottom: config -> small ops (norms, interleaved partial RoPE) -> the compressor (CSA / HCA
+pooling) -> attention (sliding window + compressed entries + sinks) -> MoE (hash / learned) -> mHC ->
+decoder layer -> model -> MTP -> weight loading.
+
+Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
+- paged, 128-token blocks shared through the prefix cache: CSA main entries (`csa_kv`, one per 4 tokens),
+  CSA indexer keys (`csa_index`), HCA entries (`hca_kv`, one per 128 tokens);
+- per running request (state slots): the sliding-window ring of the last W keys of every layer (`swa`,
+  position p at row p % W) and the compressors' raw rows for windows not yet closed (`csa_rows`,
+  `csa_index_rows`: the current and the previous window, since a CSA entry overlaps two windows;
+  `hca_rows`: the current window).
+A prefill chunk runs per sequence (any start, any length: windows close wherever the chunk crosses a
+boundary); decode rows run batched. Both read the state a previous step left and write it back.
+
+Where the reference and causal semantics part (the lightning indexer's top-k on tied scores, see
+docs/deepseek_v4.md), this file is causal: ties go to the earlier entry.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
+from openinfer.layers.attention import AttentionMetadata
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+# ---- config -------------------------------------------------------------------------------------------
+@dataclass
+class DeepseekV4Config:
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    rope_head_dim: int
+    num_experts_per_tok: int
+    n_routed_experts: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    compress_rates: dict[str, int]
+    main_rope: dict
+    compress_rope: dict
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    sliding_window: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_nextn_predict_layers: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    model_type: str = "deepseek_v4"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV4Config":
+        """HF `DeepseekV4Config` semantics, including its legacy keys (compress_ratios, num_hash_layers,
+        qk_rope_head_dim, flat rope_scaling)."""
+        n = hf["num_hidden_layers"]
+        if hf.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+            raise ValueError(f"DeepSeek-V4 scoring_func {hf['scoring_func']!r} is not supported (sqrtsoftplus)")
+        rates = dict(hf.get("compress_rates") or {CSA: 4, HCA: 128})
+        rates[CSA] = hf.get("compress_rate_csa", rates.get(CSA, 4))
+        rates[HCA] = hf.get("compress_rate_hca", rates.get(HCA, 128))
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("compress_ratios") is not None:
+            layer_types = [_RATIO_TO_TYPE[r] for r in hf["compress_ratios"]]
+        if layer_types is None:
+            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mlp_types = hf.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = hf.get("num_hash_layers", 3)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        head_dim = hf.get("head_dim", 512)
+        prf = hf.get("partial_rotary_factor")
+        if prf is None:
+            prf = hf["qk_rope_head_dim"] / head_dim if "qk_rope_head_dim" in hf else 64 / 512
+        rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main, compress = dict(rp["main"]), dict(rp["compress"])
+        else:
+            main = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+            compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            compress["rope_theta"] = hf.get("compress_rope_theta", 160000.0)
+            compress.setdefault("rope_type", compress.pop("type", "default"))
+            if compress["rope_type"] == "yarn":
+                compress.setdefault("attention_factor", 1.0)   # the V4 reference does not scale cos/sin
+        for name, types, allowed in (("layer_types", layer_types, (SLIDING, CSA, HCA)),
+                                     ("mlp_layer_types", mlp_types, ("hash_moe", "moe"))):
+            if len(types) < n or any(t not in allowed for t in types[:n]):
+                raise ValueError(f"{name} must list {n} entries from {allowed}; got {types}")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            moe_intermediate_size=hf["moe_intermediate_size"], num_hidden_layers=n,
+            num_attention_heads=hf["num_attention_heads"], head_dim=head_dim, q_lora_rank=hf["q_lora_rank"],
+            rope_head_dim=int(head_dim * prf), num_experts_per_tok=hf["num_experts_per_tok"],
+            n_routed_experts=hf["n_routed_experts"], n_shared_experts=hf.get("n_shared_experts", 1),
+            routed_scaling_factor=hf.get("routed_scaling_factor", 1.5), layer_types=list(layer_types[:n]),
+            mlp_layer_types=list(mlp_types[:n]), compress_rates=rates, main_rope=main, compress_rope=compress,
+            hc_mult=hf.get("hc_mult", 4), hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
+            hc_eps=hf.get("hc_eps", 1e-6), swiglu_limit=hf.get("swiglu_limit", 10.0),
+            sliding_window=hf.get("sliding_window", 128), o_groups=hf["o_groups"], o_lora_rank=hf["o_lora_rank"],
+            index_n_heads=hf["index_n_heads"], index_head_dim=hf["index_head_dim"], index_topk=hf["index_topk"],
+            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 1 << 20),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    def layers_of(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+
+# ---- small ops ----------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Normalize in float32, scale by a float32 weight, cast back once (the V4 reference's order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_inv_freq(rope: dict, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin scale) for default and YaRN RoPE (HF `rope_parameters` semantics)."""
+    base = rope["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind != "yarn":
+        raise ValueError(f"DeepSeek-V4 rope type {kind!r} is not supported (default, yarn)")
+    orig = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / orig
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    scale = rope.get("attention_factor")
+    if scale is None:
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+
+        def get_mscale(m=1.0):
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        scale = get_mscale(mscale) / get_mscale(mscale_all) if mscale and mscale_all else get_mscale()
+    return inv_freq, float(scale)
+
+
+class InterleavedRope(nn.Module):
+    """RoPE on the trailing `dim` channels of each vector, rotating consecutive channel pairs (V4's layout
+    `[nope | rope]`). cos/sin are computed from positions on the fly: V4 contexts run to 1M positions."""
+
+    def __init__(self, rope: dict, dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, self.scale = rope_inv_freq(rope, dim, max_positions)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope, self.dim, self.max_positions = rope, dim, max_positions
+
+    def reset(self, device: torch.device) -> None:
+        self.inv_freq = rope_inv_freq(self.rope, self.dim, self.max_positions)[0].to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D]; cos/sin [..., dim/2] broadcast against x's leading dims (pass [T, 1, dim/2] for heads)."""
+    rd = 2 * cos.shape[-1]
+    pairs = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+# ---- paged entry addressing ---------------------------------------------------------------------------
+def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_block: int) -> torch.Tensor:
+    """Flat row of compressed entry `entry` in a [num_blocks * entries_per_block, D] view of a paged cache."""
+    return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
+
+
+# ---- compressor (CSA / HCA pooling) -------------------------------------------------------------------
+class Compressor(nn.Module):
+    """One compressed entry per `ratio` source tokens: a per-channel softmax-gated sum of projected rows,
+    RMS-normed and RoPE'd at the window's first position. `overlap` (CSA and its indexer): each row projects
+    to two series and entry w pools the previous window's first series with window w's second (2*ratio
+    slots; window 0 has no previous window).
+
+    Rows wait raw (`[kv | gate + position_bias]`, float32) in the request's ring of `ring_len` positions
+    until their window closes."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width))
+        self.kv_norm = RMSNorm(dim, eps)
+        self.dim, self.ratio, self.overlap, self.width = dim, ratio, overlap, width
+        self.ring_len = (2 if overlap else 1) * ratio
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias."""
+        gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
+        return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
+
+    def entries(self, cur: torch.Tensor, prev: torch.Tensor | None, has_prev: torch.Tensor | None,
+                windows: torch.Tensor, rope: "InterleavedRope", dtype: torch.dtype) -> torch.Tensor:
+        """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N]."""
+        d, w = self.dim, self.width
+        if self.overlap:
+            prev_kv = torch.where(has_prev[:, None, None], prev[..., :d], 0.0)
+            prev_gate = torch.where(has_prev[:, None, None], prev[..., w:w + d], float("-inf"))
+            kv = torch.cat((prev_kv, cur[..., d:w]), dim=1)
+            gate = torch.cat((prev_gate, cur[..., w + d:]), dim=1)
+        else:
+            kv, gate = cur[..., :w], cur[..., w:]
+        kv = kv.to(dtype)
+        pooled = self.kv_norm((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1))
+        cos, sin = rope.cos_sin(windows * self.ratio, dtype)
+        return apply_rope(pooled, cos, sin)
+
+    def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
+        """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
+        ([blocks, entries_per_block, dim]); keep the rows of open windows in `ring` [ring_len, 2*width]."""
+        r, dev = self.ratio, new_rows.device
+        start, end = p.context_len - p.query_len, p.context_len
+        first = max(start // r - (self.ring_len // r - 1), 0)     # oldest window whose rows are still needed
+        windows = torch.arange(start // r, end // r, device=dev)
+        if len(windows):
+            hist = torch.arange(first * r, start, device=dev)
+            rows = torch.cat((ring[hist % self.ring_len], new_rows))[:(end // r - first) * r]
+            win = rows.view(-1, r, rows.shape[-1])
+            local = windows - first
+            prev = win[(local - 1).clamp(min=0)] if self.overlap else None
+            entries = self.entries(win[local], prev, windows > 0, windows, rope, cache.dtype)
+            epb = cache.shape[1]
+            cache.view(-1, self.dim)[entry_index(p.block_ids, windows, epb)] = entries
+        keep = min(len(new_rows), self.ring_len)
+        ring[positions[-keep:] % self.ring_len] = new_rows[-keep:]
+
+    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
+        """Decode rows (one token each): store the row; rows that end a window write its entry, the others
+        write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
+        r = self.ratio
+        ring[slots, positions % self.ring_len] = new_rows
+        window = (positions + 1) // r - 1
+        j = torch.arange(r, device=positions.device)
+        cur = ring[slots[:, None], (window[:, None] * r + j) % self.ring_len]
+        prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % self.ring_len] if self.overlap else None
+        entries = self.entries(cur, prev, window > 0, window.clamp(min=0), rope, cache.dtype)
+        epb = cache.shape[1]
+        closes = (positions + 1) % r == 0
+        dst = torch.where(closes, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
+                          (cache.shape[0] - 1) * epb)
+        cache.view(-1, self.dim)[dst] = entries
+
+
+class Indexer(Compressor):
+    """Lightning indexer (CSA): its own overlapping compressor over index_head_dim keys, and scores
+    sum_h w_h * relu(q_h . k) / sqrt(d_I) that keep the top `index_topk` closed entries per query.
+    Ties go to the earlier entry, so appending tokens never changes an earlier query's choice."""
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int):
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
+        self.num_heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
+
+    def queries(self, x, q_residual, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        q = apply_rope(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim), cos[:, None], sin[:, None])
+        return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+
+    def select(self, q, weights, keys, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> (entries [T, k], valid [T, k])."""
+        scores = torch.einsum("thd,tnd->thn", q.float(), keys.float().expand(q.shape[0], -1, -1))
+        scores = (F.relu(scores) * self.dim ** -0.5 * weights[..., None]).sum(1)          # [T, N]
+        closed = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_closed[:, None]
+        scores = scores.masked_fill(~closed, float("-inf"))
+        picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :min(self.topk, scores.shape[-1])]
+        return picked, picked < num_closed[:, None]
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+class DeepseekV4Attention(nn.Module):
+    """Shared-KV MQA (one K=V head of head_dim) over the sliding window (the last W tokens, self included),
+    the layer's compressed entries (HCA: every closed one; CSA: the indexer's top-k) and a per-head sink
+    logit. The output's RoPE slice is rotated back by the query position; a grouped low-rank projection
+    follows. `state` maps this layer's cache names (swa, kv, rows, index, index_rows) to tensors."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str):
+        super().__init__()
+        self.cfg, self.layer_type = cfg, layer_type
+        self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.scale = self.head_dim ** -0.5
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = nn.Linear(self.num_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                                  bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.compressor = None
+        if layer_type != SLIDING:
+            self.ratio = cfg.compress_rates[layer_type]
+            self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.ratio, layer_type == CSA,
+                                         cfg.rms_norm_eps)
+            if layer_type == CSA:
+                self.compressor.indexer = Indexer(cfg, self.ratio)
+
+    def forward(self, x, positions, rope: InterleavedRope, state: dict, meta: AttentionMetadata):
+        T = x.shape[0]
+        cos, sin = rope.cos_sin(positions, x.dtype)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim),
+                                self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        comp = self.compressor
+        rows = index_rows = index_q = None
+        if comp is not None:
+            rows = comp.rows(x, positions)
+            if self.layer_type == CSA:
+                index_rows = comp.indexer.rows(x, positions)
+                index_q = comp.indexer.queries(x, q_residual, cos, sin)
+        out = torch.empty_like(q)
+        spans = ([(slice(0, meta.num_decode_tokens), None)] if meta.num_decode_tokens else []) + \
+            [(slice(p.query_start, p.query_start + p.query_len), p) for p in meta.prefills]
+        for sl, p in spans:
+            groups = [self._window_keys(kv[sl], positions[sl], state["swa"], meta, p)]
+            if comp is not None:
+                groups.append(self._compressed_keys(
+                    positions[sl], rows[sl], None if index_rows is None else index_rows[sl],
+                    None if index_q is None else (index_q[0][sl], index_q[1][sl]), rope, state, meta, p))
+            out[sl] = self._attend(q[sl], groups, banded=p is not None)
+        o = apply_rope(out, cos[:, None], -sin[:, None])
+        g = self.cfg.o_groups
+        w = self.o_a_proj.weight.view(g, -1, self.o_a_proj.weight.shape[1])
+        return self.o_b_proj(torch.einsum("tgi,gri->tgr", o.reshape(T, g, -1), w).flatten(1))
+
+    def _attend(self, q, groups, banded: bool, query_block: int = 512):
+        """q [T, H, D] over key groups (keys, mask [T, L], picks): keys [T, L, D] per query, or [L, D] shared
+        by all (K = V), or with picks [T, k] the rows of keys each query takes. The softmax spans every group
+        and the sink. `banded`: group 0 is a chunk's window keys (W history rows then the chunk), so query i
+        only needs its columns [i, i + W]; queries go in blocks so memory stays linear in the chunk."""
+        out = torch.empty_like(q)
+        W = self.window
+        for i0 in range(0, q.shape[0], query_block):
+            i1 = min(i0 + query_block, q.shape[0])
+            qb = q[i0:i1]
+            logits, values = [], []
+            for gi, (keys, mask, picks) in enumerate(groups):
+                mask = mask[i0:i1]
+                if picks is not None:
+                    keys = keys[picks[i0:i1]]
+                elif keys.dim() == 3:
+                    keys = keys[i0:i1]
+                elif gi == 0 and banded:
+                    keys, mask = keys[i0:i1 + W], mask[:, i0:i1 + W]
+                eq = "thd,tld->thl" if keys.dim() == 3 else "thd,ld->thl"
+                lg = torch.einsum(eq, qb, keys).float() * self.scale
+                logits.append(lg.masked_fill(~mask[:, None, :], float("-inf")))
+                values.append(keys)
+            logits.append(self.sinks.float()[None, :, None].expand(i1 - i0, -1, 1))
+            probs = torch.cat(logits, dim=-1).softmax(dim=-1)
+            acc, col = 0, 0
+            for keys in values:
+                n = keys.shape[-2]
+                pr = probs[..., col:col + n].to(keys.dtype)
+                acc = acc + torch.einsum("thl,tld->thd" if keys.dim() == 3 else "thl,ld->thd", pr, keys)
+                col += n
+            out[i0:i1] = acc
+        return out
+
+    def _window_keys(self, kv, positions, ring, meta, p):
+        """Sliding-window keys and mask; stores the new keys in the ring (after reading what a chunk needs)."""
+        W, dev = self.window, kv.device
+        if p is None:                                                   # decode rows: [B, W, D] each
+            slots = meta.decode_state_slots
+            ring[slots, positions % W] = kv.to(ring.dtype)
+            kpos = positions[:, None] - (positions[:, None] - torch.arange(W, device=dev)) % W
+            return ring[slots], kpos >= 0, None
+        ring = ring[p.state_slot]                                       # one chunk: [1, W + n, D] shared
+        hist = torch.arange(p.context_len - p.query_len - W, p.context_len - p.query_len, device=dev)
+        keys = torch.cat((ring[hist % W], kv.to(ring.dtype)))
+        kpos = torch.cat((hist, positions))[None, :]
+        mask = (kpos <= positions[:, None]) & (kpos > positions[:, None] - W) & (kpos >= 0)
+        keep = min(len(kv), W)
+        ring[positions[-keep:] % W] = kv[-keep:].to(ring.dtype)
+        return keys, mask, None
+
+    def _compressed_keys(self, positions, rows, index_rows, index_q, rope, state, meta, p):
+        comp, r = self.compressor, self.ratio
+        cache = state["kv"]
+        epb = cache.shape[1]
+        num_closed = (positions + 1) // r
+        if p is None:
+            tables, slots = meta.decode_block_tables, meta.decode_state_slots
+            comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope)
+            n = max(meta.max_decode_context_len // r, 1)
+            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1), epb)
+        else:
+            comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p)
+            n = max(p.context_len // r, 1)
+            flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
+        if self.layer_type == HCA:
+            entries = torch.arange(n, device=positions.device)
+            return cache.view(-1, self.head_dim)[flat], entries[None, :] < num_closed[:, None], None
+        indexer = comp.indexer
+        if p is None:
+            indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope)
+        else:
+            indexer.close_chunk(state["index_rows"][p.state_slot], state["index"], index_rows, positions, rope, p)
+        ikeys = state["index"].view(-1, indexer.dim)[flat]
+        picked, valid = indexer.select(*index_q, ikeys if ikeys.dim() == 3 else ikeys[None], num_closed)
+        if p is None:
+            return cache.view(-1, self.head_dim)[flat.gather(1, picked)], valid, None
+        return cache.view(-1, self.head_dim)[flat], valid, picked
+
+
+# ---- MoE ----------------------------------------------------------------------------------------------
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """sqrt(softplus) scores; experts from a frozen token->experts table (hash) or the top-k of scores plus
+    a correction bias (learned); the chosen scores, renormalized and scaled, weight the experts."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+        super().__init__()
+        self.top_k, self.scaling, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x, input_ids):
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.hashed:
+            experts = self.tid2eid[input_ids].long()
+        else:
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        return experts, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights [E, 2I, H] / [E, H, I]: a grouped GEMM over expert-sorted rows on
+    CUDA (no host sync), a loop over the experts hit elsewhere."""
+
+    def __init__(self, cfg: DeepseekV4Config):
+        super().__init__()
+        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.zeros(E, H, inter))
+        self.limit = cfg.swiglu_limit
+
+    def _act(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def forward(self, x, experts, weights):
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return self._grouped(x, experts, weights)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            tok, k = torch.where(experts == e)
+            h = self._act(F.linear(x[tok], self.gate_up_proj[e]))
+            out.index_add_(0, tok, (F.linear(h, self.down_proj[e]) * weights[tok, k, None]).to(x.dtype))
+        return out
+
+    def _grouped(self, x, experts, weights):
+        T, k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        offs = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        rows = x[order // k]
+        h = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs))
+        y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        y = y * weights.flatten()[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, order // k, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+        super().__init__()
+        self.gate = Router(cfg, hashed)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           cfg.swiglu_limit)
+
+    def forward(self, x, input_ids):
+        experts, weights = self.gate(x, input_ids)
+        return self.experts(x, experts, weights) + self.shared_experts(x)
+
+
+# ---- mHC ----------------------------------------------------------------------------------------------
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection: from the n residual streams, weights to collapse them into
+    the block input (pre), to spread the block output back (post), and an n x n stream mix projected onto
+    doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference."""
+
+    def __init__(self, cfg: DeepseekV4Config):
+        super().__init__()
+        n = self.n = cfg.hc_mult
+        self.iters, self.eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams):
+        """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed block input [T, H])."""
+        n = self.n
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams, out, post, comb):
+        """post * block output + comb^T @ streams (comb mixes over its first axis)."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                streams)
+
+
+class HyperHead(nn.Module):
+    """The final collapse of the n streams into one hidden vector."""
+
+    def __init__(self, cfg: DeepseekV4Config):
+        super().__init__()
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams):
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+
+
+# ---- decoder layer and model --------------------------------------------------------------------------
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str):
+        super().__init__()
+        self.self_attn = DeepseekV4Attention(cfg, layer_type)
+        self.mlp = MoE(cfg, hashed=mlp_type == "hash_moe")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams, input_ids, positions, rope, state, meta):
+        post, comb, h = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, self.self_attn(self.input_layernorm(h), positions, rope, state, meta),
+                                        post, comb)
+        post, comb, h = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids), post, comb)
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction head (`mtp.{i}.*`): embeds the next token, mixes it with the main model's
+    hidden state (post hc_head, pre final norm), runs one sliding-window decoder block and its own hc_head
+    and norm; the embedding and lm_head are the main model's. Drafting with it comes with speculative
+    decoding; here it is loaded and runnable."""
+
+    def __init__(self, cfg: DeepseekV4Config):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe")
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# parameters the reference keeps in float32 whatever the model dtype
+_FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+                  "sinks", "position_bias", "norm.weight")
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    supports_cuda_graphs = False    # decode reads max_decode_context_len on the host
+
+    def __init__(self, cfg: DeepseekV4Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
+        self.ropes = nn.ModuleDict({"main": InterleavedRope(cfg.main_rope, rd, mp),
+                                    "compress": InterleavedRope(cfg.compress_rope, rd, mp)})
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m)
+                                    for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        # which index of each cache kind a layer uses
+        self._state_index = []
+        counts = {CSA: 0, HCA: 0}
+        for t in cfg.layer_types:
+            self._state_index.append(counts.get(t))
+            if t in counts:
+                counts[t] += 1
+
+    def cast(self, dtype: torch.dtype) -> "DeepseekV4ForCausalLM":
+        """Cast to `dtype`, keeping the reference's float32 parameters (mHC, sinks, norms, biases) in float32."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(_FP32_SUFFIXES):
+                p.data = p.data.float()
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias") or name.endswith("inv_freq"):
+                b.data = b.data.float()
+        return self
+
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        c = self.config
+        L, D, Di = c.num_hidden_layers, c.head_dim, c.index_head_dim
+        n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))
+        r_csa, r_hca = c.compress_rates[CSA], c.compress_rates[HCA]
+        specs: list[CacheSpec] = [RequestStateSpec("swa", L, (c.sliding_window, D), dtype)]
+        if n_csa:
+            specs += [PagedCacheSpec("csa_kv", n_csa, (D,), dtype, r_csa),
+                      PagedCacheSpec("csa_index", n_csa, (Di,), dtype, r_csa),
+                      RequestStateSpec("csa_rows", n_csa, (2 * r_csa, 4 * D), torch.float32),
+                      RequestStateSpec("csa_index_rows", n_csa, (2 * r_csa, 4 * Di), torch.float32)]
+        if n_hca:
+            specs += [PagedCacheSpec("hca_kv", n_hca, (D,), dtype, r_hca),
+                      RequestStateSpec("hca_rows", n_hca, (r_hca, 2 * D), torch.float32)]
+        if len(self.mtp):
+            specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window, D), dtype))
+        return specs
+
+    def layer_state(self, caches: dict, i: int) -> dict:
+        t, j = self.config.layer_types[i], self._state_index[i]
+        state = {"swa": caches["swa"][i]}
+        if t == CSA:
+            state.update(kv=caches["csa_kv"][j], rows=caches["csa_rows"][j], index=caches["csa_index"][j],
+                         index_rows=caches["csa_index_rows"][j])
+        elif t == HCA:
+            state.update(kv=caches["hca_kv"][j], rows=caches["hca_rows"][j])
+        return state
+
+    def _rope_for(self, layer_type: str) -> InterleavedRope:
+        return self.ropes["main" if layer_type == SLIDING else "compress"]
+
+    def forward_streams(self, input_ids, positions, caches, meta) -> torch.Tensor:
+        """The hc_head output (pre final norm) [T, hidden]: what the MTP heads read."""
+        streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, input_ids, positions, self._rope_for(self.config.layer_types[i]),
+                            self.layer_state(caches, i), meta)
+        return self.hc_head(streams)
+
+    def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
+        return self.norm(self.forward_streams(input_ids, positions, caches, meta))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def mtp_logits(self, k: int, prev_hidden, next_ids, positions, caches, meta) -> torch.Tensor:
+        """Logits of MTP head k for the token after `next_ids`, from the main model's hidden states at the
+        positions before (`prev_hidden`, from forward_streams); uses its own sliding-window state."""
+        m = self.mtp[k]
+        x = m.e_proj(m.enorm(self.embed_tokens(next_ids))) + m.h_proj(m.hnorm(prev_hidden))
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        streams = m.layer(streams, next_ids, positions, self.ropes["main"], {"swa": caches["mtp_swa"][k]}, meta)
+        return self.lm_head(m.norm(m.hc_head(streams)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Tensors named as transformers' modules or as the upstream checkpoint (what `save_pretrained`
+        writes: `attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...; renamed by transformers' own rules,
+        see `native_to_hf`); `mtp.{k}.*` for the MTP heads. Every parameter and routing buffer must be
+        covered exactly once. A checkpoint without MTP tensors (transformers drops them) drops the heads."""
+        params = dict(self.named_parameters())
+        params.update({n: b for n, b in self.named_buffers() if n.endswith(("tid2eid", "e_score_correction_bias"))})
+        n_experts, inter = self.config.n_routed_experts, self.config.moe_intermediate_size
+        loaded = set()
+        for name, tensor in weights:
+            name, part = native_to_hf(name)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM")
+            dst = params[name].data
+            key = name
+            if part is not None:            # one expert's w1 / w3 / w2 of a stacked parameter
+                e, w = part
+                if e >= n_experts:
+                    raise ValueError(f"checkpoint expert {e} of {name!r} is beyond n_routed_experts={n_experts}")
+                dst = dst[e] if w == "w2" else dst[e, :inter] if w == "w1" else dst[e, inter:]
+                key = f"{name}#{e}.{w}"
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+            loaded.add(key)
+        if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
+            self.mtp = nn.ModuleList()
+        expected = set()
+        for n in (*dict(self.named_parameters()), *[b for b in dict(self.named_buffers())
+                                                     if b.endswith(("tid2eid", "e_score_correction_bias"))]):
+            if n.endswith("experts.gate_up_proj") and n not in loaded:
+                expected |= {f"{n}#{e}.{w}" for e in range(n_experts) for w in ("w1", "w3")}
+            elif n.endswith("experts.down_proj") and n not in loaded:
+                expected |= {f"{n}#{e}.w2" for e in range(n_experts)}
+            else:
+                expected.add(n)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+
+
+# transformers' renaming of the upstream checkpoint (conversion_mapping.py, "deepseek_v4"), in its order
+_NATIVE_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))]
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_MTP_OWN = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head")
+
+
+def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
+    """Our parameter name for a checkpoint tensor name, and (expert, w1|w2|w3) for one expert's slice."""
+    name = name.removeprefix("model.")
+    prefix = ""
+    if name.startswith("mtp."):          # mtp.{k}.<a decoder block's names, or the head's own>
+        k, rest = name.split(".", 2)[1:]
+        if not rest.startswith(("layer.", *_MTP_OWN)):
+            rest = "layer." + rest
+        prefix, name = f"mtp.{k}.", rest
+        if name.startswith("layer."):
+            prefix, name = prefix + "layer", name[len("layer"):]
+    for pattern, repl in _NATIVE_RENAMES:
+        name = pattern.sub(repl, name)
+    name = prefix + name
+    m = _EXPERT.match(name)
+    if m:
+        return m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj"), (int(m.group(2)), m.group(3))
+    return name, None
