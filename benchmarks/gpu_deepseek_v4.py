@@ -123,11 +123,19 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) ->
         eng.step()
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / steps
+    # where the time goes: GPU kernel time and kernel count per step (the rest is host work)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3 / 3
     for rid in list(eng.requests):
         eng.abort_request(rid)
     fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": fl, "ratio_to_floor": step * 1e3 / fl,
-            **detail}
+            "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": len(kernels) / 3, **detail}
 
 
 def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
@@ -189,6 +197,20 @@ def fidelity(tokenizer_json: str) -> dict:
         del llm, model, rows
         gc.collect()
         torch.cuda.empty_cache()
+    try:   # the bar: transformers' own bf16 forward vs its fp32 one (CPU) on the same checkpoint
+        import transformers
+
+        hf = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            m = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
+            with torch.no_grad():
+                hf[dtype] = m(torch.tensor([prompt]), use_cache=False).logits[0].float()
+            del m
+            gc.collect()
+        out["hf_bf16_vs_fp32"] = ((hf[torch.bfloat16] - hf[torch.float32]).norm() / hf[torch.float32].norm()).item()
+        out["ours_fp32_vs_hf_fp32"] = ((out["cpu"] - hf[torch.float32]).norm() / hf[torch.float32].norm()).item()
+    except Exception:
+        out["hf_error"] = traceback.format_exc()[-1500:]
     a, b = out["cuda"], out["cpu"]
     agree = next((i for i, (x, y) in enumerate(zip(out["cuda_tokens"], out["cpu_tokens"])) if x != y), 16)
     shutil.rmtree(d, ignore_errors=True)
@@ -196,6 +218,7 @@ def fidelity(tokenizer_json: str) -> dict:
             "max_abs_logit_diff": (a - b).abs().max().item(), "logit_std": b.std().item(),
             "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
             "greedy_agreeing_prefix_of_16": agree, "cpu_fp32_prefill_s": out["cpu_s"],
+            **{k: out[k] for k in ("hf_bf16_vs_fp32", "ours_fp32_vs_hf_fp32", "hf_error") if k in out},
             "cuda_bf16_prefill_s": out["cuda_s"]}
 
 
