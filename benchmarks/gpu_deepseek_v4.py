@@ -228,11 +228,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--skip-fidelity", action="store_true")
+    ap.add_argument("--only-fidelity", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
            "torch": torch.__version__, "config": {**FLASH_WIDTH, **layout(args.layers)}}
+    if args.only_fidelity:
+        res["fidelity"] = fidelity(args.tokenizer_json)
+        print("fidelity", json.dumps(res["fidelity"]), flush=True)
+        out = Path(os.environ.get("OUT", "benchmarks/results"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"gpu_deepseek_v4_fidelity_{res['date']}_{commit}.json").write_text(json.dumps(res, indent=1))
+        return
     res["ceilings"] = ceil = ceilings()
     print(json.dumps(res["ceilings"]), flush=True)
     d = model_dir(args.tokenizer_json, **layout(args.layers))
