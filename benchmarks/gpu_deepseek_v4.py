@@ -180,8 +180,11 @@ def fidelity(tokenizer_json: str) -> dict:
     gc.collect()
     prompt = [(i * 7919) % 120000 + 100 for i in range(600)]   # 150 CSA entries > 2 x top-64, 4 HCA entries
     out = {}
-    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
-        llm = LLM(str(d), device=device, dtype=dtype, max_num_batched_tokens=1024, enforce_eager=True)
+    # the bar for bf16: our CPU bf16 path's own distance from fp32 (the CPU suite holds that to transformers'
+    # bf16 error; the device's transformers cannot run V4 in bf16)
+    for device, dtype in (("cpu", "float32"), ("cpu_bf16", "bfloat16"), ("cuda", "bfloat16")):
+        llm = LLM(str(d), device=device.removesuffix("_bf16"), dtype=dtype, max_num_batched_tokens=1024,
+                  enforce_eager=True, enable_prefix_caching=False)
         rows = []
         model = llm.engine.runner.model
         hook = model.register_forward_hook(lambda mod, i, o: rows.append(o.detach()))
@@ -197,20 +200,6 @@ def fidelity(tokenizer_json: str) -> dict:
         del llm, model, rows
         gc.collect()
         torch.cuda.empty_cache()
-    try:   # the bar: transformers' own bf16 forward vs its fp32 one (CPU) on the same checkpoint
-        import transformers
-
-        hf = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            m = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()
-            with torch.no_grad():
-                hf[dtype] = m(torch.tensor([prompt]), use_cache=False).logits[0].float()
-            del m
-            gc.collect()
-        out["hf_bf16_vs_fp32"] = ((hf[torch.bfloat16] - hf[torch.float32]).norm() / hf[torch.float32].norm()).item()
-        out["ours_fp32_vs_hf_fp32"] = ((out["cpu"] - hf[torch.float32]).norm() / hf[torch.float32].norm()).item()
-    except Exception:
-        out["hf_error"] = traceback.format_exc()[-1500:]
     a, b = out["cuda"], out["cpu"]
     agree = next((i for i, (x, y) in enumerate(zip(out["cuda_tokens"], out["cpu_tokens"])) if x != y), 16)
     shutil.rmtree(d, ignore_errors=True)
@@ -218,7 +207,9 @@ def fidelity(tokenizer_json: str) -> dict:
             "max_abs_logit_diff": (a - b).abs().max().item(), "logit_std": b.std().item(),
             "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
             "greedy_agreeing_prefix_of_16": agree, "cpu_fp32_prefill_s": out["cpu_s"],
-            **{k: out[k] for k in ("hf_bf16_vs_fp32", "ours_fp32_vs_hf_fp32", "hf_error") if k in out},
+            "cpu_bf16_vs_cpu_fp32": ((out["cpu_bf16"] - b).norm() / b.norm()).item(),
+            "cuda_bf16_vs_cpu_bf16": ((a - out["cpu_bf16"]).norm() / out["cpu_bf16"].norm()).item(),
+            "cpu_bf16_top1_agreement": (out["cpu_bf16"].argmax(-1) == b.argmax(-1)).float().mean().item(),
             "cuda_bf16_prefill_s": out["cuda_s"]}
 
 

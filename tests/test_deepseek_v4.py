@@ -149,6 +149,28 @@ def test_logits_equal_reference_through_random_chunks_and_batched_decode(v4):
     assert_pool_idle(engine)
 
 
+def test_bf16_is_as_close_to_fp32_as_the_reference_bf16(v4):
+    """Our bf16 path (the GPU dtype; float32 mHC, sinks, norms and compressor gates as the reference keeps
+    them) is no further from fp32 than transformers' own bf16 forward is from its fp32 one."""
+    path, hf32 = v4
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompts_of(90, seed=8)[0]
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    (_, ours32), = run_recording(engine_for(path), [prompt], params)
+    (_, ours16), = run_recording(engine_for(path, dtype="bfloat16"), [prompt], params)
+    hf16 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref32 = hf32(torch.tensor([prompt]), use_cache=False).logits[0]
+        ref16 = hf16(torch.tensor([prompt]), use_cache=False).logits[0].float()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(ours32, ref32) < 1e-5
+    assert rel(ours16, ours32) < 1.5 * rel(ref16, ref32)
+
+
 def test_full_prefill_equals_chunked_equals_token_by_token(v4_ties):
     path, _ = v4_ties
     prompt = prompts_of(90, seed=2)[0]

@@ -39,6 +39,23 @@ def torch_rotary(positions, cos, sin, *xs):
     return tuple(out)
 
 
+def torch_hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 mHC mixing weights from the stream projection `mixes` [T, (2+n)*n] (float32): pre [T, n],
+    post [T, n], and comb [T, n, n] projected onto doubly-stochastic matrices by Sinkhorn iterations."""
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise/normalization kernels a model uses, chosen once at start-up (like the attention
@@ -47,9 +64,10 @@ class LayerOps:
     add_rms_norm: Callable   # (x, residual, weight, eps) -> (normed, residual + x)
     silu_mul: Callable
     rotary: Callable         # (positions, cos, sin, *xs) -> rotated xs
+    hc_weights: Callable = torch_hc_weights   # DeepSeek-V4 mHC: (mixes, base, scale, n, iters, eps) -> pre, post, comb
 
 
-TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary)
+TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)
 
 
 class RMSNorm(nn.Module):

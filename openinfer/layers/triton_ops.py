@@ -1,5 +1,5 @@
 """Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
-the paged KV write. Each replaces several small torch kernels (the decode step is launch-bound at small
+the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each replaces several small torch kernels (the decode step is launch-bound at small
 batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py)."""
 
 from __future__ import annotations
@@ -110,4 +110,46 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
                                  flat.stride(0), flat.stride(1), flat.stride(2), D=D)
 
 
-TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary)
+@triton.jit
+def _hc_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_m, iters, eps,
+                       N: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    c = tl.arange(0, N)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    m = mix_ptr + rows[:, None] * stride_m
+    pre = tl.load(m + c[None, :], mask=rmask[:, None], other=0.0) * s0 + tl.load(base_ptr + c)[None, :]
+    post = tl.load(m + N + c[None, :], mask=rmask[:, None], other=0.0) * s1 + tl.load(base_ptr + N + c)[None, :]
+    tl.store(pre_ptr + rows[:, None] * N + c[None, :], tl.sigmoid(pre) + eps, mask=rmask[:, None])
+    tl.store(post_ptr + rows[:, None] * N + c[None, :], 2 * tl.sigmoid(post), mask=rmask[:, None])
+    cc = tl.arange(0, N * N)
+    w = tl.load(m + 2 * N + cc[None, :], mask=rmask[:, None], other=0.0) * s2 + tl.load(base_ptr + 2 * N + cc)[None, :]
+    w = tl.reshape(w, (BLOCK_T, N, N))
+    w = tl.exp(w - tl.max(w, axis=2)[:, :, None])
+    comb = w / tl.sum(w, axis=2)[:, :, None] + eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    tl.store(comb_ptr + rows[:, None] * (N * N) + cc[None, :], tl.reshape(comb, (BLOCK_T, N * N)), mask=rmask[:, None])
+
+
+def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
+    """Fused `torch_hc_weights` (needs n a power of two; the reference op otherwise)."""
+    if n & (n - 1):
+        from openinfer.layers.basic import torch_hc_weights
+
+        return torch_hc_weights(mixes, base, scale, n, iters, eps)
+    T = mixes.shape[0]
+    mixes = mixes.float()
+    pre = torch.empty(T, n, device=mixes.device, dtype=torch.float32)
+    post = torch.empty_like(pre)
+    comb = torch.empty(T, n, n, device=mixes.device, dtype=torch.float32)
+    block = 16
+    _hc_weights_kernel[(triton.cdiv(T, block),)](mixes, base.float(), scale.float(), pre, post, comb, T,
+                                                mixes.stride(0), iters, eps, N=n, BLOCK_T=block)
+    return pre, post, comb
+
+
+TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
+                      hc_weights=hc_weights)

@@ -40,7 +40,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     if hf.get("model_type") == "deepseek_v4":
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")
-        return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy)
+        return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy, ops)
     cfg = LlamaConfig.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
@@ -70,12 +70,12 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
 
 
 def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
-                       max_positions: int | None, dummy: bool) -> DeepseekV4ForCausalLM:
+                       max_positions: int | None, dummy: bool, ops: LayerOps) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg).cast(dtype)   # cast first: memory is only taken in the final dtypes
+        model = DeepseekV4ForCausalLM(cfg, ops).cast(dtype)   # cast first: memory is only taken in the final dtypes
     model = model.to_empty(device=device)
     for rope in model.ropes.values():
         rope.reset(device)

@@ -31,6 +31,7 @@ from torch import nn
 
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
+from openinfer.layers.basic import TORCH_OPS, LayerOps
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
@@ -552,27 +553,19 @@ class HyperConnection(nn.Module):
     the block input (pre), to spread the block output back (post), and an n x n stream mix projected onto
     doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference."""
 
-    def __init__(self, cfg: DeepseekV4Config):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
         n = self.n = cfg.hc_mult
         self.iters, self.eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.ops = ops
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size))
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, streams):
         """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed block input [T, H])."""
-        n = self.n
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        pre, post, comb = self.ops.hc_weights(mixes, self.base, self.scale, self.n, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return post, comb, collapsed
 
@@ -602,14 +595,14 @@ class HyperHead(nn.Module):
 
 # ---- decoder layer and model --------------------------------------------------------------------------
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.self_attn = DeepseekV4Attention(cfg, layer_type)
         self.mlp = MoE(cfg, hashed=mlp_type == "hash_moe")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn_hc = HyperConnection(cfg)
-        self.ffn_hc = HyperConnection(cfg)
+        self.attn_hc = HyperConnection(cfg, ops)
+        self.ffn_hc = HyperConnection(cfg, ops)
 
     def forward(self, streams, input_ids, positions, rope, state, meta):
         post, comb, h = self.attn_hc(streams)
@@ -625,13 +618,13 @@ class MTPLayer(nn.Module):
     and norm; the embedding and lm_head are the main model's. Drafting with it comes with speculative
     decoding; here it is loaded and runnable."""
 
-    def __init__(self, cfg: DeepseekV4Config):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe")
+        self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe", ops)
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -644,7 +637,8 @@ _FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.h
 class DeepseekV4ForCausalLM(nn.Module):
     supports_cuda_graphs = False    # decode reads max_decode_context_len on the host
 
-    def __init__(self, cfg: DeepseekV4Config):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
+        """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime."""
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -652,12 +646,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
         self.ropes = nn.ModuleDict({"main": InterleavedRope(cfg.main_rope, rd, mp),
                                     "compress": InterleavedRope(cfg.compress_rope, rd, mp)})
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m, ops)
                                     for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, ops) for _ in range(cfg.num_nextn_predict_layers))
         # which index of each cache kind a layer uses
         self._state_index = []
         counts = {CSA: 0, HCA: 0}
