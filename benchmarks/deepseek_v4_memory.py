@@ -29,12 +29,14 @@ def report(layer_types: list[str], block_size: int = 128, dtype=torch.bfloat16) 
     specs = model.cache_specs(dtype)
     paged = {s.name: s.bytes_per_block(block_size) / block_size for s in specs if isinstance(s, PagedCacheSpec)}
     state = {s.name: s.bytes_per_slot() for s in specs if isinstance(s, RequestStateSpec)}
+    snapshot = sum(s.bytes_per_slot() for s in specs if isinstance(s, RequestStateSpec) and s.needed_at_block_boundary)
     n_csa, n_hca = layer_types.count(CSA), layer_types.count(HCA)
     esize = torch.empty((), dtype=dtype).element_size()
     theory = n_csa * (cfg.head_dim + cfg.index_head_dim) * esize / 4 + n_hca * cfg.head_dim * esize / 128
     return {"layers": {"sliding": layer_types.count(SLIDING), "csa": n_csa, "hca": n_hca},
             "paged_bytes_per_token": paged, "paged_total": sum(paged.values()), "theory_bytes_per_token": theory,
-            "state_bytes_per_request": state, "state_total": sum(state.values())}
+            "state_bytes_per_request": state, "state_total": sum(state.values()),
+            "snapshot_bytes_per_kept_boundary": snapshot}
 
 
 def main() -> None:

@@ -71,16 +71,21 @@ class ModelRunner:
         # copies of per-request state at block boundaries, for prefix-cache hits (see KVCacheManager)
         self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
                                    for _ in range(s.num_layers)]
-                          for s in self.cache_specs if isinstance(s, RequestStateSpec) and self.num_state_snapshots}
+                          for s in self._snapshot_specs()}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode batch size -> graph
 
     # ---- cache allocation -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         return sum(s.bytes_per_block(self.block_size) for s in self.cache_specs if isinstance(s, PagedCacheSpec))
 
+    def _snapshot_specs(self) -> list[RequestStateSpec]:
+        return [s for s in self.cache_specs if isinstance(s, RequestStateSpec) and s.needed_at_block_boundary
+                and self.num_state_snapshots]
+
     def state_bytes(self) -> int:
-        return (self.num_state_slots + self.num_state_snapshots) * sum(
-            s.bytes_per_slot() for s in self.cache_specs if isinstance(s, RequestStateSpec))
+        live = sum(s.bytes_per_slot() for s in self.cache_specs if isinstance(s, RequestStateSpec))
+        return self.num_state_slots * live + self.num_state_snapshots * sum(
+            s.bytes_per_slot() for s in self._snapshot_specs())
 
     def _copy_states(self, pairs: list[tuple[int, int]], restore: bool) -> None:
         if not pairs:

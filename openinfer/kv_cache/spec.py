@@ -45,6 +45,9 @@ class RequestStateSpec:
     num_layers: int
     state_shape: tuple[int, ...]
     dtype: torch.dtype
+    # False when the state is empty at every block boundary (nothing to keep for prefix reuse), e.g. a
+    # compressor whose windows divide the block size
+    needed_at_block_boundary: bool = True
 
     def bytes_per_slot(self) -> int:
         return self.num_layers * _nbytes(self.state_shape, self.dtype)

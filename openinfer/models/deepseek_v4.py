@@ -10,7 +10,7 @@ Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
 - per running request (state slots): the sliding-window ring of the last W keys of every layer (`swa`,
   position p at row p % W) and the compressors' raw rows for windows not yet closed (`csa_rows`,
   `csa_index_rows`: the current and the previous window, since a CSA entry overlaps two windows;
-  `hca_rows`: the current window).
+  `hca_state`: an online-softmax running state of the open window).
 A prefill chunk runs per sequence (any start, any length: windows close wherever the chunk crosses a
 boundary); decode rows run batched. Both read the state a previous step left and write it back.
 
@@ -224,8 +224,10 @@ class Compressor(nn.Module):
     to two series and entry w pools the previous window's first series with window w's second (2*ratio
     slots; window 0 has no previous window).
 
-    Rows wait raw (`[kv | gate + position_bias]`, float32) in the request's ring of `ring_len` positions
-    until their window closes."""
+    State across steps, per request: overlapping compressors keep raw rows (`[kv | gate + position_bias]`,
+    float32) of the open window and the one before in a ring of `ring_len` positions (the next entry needs
+    the previous window's first series); the plain one (HCA) keeps an online-softmax running state of its
+    open window instead, [3, dim] float32: per-channel max gate, sum of exp, exp-weighted kv sum."""
 
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
         super().__init__()
@@ -260,7 +262,9 @@ class Compressor(nn.Module):
 
     def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]); keep the rows of open windows in `ring` [ring_len, 2*width]."""
+        ([blocks, entries_per_block, dim]); keep what open windows need in the request's state `ring`."""
+        if not self.overlap:
+            return self._online_chunk(ring, cache, new_rows, rope, p)
         r, dev = self.ratio, new_rows.device
         start, end = p.context_len - p.query_len, p.context_len
         first = max(start // r - (self.ring_len // r - 1), 0)     # oldest window whose rows are still needed
@@ -280,6 +284,8 @@ class Compressor(nn.Module):
     def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
         """Decode rows (one token each): store the row; rows that end a window write its entry, the others
         write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
+        if not self.overlap:
+            return self._online_decode(ring, cache, new_rows, positions, slots, tables, rope)
         r = self.ratio
         ring[slots, positions % self.ring_len] = new_rows
         window = (positions + 1) // r - 1
@@ -292,6 +298,58 @@ class Compressor(nn.Module):
         dst = torch.where(closes, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
                           (cache.shape[0] - 1) * epb)
         cache.view(-1, self.dim)[dst] = entries
+
+
+    # -- the plain compressor's online softmax: state [3, dim] = (max gate, sum exp, sum exp * kv) --
+    @staticmethod
+    def _merge(a, b):
+        """Combine two running states [..., 3, dim] (either may be empty: max -inf, sums 0)."""
+        m = torch.maximum(a[..., 0, :], b[..., 0, :])
+        safe = torch.where(torch.isinf(m), 0.0, m)
+        wa, wb = torch.exp(a[..., 0, :] - safe), torch.exp(b[..., 0, :] - safe)
+        return torch.stack((m, a[..., 1, :] * wa + b[..., 1, :] * wb,
+                            a[..., 2, :] * wa + b[..., 2, :] * wb), dim=-2)
+
+    def _pooled(self, state, windows, rope, dtype):
+        pooled = self.kv_norm((state[..., 2, :] / state[..., 1, :]).to(dtype))
+        cos, sin = rope.cos_sin(windows * self.ratio, dtype)
+        return apply_rope(pooled, cos, sin)
+
+    def _online_chunk(self, state, cache, new_rows, rope, p) -> None:
+        r, d, dev = self.ratio, self.dim, new_rows.device
+        start, end = p.context_len - p.query_len, p.context_len
+        lead, n = start % r, len(new_rows)
+        nw = -(-(lead + n) // r)
+        kv = torch.zeros(nw * r, d, device=dev)
+        gate = torch.full((nw * r, d), float("-inf"), device=dev)
+        kv[lead:lead + n], gate[lead:lead + n] = new_rows[:, :d], new_rows[:, d:]
+        kv, gate = kv.view(nw, r, d), gate.view(nw, r, d)
+        m = gate.max(dim=1).values
+        e = torch.exp(gate - m[:, None, :])
+        windows = torch.stack((m, e.sum(1), (e * kv).sum(1)), dim=1)         # [nw, 3, d]
+        if lead:                                                              # the open window's earlier rows
+            windows[0] = self._merge(state, windows[0])
+        closed = end // r - start // r
+        if closed:
+            ids = torch.arange(start // r, end // r, device=dev)
+            cache.view(-1, d)[entry_index(p.block_ids, ids, cache.shape[1])] = self._pooled(
+                windows[:closed], ids, rope, cache.dtype)
+        if end % r:
+            state.copy_(windows[-1])
+
+    def _online_decode(self, state, cache, new_rows, positions, slots, tables, rope) -> None:
+        r, d = self.ratio, self.dim
+        row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
+        old = state[slots]
+        fresh = (positions % r == 0)[:, None, None]                         # a window opens: drop the old one
+        merged = torch.where(fresh, row, self._merge(old, row))
+        state[slots] = merged
+        window = (positions + 1) // r - 1
+        closes = (positions + 1) % r == 0
+        entries = self._pooled(merged, window.clamp(min=0), rope, cache.dtype)
+        dst = torch.where(closes, entry_index(tables, window.clamp(min=0)[:, None], cache.shape[1])[:, 0],
+                          (cache.shape[0] - 1) * cache.shape[1])
+        cache.view(-1, d)[dst] = entries
 
 
 class Indexer(Compressor):
@@ -684,7 +742,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                       RequestStateSpec("csa_index_rows", n_csa, (2 * r_csa, 4 * Di), torch.float32)]
         if n_hca:
             specs += [PagedCacheSpec("hca_kv", n_hca, (D,), dtype, r_hca),
-                      RequestStateSpec("hca_rows", n_hca, (r_hca, 2 * D), torch.float32)]
+                      RequestStateSpec("hca_state", n_hca, (3, D), torch.float32, needed_at_block_boundary=False)]
         if len(self.mtp):
             specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window, D), dtype))
         return specs
@@ -696,7 +754,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             state.update(kv=caches["csa_kv"][j], rows=caches["csa_rows"][j], index=caches["csa_index"][j],
                          index_rows=caches["csa_index_rows"][j])
         elif t == HCA:
-            state.update(kv=caches["hca_kv"][j], rows=caches["hca_rows"][j])
+            state.update(kv=caches["hca_kv"][j], rows=caches["hca_state"][j])
         return state
 
     def _rope_for(self, layer_type: str) -> InterleavedRope:
