@@ -127,7 +127,7 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
     idle_measured = gaps / span if span > 0 else float("nan")
     # GPU time of the forward alone: the captured graph replayed back to back (device saturated)
     runner = eng.runner
-    bucket = next((b for b in sorted(runner.graphs) if b >= batch), None)
+    bucket = next((k for k in sorted(runner.graphs) if k[0] >= batch), None)
     fwd = float("nan")
     if bucket is not None:
         graph = runner.graphs[bucket][0]

@@ -72,7 +72,8 @@ class ModelRunner:
         self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
                                    for _ in range(s.num_layers)]
                           for s in self._snapshot_specs()}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode batch size -> graph
+        # (decode batch bucket, context the graph was captured for) -> (graph, its output)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- cache allocation -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -84,7 +85,7 @@ class ModelRunner:
 
     def state_bytes(self) -> int:
         live = sum(s.bytes_per_slot() for s in self.cache_specs if isinstance(s, RequestStateSpec))
-        return self.num_state_slots * live + self.num_state_snapshots * sum(
+        return (self.num_state_slots + 1) * live + self.num_state_snapshots * sum(
             s.bytes_per_slot() for s in self._snapshot_specs())
 
     def _copy_states(self, pairs: list[tuple[int, int]], restore: bool) -> None:
@@ -133,8 +134,8 @@ class ModelRunner:
             if isinstance(spec, PagedCacheSpec):
                 # one block more than the KV manager hands out: a scratch page for padded CUDA-graph rows
                 shape = (self.num_blocks + 1, *spec.block_shape(self.block_size))
-            else:
-                shape = (self.num_state_slots, *spec.state_shape)
+            else:   # one slot more than the KV manager hands out: scratch state for padded CUDA-graph rows
+                shape = (self.num_state_slots + 1, *spec.state_shape)
             caches[spec.name] = [self._zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
         return caches
 
@@ -142,12 +143,18 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, max_model_len: int) -> None:
         """Capture the model forward for decode-only batches of bucketed sizes. Padded rows attend to one
-        token of the scratch page and write their KV there, so they touch no real block."""
+        token of the scratch page and write their KV (and state) there, so they touch no real block or slot.
+
+        Models whose decode reads a context-sized gather (DeepSeek-V4's compressed entries:
+        `decode_graph_context_buckets`) get one graph per (batch bucket, power-of-two context bucket),
+        captured the first time a step needs it; the others, one per batch bucket at max_model_len, now."""
         sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
                  if b <= self.config.max_num_seqs] or [1]
         if sizes[-1] < self.config.max_num_seqs:
             sizes.append(self.config.max_num_seqs)
         dev, bs, n = self.device, self.block_size, sizes[-1]
+        self.graph_sizes, self.max_graph_context = sizes, max_model_len
+        self.context_buckets = getattr(self.model, "decode_graph_context_buckets", False)
         self.scratch_slot = self.num_blocks * bs
         width = -(-max_model_len // bs)
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -155,28 +162,43 @@ class ModelRunner:
         self.g_slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
         self.g_tables = torch.full((n, width), self.num_blocks, dtype=torch.long, device=dev)
         self.g_lens = torch.ones(n, dtype=torch.long, device=dev)
-        pool = torch.cuda.graph_pool_handle()
+        self.g_state_slots = torch.full((n,), self.num_state_slots, dtype=torch.long, device=dev)   # scratch slot
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        if self.context_buckets:
+            print("[openinfer] CUDA graphs for decode are captured on first use per (batch, context) bucket",
+                  file=sys.stderr, flush=True)
+            return
         t0 = time.perf_counter()
         for b in reversed(sizes):
-            meta = AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
-                                     decode_block_tables=self.g_tables[:b], decode_context_lens=self.g_lens[:b],
-                                     max_decode_context_len=max_model_len)
-            self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)      # warm-up (kernel compile)
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
-            self.graphs[b] = (graph, hidden)
+            self._capture(b, max_model_len)
         torch.cuda.synchronize(dev)
         print(f"[openinfer] captured CUDA graphs for decode batch sizes {sizes} in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
 
+    def _capture(self, b: int, context: int) -> None:
+        bs = self.block_size
+        meta = AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
+                                 decode_block_tables=self.g_tables[:b, :-(-context // bs)],
+                                 decode_context_lens=self.g_lens[:b], max_decode_context_len=context,
+                                 decode_state_slots=self.g_state_slots[:b] if self.num_state_slots else None)
+        self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)      # warm-up (kernel compile)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
+        self.graphs[(b, context)] = (graph, hidden)
+
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
-                       tables: list[list[int]], lens: list[int], fixups=None) -> torch.Tensor | None:
+                       tables: list[list[int]], lens: list[int], fixups=None, state_slots=None) -> torch.Tensor | None:
         b = len(ids)
-        bucket = next((s for s in sorted(self.graphs) if s >= b), None)
+        bucket = next((s for s in self.graph_sizes if s >= b), None)
         if bucket is None:
             return None
+        context = self.max_graph_context
+        if self.context_buckets:
+            context = min(max(self.block_size, 1 << (max(lens) - 1).bit_length()), self.max_graph_context)
+            if (bucket, context) not in self.graphs:
+                self._capture(bucket, context)
         host_tables = _pad_tables(tables, fill=self.num_blocks)
         width = host_tables.shape[1]
         dev = self.device
@@ -187,13 +209,16 @@ class ModelRunner:
         self.g_slots[:b].copy_(h2d(slots, dev))
         self.g_tables[:b, :width].copy_(h2d(torch.from_numpy(host_tables), dev))
         self.g_lens[:b].copy_(h2d(torch.tensor(lens, dtype=torch.long), dev))
-        graph, hidden = self.graphs[bucket]
+        if state_slots is not None and self.num_state_slots:
+            self.g_state_slots[:b].copy_(h2d(torch.tensor(state_slots, dtype=torch.long), dev))
+        graph, hidden = self.graphs[(bucket, context)]
         graph.replay()
-        # leave the padded rows pointing at the scratch page for the next replay
+        # leave the padded rows pointing at the scratch page (and scratch state slot) for the next replay
         self.g_slots[b:bucket].fill_(self.scratch_slot)
         self.g_tables[b:bucket].fill_(self.num_blocks)
         self.g_lens[b:bucket].fill_(1)
         self.g_tables[:b, width:].fill_(self.num_blocks)
+        self.g_state_slots[b:bucket].fill_(self.num_state_slots)
         return hidden[:b]
 
     # ---- one step ---------------------------------------------------------------------------------------
@@ -256,8 +281,8 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         hidden = None
-        if not prefills and self.graphs:
-            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups)
+        if not prefills and hasattr(self, "graph_sizes"):
+            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots)
         if hidden is None:
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots)

@@ -584,7 +584,8 @@ class Experts(nn.Module):
         T, k = experts.shape
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         rows = x[order // k]
         h = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs))
         y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
@@ -693,7 +694,13 @@ _FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.h
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    supports_cuda_graphs = False    # decode reads max_decode_context_len on the host
+    # decode gathers compressed entries up to max_decode_context_len: one graph per context bucket
+    decode_graph_context_buckets = True
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Graph capture needs the host-sync-free expert path (grouped GEMM: bf16 on CUDA)."""
+        return self.lm_head.weight.dtype == torch.bfloat16
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime."""
