@@ -285,7 +285,8 @@ def test_v4_cuda_graph_decode_equals_eager():
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     runs = {}
     for eager in (False, True):
-        llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=8)
+        llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=8,
+                  gpu_memory_utilization=0.3)
         logits: dict[str, list[torch.Tensor]] = {}
         execute = llm.engine.runner.execute
 
@@ -299,8 +300,9 @@ def test_v4_cuda_graph_decode_equals_eager():
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
         assert bool(llm.engine.runner.graphs) != eager
         runs[eager] = ([o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs])
-        del llm
+        del llm, recording, execute
         gc.collect()
+        torch.cuda.empty_cache()
     (tok_g, lg_g), (tok_e, lg_e) = runs[False], runs[True]
     for tg, te, a, b in zip(tok_g, tok_e, lg_g, lg_e):
         same = next((i for i, (x, y) in enumerate(zip(tg, te)) if x != y), len(te))
