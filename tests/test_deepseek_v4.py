@@ -307,3 +307,14 @@ def test_bad_configs_and_checkpoints_are_named(tmp_path, v4):
                                                  "mlp_layer_types": cfg["mlp_layer_types"] + ["moe"]}))
     with pytest.raises(ValueError, match="checkpoint lacks"):
         engine_for(bad)
+
+
+def test_cli_generate_on_the_tiny_model_says_weights_are_random():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "openinfer.entrypoints.cli", "generate", "--model", "deepseek-v4-tiny",
+                           "--device", "cpu", "--max-tokens", "8", "hi"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "### hi" in proc.stdout and "8 generated tokens" in proc.stdout
+    assert "random weights" in proc.stdout and "RANDOM weights" in proc.stderr

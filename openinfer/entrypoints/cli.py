@@ -42,7 +42,7 @@ def cmd_generate(args) -> int:
     llm = _make_llm(args)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()
-    if args.raw or not llm.tokenizer.chat_template:
+    if args.raw or not (llm.tokenizer.chat_template or llm.tokenizer.is_deepseek):
         outs = llm.generate(args.prompts, sp, use_tqdm=len(args.prompts) > 1)
     else:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp,
@@ -55,6 +55,10 @@ def cmd_generate(args) -> int:
     print(f"[{len(outs)} prompt(s): {sum(len(o.prompt_token_ids) for o in outs)} prompt tokens "
           f"({n_cached} cached), {n_out} generated tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s "
           f"on {llm.config.device}]")
+    from openinfer.loader.model_source import GENERATED
+
+    if args.model in GENERATED:
+        print(f"[{args.model} has random weights: the text above is noise; it exists for tests and demos]")
     return 0
 
 
