@@ -217,105 +217,54 @@ def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_bloc
     return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
 
 
-# ---- compressor (CSA / HCA pooling) -------------------------------------------------------------------
+# ---- compressors (CSA / HCA pooling) ------------------------------------------------------------------
 class Compressor(nn.Module):
     """One compressed entry per `ratio` source tokens: a per-channel softmax-gated sum of projected rows,
-    RMS-normed and RoPE'd at the window's first position. `overlap` (CSA and its indexer): each row projects
-    to two series and entry w pools the previous window's first series with window w's second (2*ratio
-    slots; window 0 has no previous window).
+    RMS-normed and RoPE'd at the window's first position. Each step gives it the rows of its new tokens
+    (`rows`); what an open window needs lives in the request's state between steps. The two kinds differ in
+    what a window pools and so in that state (see the subclasses)."""
 
-    State across steps, per request: overlapping compressors keep raw rows (`[kv | gate + position_bias]`,
-    float32) of the open window and the one before in a ring of `ring_len` positions (the next entry needs
-    the previous window's first series); the plain one (HCA) keeps an online-softmax running state of its
-    open window instead, [3, dim] float32: per-channel max gate, sum of exp, exp-weighted kv sum."""
+    width_factor = 1
 
-    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+    def __init__(self, hidden: int, dim: int, ratio: int, eps: float):
         super().__init__()
-        width = 2 * dim if overlap else dim
+        width = self.width_factor * dim
         self.kv_proj = nn.Linear(hidden, width, bias=False)
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
-        self.dim, self.ratio, self.overlap, self.width = dim, ratio, overlap, width
-        self.ring_len = (2 if overlap else 1) * ratio
+        self.dim, self.ratio, self.width = dim, ratio, width
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias."""
         gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
         return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
 
-    def entries(self, cur: torch.Tensor, prev: torch.Tensor | None, has_prev: torch.Tensor | None,
-                windows: torch.Tensor, rope: "InterleavedRope", dtype: torch.dtype) -> torch.Tensor:
-        """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N]."""
-        d, w = self.dim, self.width
-        if self.overlap:
-            prev_kv = torch.where(has_prev[:, None, None], prev[..., :d], 0.0)
-            prev_gate = torch.where(has_prev[:, None, None], prev[..., w:w + d], float("-inf"))
-            kv = torch.cat((prev_kv, cur[..., d:w]), dim=1)
-            gate = torch.cat((prev_gate, cur[..., w + d:]), dim=1)
-        else:
-            kv, gate = cur[..., :w], cur[..., w:]
-        kv = kv.to(dtype)
-        pooled = self.kv_norm((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1))
-        cos, sin = rope.cos_sin(windows * self.ratio, dtype)
+    def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, rope: "InterleavedRope") -> torch.Tensor:
+        pooled = self.kv_norm(pooled)
+        cos, sin = rope.cos_sin(windows * self.ratio, pooled.dtype)
         return apply_rope(pooled, cos, sin)
 
-    def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
-        """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]); keep what open windows need in the request's state `ring`."""
-        if not self.overlap:
-            return self._online_chunk(ring, cache, new_rows, rope, p)
-        r, dev = self.ratio, new_rows.device
-        start, end = p.context_len - p.query_len, p.context_len
-        first = max(start // r - (self.ring_len // r - 1), 0)     # oldest window whose rows are still needed
-        windows = torch.arange(start // r, end // r, device=dev)
-        if len(windows):
-            hist = torch.arange(first * r, start, device=dev)
-            rows = torch.cat((ring[hist % self.ring_len], new_rows))[:(end // r - first) * r]
-            win = rows.view(-1, r, rows.shape[-1])
-            local = windows - first
-            prev = win[(local - 1).clamp(min=0)] if self.overlap else None
-            entries = self.entries(win[local], prev, windows > 0, windows, rope, cache.dtype)
-            epb = cache.shape[1]
-            cache.view(-1, self.dim)[entry_index(p.block_ids, windows, epb)] = entries
-        keep = min(len(new_rows), self.ring_len)
-        ring[positions[-keep:] % self.ring_len] = new_rows[-keep:]
 
-    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
-        """Decode rows (one token each): store the row; rows that end a window write its entry, the others
-        write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
-        if not self.overlap:
-            return self._online_decode(ring, cache, new_rows, positions, slots, tables, rope)
-        r = self.ratio
-        ring[slots, positions % self.ring_len] = new_rows
-        window = (positions + 1) // r - 1
-        j = torch.arange(r, device=positions.device)
-        cur = ring[slots[:, None], (window[:, None] * r + j) % self.ring_len]
-        prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % self.ring_len] if self.overlap else None
-        entries = self.entries(cur, prev, window > 0, window.clamp(min=0), rope, cache.dtype)
-        epb = cache.shape[1]
-        closes = (positions + 1) % r == 0
-        dst = torch.where(closes, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
-                          (cache.shape[0] - 1) * epb)
-        cache.view(-1, self.dim)[dst] = entries
+class RunningCompressor(Compressor):
+    """HCA: entry w pools window w's rows. State: an online-softmax running state of the open window,
+    [3, dim] float32 (per-channel max gate, sum of exp, exp-weighted kv sum), merged across chunks; it is
+    empty at every window (so block) boundary."""
 
-
-    # -- the plain compressor's online softmax: state [3, dim] = (max gate, sum exp, sum exp * kv) --
     @staticmethod
     def _merge(a, b):
         """Combine two running states [..., 3, dim] (either may be empty: max -inf, sums 0)."""
         m = torch.maximum(a[..., 0, :], b[..., 0, :])
         safe = torch.where(torch.isinf(m), 0.0, m)
         wa, wb = torch.exp(a[..., 0, :] - safe), torch.exp(b[..., 0, :] - safe)
-        return torch.stack((m, a[..., 1, :] * wa + b[..., 1, :] * wb,
-                            a[..., 2, :] * wa + b[..., 2, :] * wb), dim=-2)
+        return torch.stack((m, a[..., 1, :] * wa + b[..., 1, :] * wb, a[..., 2, :] * wa + b[..., 2, :] * wb), dim=-2)
 
-    def _pooled(self, state, windows, rope, dtype):
-        pooled = self.kv_norm((state[..., 2, :] / state[..., 1, :]).to(dtype))
-        cos, sin = rope.cos_sin(windows * self.ratio, dtype)
-        return apply_rope(pooled, cos, sin)
+    def _entries(self, state, windows, rope, dtype):
+        return self._finish((state[..., 2, :] / state[..., 1, :]).to(dtype), windows, rope)
 
-    def _online_chunk(self, state, cache, new_rows, rope, p) -> None:
+    def close_chunk(self, state, cache, new_rows, positions, rope, p) -> None:
+        """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
+        ([blocks, entries_per_block, dim]); keep the open window's running state in `state` [3, dim]."""
         r, d, dev = self.ratio, self.dim, new_rows.device
         start, end = p.context_len - p.query_len, p.context_len
         lead, n = start % r, len(new_rows)
@@ -332,33 +281,88 @@ class Compressor(nn.Module):
         closed = end // r - start // r
         if closed:
             ids = torch.arange(start // r, end // r, device=dev)
-            cache.view(-1, d)[entry_index(p.block_ids, ids, cache.shape[1])] = self._pooled(
+            cache.view(-1, d)[entry_index(p.block_ids, ids, cache.shape[1])] = self._entries(
                 windows[:closed], ids, rope, cache.dtype)
         if end % r:
             state.copy_(windows[-1])
 
-    def _online_decode(self, state, cache, new_rows, positions, slots, tables, rope) -> None:
+    def close_decode(self, state, cache, new_rows, positions, slots, tables, rope) -> None:
+        """Decode rows (one token each): fold the row into the running state; rows that end a window write
+        its entry, the others write to the runner's scratch block (the last one), so the batch needs no
+        host-side branching."""
         r, d = self.ratio, self.dim
         row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
-        old = state[slots]
         fresh = (positions % r == 0)[:, None, None]                         # a window opens: drop the old one
-        merged = torch.where(fresh, row, self._merge(old, row))
+        merged = torch.where(fresh, row, self._merge(state[slots], row))
         state[slots] = merged
-        window = (positions + 1) // r - 1
-        closes = (positions + 1) % r == 0
-        entries = self._pooled(merged, window.clamp(min=0), rope, cache.dtype)
-        dst = torch.where(closes, entry_index(tables, window.clamp(min=0)[:, None], cache.shape[1])[:, 0],
+        window = ((positions + 1) // r - 1).clamp(min=0)
+        dst = torch.where((positions + 1) % r == 0, entry_index(tables, window[:, None], cache.shape[1])[:, 0],
                           (cache.shape[0] - 1) * cache.shape[1])
-        cache.view(-1, d)[dst] = entries
+        cache.view(-1, d)[dst] = self._entries(merged, window, rope, cache.dtype)
 
 
-class Indexer(Compressor):
+class OverlappingCompressor(Compressor):
+    """CSA (and its indexer): each row projects to two series; entry w pools the previous window's first
+    series with window w's second (2*ratio slots; window 0 has no previous window). State: the raw rows
+    (`[kv | gate + position_bias]`, float32) of the open window and the one before, in a ring of 2*ratio
+    positions."""
+
+    width_factor = 2
+
+    @property
+    def ring_len(self) -> int:
+        return 2 * self.ratio
+
+    def _entries(self, cur, prev, has_prev, windows, rope, dtype):
+        """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N]."""
+        d, w = self.dim, self.width
+        prev_kv = torch.where(has_prev[:, None, None], prev[..., :d], 0.0)
+        prev_gate = torch.where(has_prev[:, None, None], prev[..., w:w + d], float("-inf"))
+        kv = torch.cat((prev_kv, cur[..., d:w]), dim=1).to(dtype)
+        gate = torch.cat((prev_gate, cur[..., w + d:]), dim=1)
+        return self._finish((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1), windows, rope)
+
+    def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
+        """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
+        ([blocks, entries_per_block, dim]); keep the rows open windows need in `ring` [2*ratio, 2*width]."""
+        r, dev = self.ratio, new_rows.device
+        start, end = p.context_len - p.query_len, p.context_len
+        first = max(start // r - 1, 0)                            # oldest window whose rows are still needed
+        windows = torch.arange(start // r, end // r, device=dev)
+        if len(windows):
+            hist = torch.arange(first * r, start, device=dev)
+            rows = torch.cat((ring[hist % self.ring_len], new_rows))[:(end // r - first) * r]
+            win = rows.view(-1, r, rows.shape[-1])
+            local = windows - first
+            entries = self._entries(win[local], win[(local - 1).clamp(min=0)], windows > 0, windows, rope,
+                                    cache.dtype)
+            cache.view(-1, self.dim)[entry_index(p.block_ids, windows, cache.shape[1])] = entries
+        keep = min(len(new_rows), self.ring_len)
+        ring[positions[-keep:] % self.ring_len] = new_rows[-keep:]
+
+    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
+        """Decode rows (one token each): store the row; rows that end a window write its entry, the others
+        write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
+        r = self.ratio
+        ring[slots, positions % self.ring_len] = new_rows
+        window = (positions + 1) // r - 1
+        j = torch.arange(r, device=positions.device)
+        cur = ring[slots[:, None], (window[:, None] * r + j) % self.ring_len]
+        prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % self.ring_len]
+        entries = self._entries(cur, prev, window > 0, window.clamp(min=0), rope, cache.dtype)
+        epb = cache.shape[1]
+        dst = torch.where((positions + 1) % r == 0, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
+                          (cache.shape[0] - 1) * epb)
+        cache.view(-1, self.dim)[dst] = entries
+
+
+class Indexer(OverlappingCompressor):
     """Lightning indexer (CSA): its own overlapping compressor over index_head_dim keys, and scores
     sum_h w_h * relu(q_h . k) / sqrt(d_I) that keep the top `index_topk` closed entries per query.
     Ties go to the earlier entry, so appending tokens never changes an earlier query's choice."""
 
     def __init__(self, cfg: DeepseekV4Config, ratio: int):
-        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, cfg.rms_norm_eps)
         self.num_heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.dim, bias=False)
         self.scorer = nn.Module()
@@ -402,8 +406,8 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = None
         if layer_type != SLIDING:
             self.ratio = cfg.compress_rates[layer_type]
-            self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.ratio, layer_type == CSA,
-                                         cfg.rms_norm_eps)
+            kind = OverlappingCompressor if layer_type == CSA else RunningCompressor
+            self.compressor = kind(cfg.hidden_size, self.head_dim, self.ratio, cfg.rms_norm_eps)
             if layer_type == CSA:
                 self.compressor.indexer = Indexer(cfg, self.ratio)
 
