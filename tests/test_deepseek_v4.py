@@ -318,3 +318,27 @@ def test_cli_generate_on_the_tiny_model_says_weights_are_random():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "### hi" in proc.stdout and "8 generated tokens" in proc.stdout
     assert "random weights" in proc.stdout and "RANDOM weights" in proc.stderr
+
+
+def test_tiny_v4_serves_as_deepseek_v4_pro_over_http():
+    """`openinfer serve --model deepseek-v4-tiny`: served as DeepSeek-V4-Pro, prompts encoded by the recipe,
+    answered through the real openai client; another served name is refused at start."""
+    import openai
+
+    from tests.live_server import LiveServer
+
+    with LiveServer("deepseek-v4-tiny", max_num_seqs=4) as server:
+        assert server.served == "DeepSeek-V4-Pro"
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+        messages = [{"role": "user", "content": "hi"}]
+        r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=messages, max_tokens=6,
+                                           temperature=0, extra_body={"thinking": {"type": "disabled"}})
+        import deepseek_recipe as dr
+
+        enc = dr.DeepseekV4Encoding().with_tokenizer(dr.Tokenizer.from_file(str(V4_TOKENIZER_DIR / "tokenizer.json")))
+        conv = dr.ChatCompletionRequest({"model": "DeepSeek-V4-Pro", "messages": messages,
+                                         "thinking": {"type": "disabled"}}).convert(dr.ConversionOptions())
+        assert r.usage.prompt_tokens == len(enc.encode(conv.conversation))
+        assert r.usage.completion_tokens <= 6 and r.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="DeepSeek-V4-Pro"):
+        LiveServer("deepseek-v4-tiny", served_model_name="tiny")
