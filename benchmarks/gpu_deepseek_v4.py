@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_llama8b import ceilings  # noqa: E402
+from gpu_llama8b import ceilings, start_decoding  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
 from openinfer.models.deepseek_v4 import CSA, HCA  # noqa: E402
@@ -109,14 +109,7 @@ def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) 
 
 def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) -> dict:
     eng = llm.engine
-    g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        eng.add_request(torch.randint(100, 128000, (ctx,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
-        eng.step()
-    for _ in range(2):
-        eng.step()
+    start_decoding(eng, batch, ctx, steps + 10, warmup=2)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):

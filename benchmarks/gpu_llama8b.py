@@ -80,16 +80,21 @@ def args_batches() -> list[int]:
     return _BATCHES
 
 
-def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) -> dict:
-    eng = llm.engine
+def start_decoding(eng, batch: int, ctx: int, max_tokens: int, warmup: int) -> None:
+    """`batch` random prompts of `ctx` tokens, prefilled, then `warmup` decode steps (graphs captured)."""
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
-        eng.add_request(torch.randint(0, 128000, (ctx,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True))
+        eng.add_request(torch.randint(100, 128000, (ctx,), generator=g).tolist(),
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
         eng.step()
-    for _ in range(3):
+    for _ in range(warmup):
         eng.step()
+
+
+def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) -> dict:
+    eng = llm.engine
+    start_decoding(eng, batch, ctx, steps + 20, warmup=3)
     torch.cuda.synchronize()
     torch.cuda.synchronize()
     # observers (the originals still run): host time per phase, and CUDA events around each step's queued

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -72,7 +72,6 @@ class DeepseekV4Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     model_type: str = "deepseek_v4"
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV4Config":
@@ -374,7 +373,10 @@ class Indexer(OverlappingCompressor):
 
     def select(self, q, weights, keys, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> (entries [T, k], valid [T, k])."""
-        scores = torch.einsum("thd,tnd->thn", q.float(), keys.float().expand(q.shape[0], -1, -1))
+        if keys.shape[0] == 1:     # a prefill chunk: every query scores the same keys, no per-query copy
+            scores = torch.einsum("thd,nd->thn", q.float(), keys[0].float())
+        else:
+            scores = torch.einsum("thd,tnd->thn", q.float(), keys.float())
         scores = (F.relu(scores) * self.dim ** -0.5 * weights[..., None]).sum(1)          # [T, N]
         closed = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_closed[:, None]
         scores = scores.masked_fill(~closed, float("-inf"))
