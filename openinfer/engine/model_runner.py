@@ -126,6 +126,14 @@ class ModelRunner:
             return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def touch_cache_pages(self) -> None:
+        """Write every page of the caches now. A CPU pool is handed out lazily (see _zeros), so a long-running
+        server's memory would creep up as blocks are first used; a server calls this once to start at its
+        steady-state size."""
+        for tensors in (*self.caches.values(), *self.snapshots.values()):
+            for t in tensors:
+                t.zero_()
+
     def _allocate_caches(self) -> dict[str, list[torch.Tensor]]:
         """Per declared cache kind, one tensor per layer: [num_blocks, *block_shape] for paged kinds,
         [num_state_slots, *state_shape] for per-request state."""

@@ -2,12 +2,13 @@
 
 Routes: /health, /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /metrics,
 /tokenize, /detokenize. Errors are OpenAI-shaped (Anthropic-shaped on /v1/messages); bad input is a 4xx,
-never a 5xx or a hang. A client that disconnects aborts its request (its KV blocks are freed).
+never a 5xx or a hang. A client that disconnects aborts its request, streaming or not (`disconnect.py`); its
+KV blocks are freed. `request_timeout_s` bounds a request's life (queueing included): past it the request is
+aborted and answers 408 (or, once streaming, an error event).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import signal
@@ -23,9 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from openinfer.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
+from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError
 from openinfer.serving.metrics import EngineMetrics
 
@@ -38,6 +40,14 @@ class ServerConfig:
     served_model_name: str | None = None   # default: the --model argument
     max_waiting: int | None = None         # requests allowed to wait for a seat; more get 429
     graceful_shutdown_s: float = 30.0      # on SIGTERM: time in-flight requests get to finish
+    request_timeout_s: float | None = None  # a request still unfinished this long after arrival is aborted (408)
+
+    def __post_init__(self):
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
 def _is_anthropic(request: Request) -> bool:
@@ -70,8 +80,9 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         elif served not in DEEPSEEK_MODEL_NAMES:
             raise ValueError(f"a DeepSeek-V4 model is served as one of {DEEPSEEK_MODEL_NAMES}, "
                              f"not {served!r} (--served-model-name)")
-    metrics = EngineMetrics(served)
-    async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=metrics.observe_step)
+    metrics = EngineMetrics(served, engine)
+    async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=metrics.observe_step,
+                                  request_timeout_s=config.request_timeout_s)
     chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served)
     completions = CompletionsFrontend(async_engine, engine.tokenizer, served)
     state = {"accepting": True}
@@ -116,6 +127,10 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
                 return _error_response(request, APIError(401, "missing or invalid API key"))
         return await call_next(request)
 
+    # outermost, so it sees the server's own receive(): a hang-up cancels the route, which aborts the request
+    app.add_middleware(CancelOnDisconnect, paths=GENERATION_PATHS,
+                       on_disconnect=lambda path: metrics.observe_abort("client_disconnect"))
+
     def check_model(body: dict) -> None:
         model = body.get("model")
         if not isinstance(model, str):
@@ -123,26 +138,22 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         if model != served:
             raise APIError(404, f"model {model!r} does not exist; this server serves {served!r}", param="model")
 
-    async def run_guarded(request: Request, coro):
-        """Run a non-streaming generation; cancel it (aborting the request) if the client goes away."""
-        task = asyncio.ensure_future(coro)
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-        return task.result()
+    def api_error(e: Exception) -> APIError:
+        """What an engine-side failure means to the client."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, RequestTimeoutError):
+            metrics.observe_abort("timeout")
+            return APIError(408, str(e))
+        status = {QueueFullError: 429, EngineDeadError: 503}.get(type(e), 400)   # else ValueError: bad input
+        return APIError(status, str(e))
 
     def engine_errors(fn):
         async def wrapped(request: Request):
             try:
                 return await fn(request)
-            except QueueFullError as e:
-                raise APIError(429, str(e)) from None
-            except EngineDeadError as e:
-                raise APIError(503, str(e)) from None
-            except ValueError as e:
-                raise APIError(400, str(e)) from None
+            except (QueueFullError, EngineDeadError, RequestTimeoutError, ValueError) as e:
+                raise api_error(e) from None
         wrapped.__name__ = fn.__name__
         return wrapped
 
@@ -151,9 +162,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
             try:
                 async for name, data in events:
                     yield (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
-            except (QueueFullError, EngineDeadError, ValueError, APIError) as e:
-                err = e if isinstance(e, APIError) else APIError(503 if isinstance(e, EngineDeadError) else 400, str(e))
-                yield f"data: {json.dumps(err.body(False))}\n\n"
+            except (QueueFullError, EngineDeadError, RequestTimeoutError, ValueError, APIError) as e:
+                yield f"data: {json.dumps(api_error(e).body(False))}\n\n"
             if done is not None:
                 yield f"data: {done}\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream",
@@ -190,7 +200,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         check_model(body)
         prepared = chat.prepare(protocol, body)
         if not prepared.stream:
-            return Response(await run_guarded(request, chat.complete(prepared)), media_type="application/json")
+            return Response(await chat.complete(prepared), media_type="application/json")
         events = chat.events(prepared)
         try:
             events = await first_then_rest(events)
@@ -219,7 +229,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         check_model(body)
         req, ids, params = completions.prepare(body)
         if not req.stream:
-            return JSONResponse(await run_guarded(request, completions.complete(req, ids, params)))
+            return JSONResponse(await completions.complete(req, ids, params))
         chunks = await first_then_rest(completions.stream(req, ids, params))
 
         async def named():
@@ -262,10 +272,12 @@ async def _empty():
 
 def run_server(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish (up to
-    graceful_shutdown_s; the rest are aborted) and exit 0."""
+    graceful_shutdown_s; the rest are aborted) and exit 0. The KV pool is made resident first, so the
+    server's memory starts at its steady-state size instead of creeping up as blocks are first used."""
     import uvicorn
 
     app = build_app(engine, config, model_name)
+    engine.runner.touch_cache_pages()
     # uvicorn re-raises a caught SIGTERM once its graceful shutdown is done; with this handler in place
     # (uvicorn restores it before re-raising) that ends as a clean exit 0 instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

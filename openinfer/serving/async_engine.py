@@ -2,7 +2,8 @@
 
 Coroutines never touch the engine directly: they post commands (add / abort) to an inbox the engine thread
 drains between steps, and receive DELTA RequestOutputs on a per-request asyncio.Queue. A stream that ends
-early (client gone, task cancelled) aborts its request, which frees its KV blocks at the next step boundary.
+early (client gone, task cancelled, request timeout) aborts its request, which frees its KV blocks at the next
+step boundary.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from openinfer.engine.llm_engine import LLMEngine
@@ -26,11 +28,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop crashed; the server cannot serve requests."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's request timeout and was aborted."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 request_timeout_s: float | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s   # from submission (queueing included) to the last output
         self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -62,7 +70,8 @@ class AsyncLLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs of one request; aborts it if the consumer stops early."""
+        """Stream DELTA outputs of one request; aborts it if the consumer stops early or the request runs
+        past `request_timeout_s` (then RequestTimeoutError)."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         if self._stopping:
@@ -79,9 +88,18 @@ class AsyncLLMEngine:
         self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
         self._wake.set()
         finished = False
+        timeout = self.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                item = await q.get()
+                if deadline is None:
+                    item = await q.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), deadline - time.monotonic())
+                    except asyncio.TimeoutError:
+                        raise RequestTimeoutError(f"request aborted: it ran past the server's request timeout of "
+                                                  f"{timeout:g} s (--request-timeout)") from None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -80,6 +80,9 @@ class ChatFrontend:
         if n != 1:
             raise APIError(400, f"n={n!r} is not supported: only n=1 (one choice per request)", param="n")
         extras = None
+        if protocol == "chat" and body.get("max_completion_tokens") is not None:
+            # OpenAI's newer name for max_tokens (what the openai client sends); the recipe reads max_tokens
+            body = {**body, "max_tokens": body["max_completion_tokens"]}
         try:
             req = req_cls(body)
             if protocol == "responses":

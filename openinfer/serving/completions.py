@@ -24,7 +24,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16      # unset: 16 or what fits in the context; null: up to the context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -77,15 +77,29 @@ class CompletionsFrontend:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:
             self.engine.engine.validate_prompt(ids)
+            max_tokens = self._max_tokens(req, len(ids))
             params = SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                max_tokens=req.max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
                 logprobs=req.logprobs, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 ignore_eos=req.ignore_eos)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
         return req, ids, params
+
+    def _max_tokens(self, req: CompletionRequest, prompt_tokens: int) -> int | None:
+        """Checked before any work, as OpenAI and vLLM do: a requested max_tokens that does not fit beside the
+        prompt is a 400 naming the numbers; an unset one is lowered to what fits."""
+        limit = self.engine.engine.max_model_len
+        if "max_tokens" not in req.model_fields_set:
+            return max(1, min(req.max_tokens, limit - prompt_tokens))
+        if req.max_tokens is not None and prompt_tokens + req.max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the prompt, "
+                                f"{req.max_tokens} in the completion). Please reduce the length of the prompt "
+                                f"or completion.", param="max_tokens")
+        return req.max_tokens
 
     @staticmethod
     def _logprobs(c, start_offset: int, top_n: int) -> dict | None:

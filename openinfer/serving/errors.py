@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                 503: "service_unavailable_error"}
+                 408: "timeout_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                 429: "rate_limit_error", 503: "service_unavailable_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-                    503: "overloaded_error", 500: "api_error"}
+                    408: "timeout_error", 413: "request_too_large", 422: "invalid_request_error",
+                    429: "rate_limit_error", 503: "overloaded_error", 500: "api_error"}
 
 
 class APIError(Exception):

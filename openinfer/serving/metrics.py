@@ -1,4 +1,8 @@
-"""Prometheus metrics in the spirit of vLLM's names (`openinfer:` prefix), updated by the engine thread."""
+"""Prometheus metrics in the spirit of vLLM's names (`openinfer:` prefix).
+
+Gauges are read from the engine at scrape time (so they are current even when no step runs, e.g. after the
+last request was aborted); counters and histograms are updated by the engine thread after each step, and
+aborts by the server when it stops a request (client disconnect, request timeout)."""
 
 from __future__ import annotations
 
@@ -12,13 +16,19 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine: LLMEngine):
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
-        self.running = Gauge("openinfer:num_requests_running", "Requests in the running batch.", **label)
-        self.waiting = Gauge("openinfer:num_requests_waiting", "Requests waiting for a seat.", **label)
-        self.kv_usage = Gauge("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", **label)
-        self.prefix_hit_rate = Gauge("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).", **label)
+        kv, sched = engine.kv_manager, engine.scheduler
+        for name, doc, read in (
+                ("openinfer:num_requests_running", "Requests in the running batch.", lambda: len(sched.running)),
+                ("openinfer:num_requests_waiting", "Requests waiting for a seat.", lambda: len(sched.waiting)),
+                ("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage),
+                ("openinfer:kv_cache_blocks_in_use", "KV blocks held by requests (0 when idle: else a leak).",
+                 lambda: kv.num_blocks - kv.num_free_blocks),
+                ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).",
+                 lambda: kv.prefix_stats.hit_rate)):
+            Gauge(name, doc, **label).labels(model_name).set_function(read)
         self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
         self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
         self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
@@ -26,6 +36,9 @@ class EngineMetrics:
         self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens.", **label)
         self.success = Counter("openinfer:request_success", "Finished requests.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.aborted = Counter("openinfer:request_aborted", "Requests the server stopped: reason is "
+                               "client_disconnect (the HTTP client hung up) or timeout (--request-timeout).",
+                               labelnames=["model_name", "reason"], registry=self.registry)
         hist = {"labelnames": ["model_name"], "registry": self.registry, "buckets": _LATENCY_BUCKETS}
         self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token.", **hist)
         self.tpot = Histogram("openinfer:time_per_output_token_seconds", "Mean time per output token "
@@ -35,13 +48,11 @@ class EngineMetrics:
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self._num_out: dict[str, int] = {}
 
+    def observe_abort(self, reason: str) -> None:
+        self.aborted.labels(self.model, reason).inc()
+
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        m = self.model
-        self.running.labels(m).set(len(engine.scheduler.running))
-        self.waiting.labels(m).set(len(engine.scheduler.waiting))
-        kv = engine.kv_manager
-        self.kv_usage.labels(m).set(kv.usage())
-        self.prefix_hit_rate.labels(m).set(kv.prefix_stats.hit_rate)
+        m, kv = self.model, engine.kv_manager
         for key, counter, value in (("preemptions", self.preemptions, engine.scheduler.num_preemptions),
                                     ("queries", self.prefix_queries, kv.prefix_stats.queried_tokens),
                                     ("hits", self.prefix_hits, kv.prefix_stats.hit_tokens)):
