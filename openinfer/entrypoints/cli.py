@@ -1,4 +1,4 @@
-"""`openinfer` command line: generate, serve, bench offline, bench serve."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, bench offline / serve / soak."""
 
 from __future__ import annotations
 
@@ -10,20 +10,32 @@ import time
 from openinfer.config import DEFAULT_MODEL
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF directory or .gguf file")
-    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=128)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next")
+    return [
+        g.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF directory or .gguf file"),
+        g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)"),
+        g.add_argument("--dtype", default="auto"),
+        g.add_argument("--max-model-len", type=int, default=None),
+        g.add_argument("--max-num-seqs", type=int, default=256),
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048),
+        g.add_argument("--block-size", type=int, default=128),
+        g.add_argument("--no-prefix-caching", action="store_true"),
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None),
+        g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears"),
+        g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs"),
+        g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next"),
+    ]
+
+
+def _as_flags(args, actions: list[argparse.Action]) -> list[str]:
+    """The options of `args` that differ from their defaults, as command-line flags again."""
+    flags = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value != action.default:
+            flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return flags
 
 
 def _make_llm(args):
@@ -83,9 +95,10 @@ def cmd_bench_offline(args) -> int:
 def cmd_serve(args) -> int:
     from openinfer.serving.api_server import ServerConfig, run_server
 
-    llm = _make_llm(args)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+                          served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                          request_timeout_s=args.request_timeout)
+    llm = _make_llm(args)
     run_server(llm.engine, config, args.model)
     return 0
 
@@ -103,6 +116,32 @@ def cmd_bench_serve(args) -> int:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def cmd_bench_soak(args) -> int:
+    import tempfile
+
+    from openinfer.benchmarks.soak import SoakConfig, run_soak, serve_process
+
+    cfg = SoakConfig(base_url=args.base_url, clients=args.clients, duration_s=args.duration,
+                     cut_requests=args.cut_requests, fuzz_bodies=args.fuzz_bodies, max_tokens=args.max_tokens,
+                     rss_pid=args.server_pid, rss_interval_s=args.rss_interval, seed=args.seed)
+    if args.base_url is not None:
+        result = run_soak(cfg)
+    else:   # start our own server, so RSS is measured from its first moment
+        log = args.server_log or tempfile.mkstemp(prefix="openinfer-soak-server-", suffix=".log")[1]
+        with serve_process(_as_flags(args, args.engine_actions), log) as (base_url, proc):
+            cfg.base_url, cfg.rss_pid = base_url, proc.pid
+            result = run_soak(cfg)
+        result.update(server_args=_as_flags(args, args.engine_actions), server_exit_code=proc.returncode,
+                      server_log=log)
+        print(f"  server stopped with exit code {proc.returncode} (log: {log})")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    ok = (result["errors"] == 0 and result["server_5xx"] == 0 and result["leaked_blocks"] == 0
+          and result.get("server_exit_code", 0) == 0)
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer / x-api-key)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=None, help="queue limit; beyond it requests get 429")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="abort a request still unfinished this long after it arrived (408)")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -154,6 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--result-json", default=None)
     srv.set_defaults(func=cmd_bench_serve)
+    soak = bench_sub.add_parser("soak", help="hold a server under streaming load, cut requests and fuzzed bodies; "
+                                             "RSS over time, errors, leaked KV blocks")
+    soak.set_defaults(engine_actions=_engine_args(soak))     # for the server it starts
+    soak.add_argument("--base-url", default=None, help="soak a running server instead of starting one")
+    soak.add_argument("--server-pid", type=int, default=None, help="with --base-url: its pid, to sample RSS")
+    soak.add_argument("--server-log", default=None, help="where the started server writes its log")
+    soak.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    soak.add_argument("--duration", type=float, default=600, metavar="SECONDS")
+    soak.add_argument("--cut-requests", type=int, default=200, help="requests hung up on part-way")
+    soak.add_argument("--fuzz-bodies", type=int, default=1000, help="mutated request bodies")
+    soak.add_argument("--max-tokens", type=int, default=64, help="per streamed answer (drawn from [N/4, N])")
+    soak.add_argument("--rss-interval", type=float, default=5.0, metavar="SECONDS")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--result-json", default=None)
+    soak.set_defaults(func=cmd_bench_soak)
     return parser
 
 
