@@ -1,0 +1,126 @@
+"""A client that hangs up stops its request on every endpoint, limits are named before any work, a request
+timeout aborts, and a short soak leaves the pool idle with no 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from openinfer.benchmarks.soak import SoakConfig, metric_value, run_soak
+from tests.live_server import LiveServer
+
+MAX_MODEL_LEN = 1024
+LONG = "Write a very long story about a dragon who learns to sail, with many chapters."
+
+
+@pytest.fixture(scope="module")
+def server(smollm_dir):
+    with LiveServer(str(smollm_dir), served_model_name="smollm2", max_num_seqs=32, block_size=16,
+                    max_model_len=MAX_MODEL_LEN) as s:
+        yield s
+
+
+def _aborted(server, reason: str) -> float:
+    return metric_value(httpx.get(server.base_url + "/metrics").text, "openinfer:request_aborted_total", reason=reason)
+
+
+def test_hangup_aborts_non_streaming_request_on_every_endpoint(server):
+    """Four non-streaming requests (one per endpoint, real SDK clients) whose clients give up after 1 s: within
+    2 s the engine runs nothing and every KV block is free; each abort is counted."""
+    before = _aborted(server, "client_disconnect")
+    oai = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=1.0, max_retries=0)
+    ant = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", timeout=1.0, max_retries=0)
+    messages = [{"role": "user", "content": LONG}]
+    seen_running: list[int] = []
+
+    async def watch():   # just before the clients give up, all four are in the engine, holding blocks
+        await asyncio.sleep(0.85)
+        kv = server.engine.kv_manager
+        seen_running.extend([len(server.engine.requests), kv.num_blocks - kv.num_free_blocks])
+
+    async def go():
+        return await asyncio.gather(
+            oai.completions.create(model="smollm2", prompt=LONG, max_tokens=900, extra_body={"ignore_eos": True}),
+            oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=900),
+            oai.responses.create(model="smollm2", input=LONG, max_output_tokens=900),
+            ant.messages.create(model="smollm2", messages=messages, max_tokens=900),
+            watch(), return_exceptions=True)
+
+    results = asyncio.run(go())[:4]
+    hung_up = time.time()
+    assert all(isinstance(r, (openai.APITimeoutError, anthropic.APITimeoutError)) for r in results), results
+    assert seen_running[0] == 4 and seen_running[1] >= 4, seen_running
+    assert server.wait_idle(timeout=2.0), "a request kept running (or kept its blocks) after its client left"
+    assert time.time() - hung_up < 2.0
+    assert _aborted(server, "client_disconnect") - before == 4
+
+
+def test_too_long_is_400_naming_the_context_before_any_work(server):
+    messages = [{"role": "user", "content": "Name a color."}]
+    p_chat = httpx.post(server.base_url + "/tokenize", json={"messages": messages}).json()["count"]
+    p_text = len(server.llm.tokenizer.encode("Name a color."))
+    m = MAX_MODEL_LEN
+    queried = server.engine.kv_manager.prefix_stats.queried_tokens
+    cases = [("/v1/completions", {"prompt": "Name a color.", "max_tokens": m}, p_text),
+             ("/v1/chat/completions", {"messages": messages, "max_tokens": m}, p_chat),
+             ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": m}, p_chat),
+             ("/v1/responses", {"input": messages, "max_output_tokens": m}, p_chat),
+             ("/v1/messages", {"messages": messages, "max_tokens": m}, p_chat)]
+    for path, body, p in cases:
+        for stream in (False, True):
+            r = httpx.post(server.base_url + path, json={"model": "smollm2", "stream": stream, **body}, timeout=30)
+            assert r.status_code == 400, (path, body, r.text)
+            data = r.json()
+            msg = data["error"]["message"]
+            assert f"maximum context length is {m} tokens" in msg, msg
+            assert f"requested {p + m} tokens ({p} in the" in msg and f"{m} in the completion" in msg, msg
+            assert (data["type"] == "error") if path == "/v1/messages" else (data["error"]["code"] == 400)
+    assert server.engine.kv_manager.prefix_stats.queried_tokens == queried    # no request reached the engine
+    # max_tokens left unset: what fits (here 2 tokens beside a prompt of MAX_MODEL_LEN - 2)
+    prompt = [server.llm.tokenizer.encode(" hello")[0]] * (m - 2)
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": "smollm2", "prompt": prompt}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert server.wait_idle()
+
+
+def test_request_timeout_aborts_with_a_clear_error(server):
+    async_engine = server.app.state.async_engine
+    before = _aborted(server, "timeout")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    async_engine.request_timeout_s = 1.0
+    try:
+        start = time.time()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="smollm2", prompt=LONG, max_tokens=900, extra_body={"ignore_eos": True})
+        assert err.value.status_code == 408 and "request timeout of 1 s" in err.value.message
+        assert time.time() - start < 3
+        stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": LONG}],
+                                                max_tokens=900, stream=True)
+        with pytest.raises(openai.APIError, match="request timeout of 1 s"):
+            for _ in stream:
+                pass
+    finally:
+        async_engine.request_timeout_s = None
+    assert server.wait_idle(timeout=5)
+    assert _aborted(server, "timeout") - before == 2
+
+
+def test_short_soak_no_5xx_no_leaked_blocks(server):
+    """16 streaming clients for 20 s over the four endpoints, 50 cut requests, 200 fuzzed bodies."""
+    before = _aborted(server, "client_disconnect")
+    r = run_soak(SoakConfig(base_url=server.base_url, clients=16, duration_s=20, cut_requests=50, fuzz_bodies=200,
+                            max_tokens=32, rss_pid=os.getpid(), rss_interval_s=5), quiet=True)
+    assert r["errors"] == 0 and r["server_5xx"] == 0, r["error_samples"]
+    assert r["answers"] >= 16 and len(r["answers_by_endpoint"]) == 4
+    assert r["leaked_blocks"] == 0 and r["idle_after_load_s"] is not None
+    assert server.wait_idle()
+    cut = r["cuts"].get("stream", 0) + r["cuts"].get("non_streaming", 0)
+    assert cut >= 40
+    assert r["aborted_client_disconnect"] - before >= cut
