@@ -53,6 +53,10 @@ class EngineConfig:
     load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
     async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA, off for CPU
     quantization: str | None = None       # "int4": weight-only int4 linears, bf16 activations (CPU)
+    # FP8 checkpoints (DeepSeek's published format): quantize the activations of FP8 linears per token in
+    # groups of the weight block (E4M3, power-of-two scales), as DeepSeek's inference code does (W8A8);
+    # False: dequantize the weights only (W8A16), exactly "dequantize, then multiply" (docs/quantization.md)
+    quantize_activations: bool = True
 
     def __post_init__(self) -> None:
         if self.device is None:

@@ -7,6 +7,8 @@ request is done.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import torch
@@ -19,6 +21,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
 from openinfer.layers.basic import TORCH_OPS
+from openinfer.quantization.reference import weight_only_fp8_linear
 from openinfer.loader.model_source import resolve_model_dir
 from openinfer.loader.weights import build_model
 from openinfer.outputs import RequestMetrics, RequestOutput
@@ -32,8 +35,12 @@ def make_kernels(config: EngineConfig):
         from openinfer.layers.triton_attention import TritonPagedAttention
         from openinfer.layers.triton_ops import TRITON_OPS
 
-        return TritonPagedAttention(), TRITON_OPS
-    return TorchPagedAttention(), TORCH_OPS
+        backend, ops = TritonPagedAttention(), TRITON_OPS
+    else:
+        backend, ops = TorchPagedAttention(), TORCH_OPS
+    if not config.quantize_activations:
+        ops = dataclasses.replace(ops, fp8_linear=weight_only_fp8_linear(ops.grouped_gemm))
+    return backend, ops
 
 
 class LLMEngine:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.quantization import reference as quant_reference
+
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF semantics: normalize in float32, cast back, then scale by the weight."""
@@ -65,6 +67,10 @@ class LayerOps:
     silu_mul: Callable
     rotary: Callable         # (positions, cos, sin, *xs) -> rotated xs
     hc_weights: Callable = torch_hc_weights   # DeepSeek-V4 mHC: (mixes, base, scale, n, iters, eps) -> pre, post, comb
+    # published quantized weights (openinfer/quantization): (x, weight, scale, block) -> y, and
+    # (expert-sorted rows, offs, weight, scale, fmt, block) -> y
+    fp8_linear: Callable = quant_reference.fp8_linear
+    grouped_gemm: Callable = quant_reference.grouped_gemm
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

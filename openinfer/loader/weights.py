@@ -11,7 +11,10 @@ from safetensors import safe_open
 
 from openinfer.layers.attention import AttentionBackend
 from openinfer.layers.basic import TORCH_OPS, LayerOps
-from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+from openinfer.models.deepseek_v4 import (DeepseekV4Config, DeepseekV4ForCausalLM, Experts, hf_to_native,
+                                          native_to_hf, published_dtype)
+from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
+from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -19,14 +22,16 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every stored tensor, one at a time; cast to `dtype` if given, else as stored."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name).to(dtype)
+                t = sf.get_tensor(name)
+                yield name, t if dtype is None else t.to(dtype)
 
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
@@ -41,6 +46,9 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")
         return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy, ops)
+    if hf.get("quantization_config") is not None:
+        raise ValueError(f"{model_dir}: quantized checkpoints (quantization_config "
+                         f"{hf['quantization_config'].get('quant_method')!r}) are supported for DeepSeek-V4 only")
     cfg = LlamaConfig.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
@@ -69,32 +77,89 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     return model.eval()
 
 
+_STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
+                  "U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                  "I32": torch.int32, "I64": torch.int64}
+
+
 def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
                        max_positions: int | None, dummy: bool, ops: LayerOps) -> DeepseekV4ForCausalLM:
+    """Quantized weights stay as published (FP8 block-scaled, MXFP4 experts): which modules hold them is
+    read from the checkpoint's headers (or, for `dummy`, from the published layout), checked against the
+    config and the model's shapes on the meta device, and only then is memory allocated."""
     cfg = DeepseekV4Config.from_hf(hf)
+    scheme = QuantScheme.from_hf(hf)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg, ops).cast(dtype)   # cast first: memory is only taken in the final dtypes
+    if dummy:
+        formats = published_formats(model, scheme)
+    else:
+        headers = read_headers(model_dir)
+        pairs = pair_quantized(headers, scheme, is_expert=lambda n: native_to_hf(n)[1] is not None)
+        formats = {}
+        for name, q in pairs.items():
+            module = native_to_hf(name)[0].rsplit(".", 1)[0]
+            if formats.setdefault(module, q.fmt) != q.fmt:
+                raise ValueError(f"{module} mixes {formats[module]} and {q.fmt} weights ({name!r})")
+        scale_names = {q.scale.name: q.weight.name + "_scale" for q in pairs.values()}
+    if formats:
+        model.quantize(formats, scheme.block)
+    if not dummy:
+        model.load_weights(((scale_names.get(t.name, t.name), torch.empty(t.shape, dtype=_stored_dtype(t), device="meta"))
+                            for t in headers.values()), dry_run=True)
     model = model.to_empty(device=device)
     for rope in model.ropes.values():
         rope.reset(device)
     if dummy:
         init_deepseek_v4_random(model, seed=0)
     else:
-        model.load_weights(iter_safetensors(model_dir, torch.float32))
+        model.load_weights((scale_names.get(n, n), t) for n, t in iter_safetensors(model_dir))
     return model.eval()
+
+
+def _stored_dtype(t) -> torch.dtype:
+    if t.dtype not in _STORED_DTYPES:
+        raise ValueError(f"checkpoint tensor {t.name!r} is stored as {t.dtype}, which openinfer does not read")
+    return _STORED_DTYPES[t.dtype]
+
+
+def published_formats(model: DeepseekV4ForCausalLM, scheme: QuantScheme | None) -> dict[str, str]:
+    """Module -> "fp8" | "mxfp4" for the weights DeepSeek publishes quantized under `scheme` (None: none)."""
+    if scheme is None:
+        return {}
+    formats = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            formats[name] = scheme.expert_fmt
+        elif isinstance(module, torch.nn.Linear) and published_dtype(hf_to_native(name + ".weight"), "fp8") == "fp8":
+            formats[name] = "fp8"
+    return formats
 
 
 def init_deepseek_v4_random(model: DeepseekV4ForCausalLM, seed: int, std: float = 0.02) -> None:
     """Random weights of a working shape: normal(std) matrices, unit norms and mHC scales, small random
-    biases/sinks, a random hash table (tid2eid), so every branch carries signal."""
+    biases/sinks, a random hash table (tid2eid), so every branch carries signal. Quantized weights get
+    random stored values (FP8 values, E2M1 nibbles) with one power-of-two scale giving about the same std."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)   # drawn where the weights live (GB-sized on GPUs)
     n_experts = model.config.n_routed_experts
+    fp8_std, e2m1_std = 16.0, 2.93     # of randn*16 cast to E4M3, and of uniformly random E2M1 codes
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(("_hc.scale", "hc_head.hc_scale")):
+            if name.endswith("_scale") and p.dtype == torch.float8_e8m0fnu:
+                fmt = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "fmt", "fp8")
+                p.copy_(float_to_e8m0(pow2_ceil(torch.tensor(std / (e2m1_std if fmt == "mxfp4" else fp8_std)))
+                                      .expand(p.shape).to(dev)))
+            elif p.dtype == torch.uint8:          # packed E2M1
+                p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=dev, dtype=torch.uint8))
+            elif p.dtype == torch.float8_e4m3fn:  # in slices: no full-size float temporary
+                for i in range(0, p.shape[0], max(1, (64 << 20) // p[0].numel())):
+                    part = p[i:i + max(1, (64 << 20) // p[0].numel())]
+                    part.copy_((torch.randn(part.shape, generator=gen, device=dev, dtype=torch.bfloat16) * fp8_std)
+                               .clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+            elif name.endswith("norm.weight") or name.endswith(("_hc.scale", "hc_head.hc_scale")):
                 p.fill_(1.0)
             elif name.endswith(("sinks", "position_bias", "_hc.base", "hc_head.hc_base")):
                 p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.5)

@@ -32,6 +32,8 @@ from torch import nn
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.quantization.linear import stored_parameters, to_fp8_linear
+from openinfer.quantization.reference import dequantize_weight
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
@@ -438,10 +440,8 @@ class DeepseekV4Attention(nn.Module):
                     positions[sl], rows[sl], None if index_rows is None else index_rows[sl],
                     None if index_q is None else (index_q[0][sl], index_q[1][sl]), rope, state, meta, p))
             out[sl] = self._attend(q[sl], groups, banded=p is not None)
-        o = apply_rope(out, cos[:, None], -sin[:, None])
-        g = self.cfg.o_groups
-        w = self.o_a_proj.weight.view(g, -1, self.o_a_proj.weight.shape[1])
-        return self.o_b_proj(torch.einsum("tgi,gri->tgr", o.reshape(T, g, -1), w).flatten(1))
+        o = apply_rope(out, cos[:, None], -sin[:, None]).reshape(T, self.cfg.o_groups, -1)
+        return self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1))
 
     def _attend(self, q, groups, banded: bool, query_block: int = 512):
         """q [T, H, D] over key groups (keys, mask [T, L], picks): keys [T, L, D] per query, or [L, D] shared
@@ -523,6 +523,14 @@ class DeepseekV4Attention(nn.Module):
         return cache.view(-1, self.head_dim)[flat], valid, picked
 
 
+def grouped_projection(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [T, g, K] through a block-diagonal projection: group i uses rows [i*N/g, (i+1)*N/g) of the weight."""
+    if hasattr(proj, "forward_groups"):        # a quantized weight computes per group through its kernel
+        return proj.forward_groups(x)
+    w = proj.weight.view(x.shape[1], -1, proj.weight.shape[1])
+    return torch.einsum("tgi,gri->tgr", x, w)
+
+
 # ---- MoE ----------------------------------------------------------------------------------------------
 class SharedExpert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float):
@@ -565,25 +573,35 @@ class Experts(nn.Module):
     """Routed experts as stacked weights [E, 2I, H] / [E, H, I]: a grouped GEMM over expert-sorted rows on
     CUDA (no host sync), a loop over the experts hit elsewhere."""
 
-    def __init__(self, cfg: DeepseekV4Config):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
         E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.zeros(E, H, inter))
-        self.limit = cfg.swiglu_limit
+        self.limit, self.ops = cfg.swiglu_limit, ops
 
     def _act(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
 
+    @property
+    def grouped(self) -> bool:
+        return self.gate_up_proj.is_cuda and self.gate_up_proj.dtype == torch.bfloat16
+
+    def expert_linear(self, x, name: str, e: int):
+        return F.linear(x, getattr(self, name)[e])
+
+    def grouped_mm(self, rows, name: str, offs):
+        return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
+
     def forward(self, x, experts, weights):
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        if self.grouped:
             return self._grouped(x, experts, weights)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             tok, k = torch.where(experts == e)
-            h = self._act(F.linear(x[tok], self.gate_up_proj[e]))
-            out.index_add_(0, tok, (F.linear(h, self.down_proj[e]) * weights[tok, k, None]).to(x.dtype))
+            h = self._act(self.expert_linear(x[tok], "gate_up_proj", e))
+            out.index_add_(0, tok, (self.expert_linear(h, "down_proj", e) * weights[tok, k, None]).to(x.dtype))
         return out
 
     def _grouped(self, x, experts, weights):
@@ -593,17 +611,45 @@ class Experts(nn.Module):
         counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
         offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         rows = x[order // k]
-        h = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs))
-        y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        h = self._act(self.grouped_mm(rows, "gate_up_proj", offs))
+        y = self.grouped_mm(h, "down_proj", offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, y)
 
 
+class QuantizedExperts(Experts):
+    """Routed experts kept as published (MXFP4, or block FP8 in older conversions): `<name>` holds the
+    stored values and `<name>_scale` the E8M0 scales; GEMMs go through `LayerOps.grouped_gemm` (weights
+    dequantized in registers on CUDA), the CPU loop dequantizes one expert at a time (the reference)."""
+
+    def __init__(self, cfg: DeepseekV4Config, fmt: str, block: int, ops: LayerOps = TORCH_OPS):
+        nn.Module.__init__(self)
+        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if fmt == "fp8" and inter % block:
+            raise ValueError(f"block-FP8 experts need moe_intermediate_size ({inter}) divisible by the block "
+                             f"size {block} (w1 and w3 are stacked)")
+        self.gate_up_proj, self.gate_up_proj_scale = stored_parameters((E, 2 * inter, H), fmt, block)
+        self.down_proj, self.down_proj_scale = stored_parameters((E, H, inter), fmt, block)
+        self.fmt, self.block, self.limit, self.ops = fmt, block, cfg.swiglu_limit, ops
+
+    @property
+    def grouped(self) -> bool:
+        return self.gate_up_proj.is_cuda
+
+    def expert_linear(self, x, name: str, e: int):
+        w = dequantize_weight(getattr(self, name)[e], getattr(self, name + "_scale")[e], self.fmt, self.block)
+        return (x.float() @ w.T).to(x.dtype)
+
+    def grouped_mm(self, rows, name: str, offs):
+        return self.ops.grouped_gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt,
+                                     self.block)
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.gate = Router(cfg, hashed)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, ops)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            cfg.swiglu_limit)
 
@@ -663,7 +709,7 @@ class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.self_attn = DeepseekV4Attention(cfg, layer_type)
-        self.mlp = MoE(cfg, hashed=mlp_type == "hash_moe")
+        self.mlp = MoE(cfg, mlp_type == "hash_moe", ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg, ops)
@@ -711,7 +757,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime."""
         super().__init__()
-        self.config = cfg
+        self.config, self.ops = cfg, ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
@@ -796,14 +842,33 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = m.layer(streams, next_ids, positions, self.ropes["main"], {"swa": caches["mtp_swa"][k]}, meta)
         return self.lm_head(m.norm(m.hc_head(streams)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def quantize(self, formats: dict[str, str], block: int) -> None:
+        """Give the modules named in `formats` ("fp8" | "mxfp4") stored-format weights; called on the meta
+        model before allocation, so memory is only ever taken in the published formats."""
+        for name, fmt in formats.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = self.get_submodule(parent_name)
+            module = getattr(parent, child)
+            if isinstance(module, Experts):
+                with torch.device(module.gate_up_proj.device):
+                    new = QuantizedExperts(self.config, fmt, block, self.ops)
+            elif isinstance(module, nn.Linear) and fmt == "fp8":
+                new = to_fp8_linear(module, block, self.ops, self.config.o_groups if child == "o_a_proj" else 1)
+            else:
+                raise ValueError(f"{name} cannot hold {fmt} weights")
+            setattr(parent, child, new)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dry_run: bool = False) -> None:
         """Tensors named as transformers' modules or as the upstream checkpoint (what `save_pretrained`
         writes: `attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...; renamed by transformers' own rules,
-        see `native_to_hf`); `mtp.{k}.*` for the MTP heads. Every parameter and routing buffer must be
-        covered exactly once. A checkpoint without MTP tensors (transformers drops them) drops the heads."""
+        see `native_to_hf`); `mtp.{k}.*` for the MTP heads; quantized weights as stored with their scales
+        named `<weight>_scale` (the loader's canonical name for `.scale` / `.weight_scale_inv`). Every
+        parameter and routing buffer must be covered exactly once. A checkpoint without MTP tensors
+        (transformers drops them) drops the heads. `dry_run`: check names and shapes only (meta tensors
+        are fine), before anything is allocated."""
         params = dict(self.named_parameters())
         params.update({n: b for n, b in self.named_buffers() if n.endswith(("tid2eid", "e_score_correction_bias"))})
-        n_experts, inter = self.config.n_routed_experts, self.config.moe_intermediate_size
+        n_experts = self.config.n_routed_experts
         loaded = set()
         for name, tensor in weights:
             name, part = native_to_hf(name)
@@ -813,25 +878,32 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM")
             dst = params[name].data
             key = name
-            if part is not None:            # one expert's w1 / w3 / w2 of a stacked parameter
+            if part is not None:            # one expert's w1 / w3 / w2 (or its scale) of a stacked parameter
                 e, w = part
                 if e >= n_experts:
                     raise ValueError(f"checkpoint expert {e} of {name!r} is beyond n_routed_experts={n_experts}")
-                dst = dst[e] if w == "w2" else dst[e, :inter] if w == "w1" else dst[e, inter:]
+                half = dst.shape[1] // 2
+                dst = dst[e] if w == "w2" else dst[e, :half] if w == "w1" else dst[e, half:]
                 key = f"{name}#{e}.{w}"
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
+            stored_raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
+            if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
+                raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but its place holds "
+                                 f"{dst.dtype}: quantized weights are never read as plain floats")
+            if not dry_run:
+                dst.copy_(tensor.view(dst.dtype) if stored_raw and tensor.dtype.itemsize == 1 == dst.dtype.itemsize
+                          else tensor.to(dst.dtype))
             loaded.add(key)
         if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
             self.mtp = nn.ModuleList()
         expected = set()
         for n in (*dict(self.named_parameters()), *[b for b in dict(self.named_buffers())
                                                      if b.endswith(("tid2eid", "e_score_correction_bias"))]):
-            if n.endswith("experts.gate_up_proj") and n not in loaded:
+            if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")) and n not in loaded:
                 expected |= {f"{n}#{e}.{w}" for e in range(n_experts) for w in ("w1", "w3")}
-            elif n.endswith("experts.down_proj") and n not in loaded:
+            elif n.endswith(("experts.down_proj", "experts.down_proj_scale")) and n not in loaded:
                 expected |= {f"{n}#{e}.w2" for e in range(n_experts)}
             else:
                 expected.add(n)
@@ -858,7 +930,7 @@ _NATIVE_RENAMES = [(re.compile(a), b) for a, b in (
     (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))]
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight(_scale)?$")
 _MTP_OWN = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head")
 
 
@@ -878,5 +950,52 @@ def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
     name = prefix + name
     m = _EXPERT.match(name)
     if m:
-        return m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj"), (int(m.group(2)), m.group(3))
+        stacked = m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj") + (m.group(4) or "")
+        return stacked, (int(m.group(2)), m.group(3))
     return name, None
+
+
+# the inverse: our parameter name -> the upstream checkpoint's (for writing checkpoints in the published layout)
+_HF_TO_NATIVE = [(re.compile(a), b) for a, b in (
+    (r"^embed_tokens\.weight$", "embed.weight"), (r"^lm_head\.weight$", "head.weight"),
+    (r"(^|\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2"),
+    (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."), (r"\.compressor\.indexer\.", ".indexer.compressor."),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."), (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."), (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.self_attn\.", ".attn."), (r"\.attn\.q_a_proj\.", ".attn.wq_a."), (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."), (r"\.attn\.o_a_proj\.", ".attn.wo_a."), (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
+    (r"\.attn\.q_a_norm\.", ".attn.q_norm."), (r"\.attn\.sinks$", ".attn.attn_sink"), (r"\.mlp\.", ".ffn."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"), (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"^mtp\.(\d+)\.layer\.", r"mtp.\1."))]
+
+# which upstream tensors DeepSeek publishes in FP8 (block-scaled); routed experts follow `expert_dtype`;
+# float32 ones; everything else (embeddings, head, norms, router, compressors, indexer weights_proj) is bf16
+_PUBLISHED_FP8 = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
+                            r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
+_PUBLISHED_FP32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.attn_sink|\.ape|\.gate\.bias)$")
+
+
+def hf_to_native(name: str) -> str:
+    """The upstream checkpoint's name of one of our (non-expert) tensors; `native_to_hf` inverts it."""
+    for pattern, repl in _HF_TO_NATIVE:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def published_dtype(native_name: str, expert_fmt: str | None) -> str:
+    """"fp8" | "mxfp4" | "fp32" | "bf16" | "int": how DeepSeek publishes an upstream tensor; `expert_fmt`
+    None means a bf16 checkpoint (nothing quantized)."""
+    if native_name.endswith("tid2eid"):
+        return "int"
+    if _PUBLISHED_FP32.search(native_name):
+        return "fp32"
+    if expert_fmt is not None:
+        if native_to_hf(native_name)[1] is not None:      # one routed expert's w1 / w2 / w3
+            return expert_fmt
+        if _PUBLISHED_FP8.search(native_name):
+            return "fp8"
+    return "bf16"

@@ -1,0 +1,68 @@
+"""Layers that keep published quantized weights as stored and compute through the kernel interface
+(`LayerOps.fp8_linear` / `LayerOps.grouped_gemm`, chosen once at start-up: the float32 reference on the CPU,
+Triton on CUDA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.quantization.formats import MXFP4_GROUP, fp8_scale_shape, mxfp4_scale_shape
+
+
+def stored_parameters(shape: tuple[int, ...], fmt: str, block: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """(weight, scale) parameters holding a quantized weight of logical shape [..., N, K] as published."""
+    *lead, n, k = shape
+    if fmt == "fp8":
+        w = torch.empty(shape, dtype=torch.float8_e4m3fn)
+        s = torch.empty(fp8_scale_shape(shape, block), dtype=torch.float8_e8m0fnu)
+    elif fmt == "mxfp4":
+        if k % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 needs in_features divisible by {MXFP4_GROUP}, got {k}")
+        w = torch.empty((*lead, n, k // 2), dtype=torch.uint8)
+        s = torch.empty(mxfp4_scale_shape(shape), dtype=torch.float8_e8m0fnu)
+    else:
+        raise ValueError(f"unknown quantized weight format {fmt!r} (fp8, mxfp4)")
+    return nn.Parameter(w, requires_grad=False), nn.Parameter(s, requires_grad=False)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T with W stored FP8 E4M3 plus one E8M0 scale per block x block tile (no bias: DeepSeek's
+    projections have none)."""
+
+    def __init__(self, in_features: int, out_features: int, block: int, ops: LayerOps = TORCH_OPS):
+        super().__init__()
+        self.in_features, self.out_features, self.block, self.ops = in_features, out_features, block, ops
+        self.weight, self.weight_scale = stored_parameters((out_features, in_features), "fp8", block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.ops.fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.block)
+        return y.view(*shape[:-1], self.out_features)
+
+    def forward_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal use (DeepSeek-V4's grouped output projection `wo_a`): x [T, g, K]; group i
+        multiplies by rows [i*N/g, (i+1)*N/g) of W, whose scale tiles it owns whole (checked at
+        construction). One grouped GEMM with the groups as experts, weight-only: DeepSeek's inference code
+        dequantizes `wo_a` to bf16 and multiplies unquantized activations, and so does this."""
+        T, g, k = x.shape
+        rows = x.transpose(0, 1).reshape(g * T, k)
+        offs = torch.arange(1, g + 1, dtype=torch.int32, device=x.device) * T
+        w = self.weight.view(g, -1, k)
+        s = self.weight_scale.view(g, -1, self.weight_scale.shape[-1])
+        return self.ops.grouped_gemm(rows, offs, w, s, "fp8", self.block).view(g, T, -1).transpose(0, 1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
+
+
+def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1) -> Fp8Linear:
+    """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time)."""
+    if linear.bias is not None:
+        raise ValueError("FP8 block-scaled linears have no bias")
+    if (linear.out_features // groups) % block:
+        raise ValueError(f"a grouped FP8 projection needs whole {block}-row scale tiles per group; "
+                         f"{linear.out_features} rows in {groups} groups")
+    with torch.device(linear.weight.device):
+        return Fp8Linear(linear.in_features, linear.out_features, block, ops)
