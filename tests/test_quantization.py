@@ -96,6 +96,8 @@ def test_activation_quantization_is_bit_exact_with_deepseek_act_quant(block):
     x = (torch.randn(7, 256, generator=torch.Generator().manual_seed(block)) * 3).to(torch.bfloat16)
     x[2, :block] = 0                                           # an all-zero group: amax floor
     x[3, 5] = 1e4                                              # an outlier: saturating group
+    x[4, 0] = 448.0                                            # amax/448 exactly a power of two
+    x[5, :block] = 0.5
     q_ref, s_ref = k.act_quant(x, block, "ue8m0")
     q, s = quantize_activations(x, block)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

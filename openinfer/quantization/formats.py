@@ -7,7 +7,7 @@ is tested against).
 - MXFP4 (`expert_dtype: fp4`): E2M1 values packed two per byte, the even element in the low nibble
   ([N, K/2], an int8/uint8 container), one E8M0 scale per 32 consecutive input-channel values ([N, K/32]).
 - Activations of FP8 GEMMs are quantized the way DeepSeek's inference code does (`act_quant`): per token,
-  groups of `block` channels, scale = 2^ceil(log2(amax / 448)) (amax floored at 1e-4), values rounded to
+  groups of `block` channels, scale = 2^ceil(log2(amax * fp32(1/448))) (amax floored at 1e-4), values rounded to
   nearest-even E4M3 and clamped to +-448.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0
+_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
 MXFP4_GROUP = 32
 E8M0_BIAS = 127
 # E2M1 by 4-bit code (bit 3 is the sign)
@@ -77,7 +78,8 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     `act_quant` semantics with `scale_fmt="ue8m0"` (see the module docstring)."""
     m, k = x.shape
     xg = torch.nn.functional.pad(x.float(), (0, -k % block)).view(m, -1, block)
-    scale = pow2_ceil(xg.abs().amax(-1).clamp(min=1e-4) / FP8_MAX)
+    # times float32(1/448) as DeepSeek's kernel does (for every bf16 amax this equals dividing by 448)
+    scale = pow2_ceil(xg.abs().amax(-1).clamp(min=1e-4) * _FP8_MAX_INV)
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(1)[:, :k], scale
 
