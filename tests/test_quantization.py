@@ -349,3 +349,12 @@ def test_bad_quantized_checkpoints_are_named_before_allocation(tmp_path, publish
         shutil.copy(src / f, tmp_path / "odd" / f)
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         engine_for(tmp_path / "odd", load_format="dummy")
+
+
+def test_cli_runs_a_published_checkpoint_with_either_activation_mode(published):
+    src, _ = published
+    for extra in ([], ["--no-quantize-activations"]):
+        proc = subprocess.run([sys.executable, "-m", "openinfer", "generate", "--model", str(src), "--device", "cpu",
+                               "--max-tokens", "4", "--raw", *extra, "Hello"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "tok/s" in proc.stdout + proc.stderr

@@ -25,6 +25,10 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears"),
         g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs"),
         g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next"),
+        g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                       help="dummy: random weights of the checkpoint's shape and formats"),
+        g.add_argument("--no-quantize-activations", action="store_true",
+                       help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
     ]
 
 
@@ -45,7 +49,8 @@ def _make_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
-               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None)
+               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+               load_format=args.load_format, quantize_activations=not args.no_quantize_activations)
 
 
 def cmd_generate(args) -> int:
