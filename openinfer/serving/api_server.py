@@ -66,6 +66,12 @@ async def _json_body(request: Request) -> dict:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if b"\\u" in raw:    # a JSON escape can spell a lone UTF-16 surrogate ("\udcff"): not text, tokenizers reject it
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"request body is not valid Unicode text: a lone surrogate "
+                                f"{e.object[e.start:e.end]!r} (a \\uD800-\\uDFFF escape without its pair)") from None
     return body
 
 
