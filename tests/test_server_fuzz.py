@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tests.live_server import LiveServer
 
 junk = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
-                 st.text(max_size=20), st.lists(st.integers(-5, 200_000), max_size=4),
+                 st.text(max_size=20), st.sampled_from(["\udcff", "a\ud800b"]),   # lone surrogates: not text
+                 st.lists(st.integers(-5, 200_000), max_size=4),
                  st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus", ""]),
                                  "content": st.one_of(st.text(max_size=30), junk)})

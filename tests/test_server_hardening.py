@@ -4,6 +4,7 @@ timeout aborts, and a short soak leaves the pool idle with no 5xx."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -37,12 +38,14 @@ def test_hangup_aborts_non_streaming_request_on_every_endpoint(server):
     oai = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=1.0, max_retries=0)
     ant = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", timeout=1.0, max_retries=0)
     messages = [{"role": "user", "content": LONG}]
-    seen_running: list[int] = []
+    most = {"requests": 0, "blocks": 0}
 
-    async def watch():   # just before the clients give up, all four are in the engine, holding blocks
-        await asyncio.sleep(0.85)
+    async def watch():   # before the clients give up, all four are in the engine, holding blocks
         kv = server.engine.kv_manager
-        seen_running.extend([len(server.engine.requests), kv.num_blocks - kv.num_free_blocks])
+        for _ in range(45):
+            await asyncio.sleep(0.02)
+            most["requests"] = max(most["requests"], len(server.engine.requests))
+            most["blocks"] = max(most["blocks"], kv.num_blocks - kv.num_free_blocks)
 
     async def go():
         return await asyncio.gather(
@@ -53,11 +56,9 @@ def test_hangup_aborts_non_streaming_request_on_every_endpoint(server):
             watch(), return_exceptions=True)
 
     results = asyncio.run(go())[:4]
-    hung_up = time.time()
     assert all(isinstance(r, (openai.APITimeoutError, anthropic.APITimeoutError)) for r in results), results
-    assert seen_running[0] == 4 and seen_running[1] >= 4, seen_running
+    assert most["requests"] == 4 and most["blocks"] >= 4, most
     assert server.wait_idle(timeout=2.0), "a request kept running (or kept its blocks) after its client left"
-    assert time.time() - hung_up < 2.0
     assert _aborted(server, "client_disconnect") - before == 4
 
 
@@ -88,6 +89,22 @@ def test_too_long_is_400_naming_the_context_before_any_work(server):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2 and r.json()["choices"][0]["finish_reason"] == "length"
     assert server.wait_idle()
+
+
+def test_lone_surrogate_is_400_not_500(server):
+    """A JSON escape like "\\udcff" is valid JSON but not text (the soak's fuzzer found it as a 500)."""
+    bodies = {"/v1/completions": {"prompt": "a\udcffb", "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "\udcff"}], "max_tokens": 2},
+              "/v1/responses": {"input": "\ud800", "max_output_tokens": 2},
+              "/v1/messages": {"messages": [{"role": "user", "content": "\udcff"}], "max_tokens": 2},
+              "/tokenize": {"prompt": "\udcff"}}
+    for path, body in bodies.items():
+        raw = json.dumps({"model": "smollm2", **body}).encode()     # ASCII, with the escape spelled out
+        r = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.text, (path, r.text)
+    ok = json.dumps({"model": "smollm2", "prompt": "smile \ud83d\ude00", "max_tokens": 1}).encode()   # a pair
+    assert httpx.post(server.base_url + "/v1/completions", content=ok,
+                      headers={"content-type": "application/json"}).status_code == 200
 
 
 def test_request_timeout_aborts_with_a_clear_error(server):
