@@ -1,6 +1,7 @@
 """DeepSeek-V4 on one GPU, in one device call: a V4-Flash-width model (hidden 4096, 64 heads of 512, q-LoRA
 1024, 256 routed experts top-6, grouped output projection, mHC x4, CSA/HCA) with fewer layers and random
-bf16 weights, through the engine.
+weights in bf16 and in DeepSeek's published formats (FP8 128 x 128 block-scaled dense weights, MXFP4 routed
+experts; `--weights`), through the engine.
 
 Measures, in the same run: the copy-bandwidth and bf16-matmul ceilings; then
  (a) decode step time at batch 1/32/128 with 1K context vs the floor max(bytes/BW, flops/peak), bytes being
@@ -62,11 +63,20 @@ def layout(n: int) -> dict:
     return dict(num_hidden_layers=n, layer_types=types, mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1))
 
 
-def weight_bytes(model) -> dict:
-    """Bytes of the weights: experts apart (a step reads only those it routes to), embedding apart."""
+# the published formats (V4-Flash: FP8 128 x 128 block scales, MXFP4 routed experts)
+PUBLISHED = dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+                                      "fmt": "e4m3", "activation_scheme": "dynamic"}, expert_dtype="fp4")
+
+
+def weight_bytes(model, params: bool = False) -> dict:
+    """Bytes of the weights as stored (scales included): experts apart (a step reads only those it routes
+    to), embedding apart. `params`: count parameters instead (a packed FP4 byte holds two)."""
     experts = other = embed = 0
     for name, p in model.named_parameters():
-        b = p.numel() * p.element_size()
+        if params:
+            b = 0 if name.endswith("_scale") else p.numel() * (2 if p.dtype == torch.uint8 else 1)
+        else:
+            b = p.numel() * p.element_size()
         if ".experts." in name:
             experts += b
         elif name.startswith("embed_tokens"):
@@ -99,7 +109,8 @@ def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) 
                 bytes_kv += entries * Di * 2
                 flops_attn += 2 * n * Hi * Di * entries
             flops_attn += 4 * n * H * D * attended
-    active = wb["other"] / 2 + n_moe * k * per_expert / 2          # parameters a token multiplies (bf16)
+    wp = weight_bytes(model, params=True)
+    active = wp["other"] + n_moe * k * wp["experts"] / n_moe / E    # parameters a token multiplies
     flops = 2 * active * T + flops_attn
     t_bytes = (bytes_w + bytes_kv) / (ceil["copy_TBps"] * 1e12)
     t_flops = flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)
@@ -124,11 +135,23 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) ->
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1e3 / 3
+    top = top_kernels(kernels, 3)
     for rid in list(eng.requests):
         eng.abort_request(rid)
     fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": fl, "ratio_to_floor": step * 1e3 / fl,
-            "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": len(kernels) / 3, **detail}
+            "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": len(kernels) / 3, "top_kernels": top, **detail}
+
+
+def top_kernels(kernels, steps: int, n: int = 12) -> list:
+    """Where a step's GPU time goes: (kernel name, launches per step, us per step), the largest first."""
+    acc: dict[str, list] = {}
+    for e in kernels:
+        a = acc.setdefault(e.name[:90], [0, 0.0])
+        a[0] += 1
+        a[1] += e.device_time
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:n]
+    return [(name, c / steps, round(t / steps, 1)) for name, (c, t) in rows]
 
 
 def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
@@ -147,12 +170,22 @@ def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
     while eng.has_unfinished_requests():
         eng.step()
     per_step = eng.config.max_num_batched_tokens // n
+    # where one full prefill step's GPU time goes (a separate, untimed step)
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(min(batch, per_step)):
+        eng.add_request(torch.randint(100, 128000, (n,), generator=g).tolist(), SamplingParams(max_tokens=1))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step()
+        torch.cuda.synchronize()
+    top = top_kernels([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], 1)
+    while eng.has_unfinished_requests():
+        eng.step()
     fl = 0.0
     for s in range(steps):   # each step: `per_step` sequences' whole prompts (n <= budget)
         seqs = min(per_step, batch - s * per_step)
         fl += floor_ms(eng.runner.model, [n] * seqs, [n] * seqs, ceil)[0]
     return {"batch": batch, "prompt_tokens": n, "steps": steps, "time_ms": t * 1e3, "ms_per_step": t * 1e3 / steps,
-            "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t}
+            "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t, "top_kernels_one_step": top}
 
 
 def fidelity(tokenizer_json: str) -> dict:
@@ -213,6 +246,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--skip-fidelity", action="store_true")
     ap.add_argument("--only-fidelity", action="store_true")
+    ap.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (published FP8 + MXFP4), same run")
+    ap.add_argument("--part-out", default=None, help="internal: run one weights kind, write its results here")
+    ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -225,28 +261,46 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"gpu_deepseek_v4_fidelity_{res['date']}_{commit}.json").write_text(json.dumps(res, indent=1))
         return
-    res["ceilings"] = ceil = ceilings()
+    res["ceilings"] = ceil = json.loads(args.ceilings_json) if args.ceilings_json else ceilings()
     print(json.dumps(res["ceilings"]), flush=True)
-    d = model_dir(args.tokenizer_json, **layout(args.layers))
-    llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-              max_num_batched_tokens=8192, enable_prefix_caching=False)
-    res["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(llm.engine.runner.model).items()}
-    res["kv_blocks"] = llm.engine.runner.num_blocks
-    for name, fn in (("decode", lambda b: decode_steps(llm, b, 1024, ceil)),
-                     ("prefill", lambda b: prefill(llm, b, 1024, ceil))):
-        res[name] = []
-        for b in batches:
-            try:
-                r = fn(b)
-            except Exception:
-                r = {"batch": b, "error": traceback.format_exc()[-2000:]}
-                for rid in list(llm.engine.requests):
-                    llm.engine.abort_request(rid)
-            res[name].append(r)
-            print(name, json.dumps(r), flush=True)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    kinds = args.weights.split(",")
+    if len(kinds) > 1 and args.part_out is None:
+        # one process per kind: each engine gets the whole GPU (an engine's memory is not returned on `del`
+        # yet, see issue 10), and the ceilings measured above serve both
+        for weights in kinds:
+            part = Path(tempfile.mkdtemp()) / "part.json"
+            subprocess.run([sys.executable, __file__, "--tokenizer-json", args.tokenizer_json, "--layers",
+                            str(args.layers), "--batches", args.batches, "--weights", weights, "--part-out", str(part),
+                            "--ceilings-json", json.dumps(ceil)], check=False)
+            res.setdefault("runs", {})[weights] = (json.loads(part.read_text()) if part.is_file()
+                                                   else {"error": "the benchmark process failed; see its output"})
+        kinds = []
+    for weights in kinds:
+        over = {**layout(args.layers), **(PUBLISHED if weights == "fp8" else {})}
+        d = model_dir(args.tokenizer_json, **over)
+        llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
+                  max_num_batched_tokens=8192, enable_prefix_caching=False)
+        run = res.setdefault("runs", {})[weights] = {}
+        run["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(llm.engine.runner.model).items()}
+        run["kv_blocks"] = llm.engine.runner.num_blocks
+        for name, fn in (("decode", lambda b: decode_steps(llm, b, 1024, ceil)),
+                         ("prefill", lambda b: prefill(llm, b, 1024, ceil))):
+            run[name] = []
+            for b in batches:
+                try:
+                    r = fn(b)
+                except Exception:
+                    r = {"batch": b, "error": traceback.format_exc()[-2000:]}
+                    for rid in list(llm.engine.requests):
+                        llm.engine.abort_request(rid)
+                run[name].append(r)
+                print(weights, name, json.dumps(r), flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.part_out is not None:
+        Path(args.part_out).write_text(json.dumps(res["runs"][args.weights]))
+        return
     if not args.skip_fidelity:
         try:
             res["fidelity"] = fidelity(args.tokenizer_json)

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from openinfer.layers.basic import LayerOps
+from openinfer.quantization import triton_kernels as quant_kernels
 
 
 @triton.jit
@@ -151,5 +152,15 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
     return pre, post, comb
 
 
+def _bf16_io(kernel):
+    """The quantized-weight kernels take bf16 activations (tensor-core operands); other dtypes go through bf16."""
+    def run(x, *args):
+        if x.dtype == torch.bfloat16:
+            return kernel(x, *args)
+        return kernel(x.to(torch.bfloat16), *args).to(x.dtype)
+    return run
+
+
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
-                      hc_weights=hc_weights)
+                      hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
+                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm))

@@ -1,0 +1,402 @@
+"""Triton kernels for DeepSeek's quantized weights on Hopper (the CUDA `LayerOps.fp8_linear` and
+`LayerOps.grouped_gemm`); `reference.py` defines what they compute and tests/test_gpu_quant.py holds them to it.
+
+- `fp8_linear`: W8A8 on the FP8 tensor cores. Activations are quantized per token per `block` channels
+  exactly as `formats.quantize_activations` does (bit for bit); each K-block's FP8 product is scaled by
+  act_scale * weight_scale and accumulated in fp32 (DeepSeek's promotion every block). Decode (M <= 64)
+  quantizes the activation tile inside the GEMM (one launch) and splits K when the output tiles alone would
+  leave most SMs idle; larger M quantizes once in a separate kernel, and with block 128 from a few
+  hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there.
+- `grouped_gemm`: MoE experts with weight-only dequantization in registers (W4A16 for MXFP4, W8A16 for FP8):
+  packed weights are decoded to bf16 next to the dot, never written back. The row tiles per expert depend
+  on the routing, so the grid is a static upper bound and each program finds its (expert, rows) from `offs`
+  on the device: no host sync, CUDA-graph capturable.
+
+Known limits: an E8M0 scale byte 0 (2^-127) reads as 0 (real checkpoints stay far from it);
+`grouped_gemm` leaves output rows past offs[-1] unwritten, as the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from openinfer.quantization.formats import FP8_MAX, MXFP4_GROUP
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+# ---- shared device helpers ----------------------------------------------------------------------------
+@triton.jit
+def _e8m0_to_f32(s):
+    """E8M0 scale bytes -> fp32 2^(s-127) by placing the byte in the exponent field (s=0 gives 0.0)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_groups(x):
+    """x [R, G] fp32, one quantization group per row -> (float8e4nv [R, G], fp32 scales [R]).
+
+    Same arithmetic as `formats.quantize_activations`: scale = 2^ceil(log2(max(amax, 1e-4) / 448)) with an
+    IEEE-rounded division, values scaled by the exact reciprocal power of two, clamped, rounded to nearest
+    even E4M3. pow2-ceil reads the exponent off the float bits (a non-zero mantissa rounds up)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    ratio = tl.math.div_rn(amax, _FP8_MAX).to(tl.int32, bitcast=True)
+    exp = ((ratio >> 23) & 0xFF) + ((ratio & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exp << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+    q = tl.clamp(x * inv[:, None], -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
+    return q, scale
+
+
+# ---- activation quantization --------------------------------------------------------------------------
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                      BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """One program: ROWS tokens x one group of BLOCK channels; one read of x, fp8 values + fp32 scales out.
+    Rows M..M_OUT (padding) come out as zeros."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
+                other=0.0).to(tl.float32)
+    q, s = _quantize_groups(x)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=(rows < M_OUT)[:, None] & (cols < K)[None, :])
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rows < M_OUT)
+
+
+def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool = False, rows: int | None = None):
+    """x [M, K] -> (float8_e4m3fn [rows, K], float32 scales [rows, ceil(K/block)]), bit-identical to
+    `formats.quantize_activations` (rows past M, if `rows` > M, are zero). `scales_column_major` lays the
+    scales out token-fastest (what torch._scaled_mm's 1x128 blockwise scaling expects)."""
+    m, k = x.shape
+    rows = m if rows is None else rows
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    groups = triton.cdiv(k, block)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = (torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if scales_column_major
+         else torch.empty(rows, groups, dtype=torch.float32, device=x.device))
+    tile = max(1, 4096 // block)
+    _act_quant_kernel[(triton.cdiv(rows, tile), groups)](x, q, s, m, rows, k, x.stride(0), q.stride(0), s.stride(0),
+                                                         s.stride(1), BLOCK=block, ROWS=tile)
+    return q, s
+
+
+# ---- FP8 block-scaled linear (W8A8) -------------------------------------------------------------------
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+                     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_os, stride_om,
+                     BLOCK: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[split] = sum over this split's K-blocks of dot(a_q, w_q^T) * a_scale * w_scale (fp32).
+
+    K advances one quantization block per step, so every dot has a single scale per (row, column) and is
+    promoted into the fp32 accumulator right away. QUANT_A: `a_ptr` is the bf16 input and each tile is
+    quantized here (decode: saves a launch and a round trip; the tile is tiny); else a_ptr/as_ptr hold the
+    FP8 activations and their scales. SPLIT_K > 1 writes fp32 partials [SPLIT_K, M, N] for
+    `_sum_splits_kernel`."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row tiles sweep the columns together so their weight tiles are reused from L2
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK)
+    m_mask = rm < M
+    n_mask = rn < N
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    ws_rows = ws_ptr + (rn // BLOCK) * stride_wsn
+
+    k_blocks = tl.cdiv(K, BLOCK)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    kb_end = tl.minimum(k_blocks, (split + 1) * per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(split * per_split, kb_end):
+        k = kb * BLOCK + rk
+        k_mask = k < K
+        if QUANT_A:
+            x = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a, a_scale = _quantize_groups(x.to(tl.float32))
+        else:
+            a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a_scale = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_scale = _e8m0_to_f32(tl.load(ws_rows + kb, mask=n_mask, other=0))
+        acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+
+    out = out_ptr + split * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the SPLIT_K fp32 partials [SPLIT_K, numel], in a fixed order (deterministic)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + i, mask=mask, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    fused_quant: bool      # quantize activations inside the GEMM (decode) vs a separate kernel
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":       # the interpreter (CPU tests): an H200's count
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(tiles: int, k_blocks: int, target: int, sms: int) -> int:
+    """Split K until about `target` programs (memory-bound decode needs many loads in flight), keeping at
+    least 4 K-blocks per split so each program still streams a useful run of its weights."""
+    if tiles >= sms:
+        return 1
+    return max(1, min(triton.cdiv(target, tiles), k_blocks // 4, 16))
+
+
+def fp8_config(m: int, n: int, k: int, block: int, sms: int = 132) -> Fp8GemmConfig:
+    """Deterministic tile choice (no autotuning, so nothing is benchmarked during graph capture); the
+    numbers come from sweeps on an H200 (benchmarks/gpu_quant_kernels.py --sweep).
+
+    M <= 64 (decode) is bound by streaming the weight: the smallest M tile that covers the batch, the
+    widest N tile (128, else 64, 32) that still gives 16 output tiles, and split-K up to about two
+    programs per SM (four with 32-wide blocks, whose shorter K steps keep fewer bytes in flight).
+    Larger M: 128x128 tiles, eight warps (Hopper wgmma), split-K only when the output tiles cannot fill
+    the SMs."""
+    k_blocks = triton.cdiv(k, block)
+    if m <= 64:
+        bm = max(16, triton.next_power_of_2(m))
+        bn = next((b for b in (128, 64) if triton.cdiv(n, b) >= 16), 32)
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        target = (2 if block >= 128 else 4) * sms
+        return Fp8GemmConfig(bm, bn, _split_k(tiles, k_blocks, target, sms), 4, 3 if block >= 128 else 5, True)
+    bm, bn = 128, 128
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return Fp8GemmConfig(bm, bn, _split_k(tiles, k_blocks, 2 * sms, sms), 8, 3 if block >= 128 else 4, False)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
+             cfg: Fp8GemmConfig) -> torch.Tensor:
+    """The Triton W8A8 path of `fp8_linear` with an explicit config (the benchmark sweeps these)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if cfg.fused_quant:
+        a, a_scale = x, x                    # the scale pointer is unused when quantizing in the kernel
+        stride_asm, stride_ask = 0, 0
+    else:
+        a, a_scale = quantize_activations(x, block)
+        stride_asm, stride_ask = a_scale.stride()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    target = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    ws = scale.view(torch.uint8)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemm_kernel[grid](
+        a, a_scale, weight, ws, target, m, n, k, a.stride(0), stride_asm, stride_ask, weight.stride(0),
+        ws.stride(0), target.stride(0) if cfg.split_k > 1 else 0, n, BLOCK=block, QUANT_A=cfg.fused_quant,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        numel = m * n
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, numel, SPLIT_K=cfg.split_k, BLOCK=1024)
+    return out
+
+
+def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """block == 128 through cuBLAS' blockwise FP8 GEMM (torch._scaled_mm with 1x128 activation scales laid
+    out token-fastest and 128x128 weight scales, both float32): the same arithmetic. cuBLAS refuses a token
+    count that is not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on torch 2.11), so the quantized
+    activations are padded with zero rows."""
+    m = x.shape[0]
+    q, a_scale = quantize_activations(x, 128, scales_column_major=True, rows=-(-m // 4) * 4)
+    w_scale = (scale.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    return torch._scaled_mm(q, weight.t(), a_scale, w_scale.t(), out_dtype=x.dtype)[:m]
+
+
+def use_scaled_mm(m: int, n: int, k: int, block: int) -> bool:
+    """cuBLAS wins from a few hundred tokens on (1.3-2x at 512-4096 on an H200); below that its fixed
+    cost (~19 us at any small M) loses to the Triton kernel. Its scale layout wants 128 | N and the
+    weight's K blocks a multiple of 4."""
+    return block == 128 and m >= 256 and m * n * k >= 1 << 31 and n % 128 == 0 and k % 512 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] bf16 @ FP8 block-scaled weight [N, K] -> [M, N] (reference.fp8_linear, quantize_input=True)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.is_cuda and use_scaled_mm(m, n, k, block):
+        return scaled_mm_fp8(x, weight, scale)
+    return fp8_gemm(x, weight, scale, block, fp8_config(m, n, k, block, num_sms(x.device)))
+
+
+# ---- grouped expert GEMM, weight-only (W4A16 / W8A16) -------------------------------------------------
+@triton.jit
+def _e8m0_to_bf16(s):
+    """E8M0 scale bytes -> bf16 2^(s-127), exactly (same exponent field; s=0 gives 0.0)."""
+    return (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_words_to_bf16(words, scale):
+    """MXFP4 words [R, G, 4] (int32: 8 codes each, 4 words per 32-value group) and bf16 group scales
+    [R, G, 1] -> bf16 values [R, G * 32], the 8 values of each word in the order 0 4 2 6 1 5 3 7 (the
+    activations are loaded in the same order, which the dot's sum does not care about).
+
+    Codes 4 apart sit 16 bits apart in a word, so one shift + mask moves two of them into the two bf16
+    halves of a 32-bit lane at once: the 3 magnitude bits land at the bottom of the bf16 exponent and top
+    of the mantissa, the sign on the sign bit, which reads as value * 2^-126 (code 1, 0.5, lands on a bf16
+    subnormal, which bf16x2 multiplies keep); one multiply by 2^126 restores it and one by the power-of-two
+    scale finishes, both exact. Two values per integer op and per multiply: dequantization is the inner
+    loop's ALU cost, which decides how close W4A16 decode gets to the memory bound."""
+    MAG: tl.constexpr = 0x01C001C0
+    SIGN: tl.constexpr = 0x80008000
+    w = words.to(tl.uint32, bitcast=True)
+    p04 = ((w << 6) & MAG) | ((w << 12) & SIGN)
+    p15 = ((w << 2) & MAG) | ((w << 8) & SIGN)
+    p26 = ((w >> 2) & MAG) | ((w << 4) & SIGN)
+    p37 = ((w >> 6) & MAG) | (w & SIGN)
+    pairs = tl.join(tl.join(p04, p15), tl.join(p26, p37))                    # [R, G, 4, 2, 2]: 0 2 1 3 / +4
+    halves = tl.join(pairs.to(tl.uint16), (pairs >> 16).to(tl.uint16))     # [R, G, 4, 2, 2, 2]
+    vals = tl.reshape(halves.to(tl.bfloat16, bitcast=True), (words.shape[0], words.shape[1], 32))
+    vals = vals * 8.507059173023462e37 * scale
+    return tl.reshape(vals, (words.shape[0], words.shape[1] * 32))
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
+                         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                         MXFP4: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP_K: tl.constexpr,
+                         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr):
+    """Program (t, j): the t-th row tile over all experts (experts in order, ceil(count / BLOCK_M) tiles
+    each) times output columns [j * BLOCK_N, (j + 1) * BLOCK_N). Programs past the last real tile exit.
+
+    MXFP4: w [E, N, K/8] int32 words (the packed bytes), s [E, N, K/32]; FP8: w [E, N, K] e4m3,
+    s [E, N/block, K/block]. A scale
+    covers SCALE_N rows x SCALE_K columns of the weight; the tile applies it per GROUP_K columns
+    (min(SCALE_K, BLOCK_K)). The weight tile is dequantized to bf16 in registers and multiplied with the
+    bf16 rows, fp32 accumulation (every product of the reference's float32 arithmetic is exact in it)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # tile t -> (expert, rows): per-expert tile counts from offs, then a prefix sum, all in registers
+    idx = tl.arange(0, E_PAD)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    counts = ends - starts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if t >= tl.sum(tiles, 0):
+        return
+    before = tl.cumsum(tiles, 0) <= t                      # experts wholly before tile t
+    e = tl.sum(before.to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(before, tiles, 0), 0)
+    row_start = tl.sum(tl.where(before, counts, 0), 0)
+    row_end = row_start + tl.sum(tl.where(idx == e, counts, 0), 0)
+
+    rm = row_start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < row_end
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn
+    s_rows = s_ptr + e.to(tl.int64) * stride_se + (rn // SCALE_N)[:, None] * stride_sn
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kg = (k0 + tl.arange(0, GROUPS) * GROUP_K) // SCALE_K
+        k_mask = (k < K)[None, :] | EVEN_K
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+        g_mask = (k0 + tl.arange(0, GROUPS) * GROUP_K < K)[None, :]
+        scale = _e8m0_to_bf16(tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & g_mask, other=0))[:, :, None]
+        if MXFP4:
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)          # int32 words of 8 values
+            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & ((kw < K // 8)[None, :] | EVEN_K), other=0)
+            w = _mxfp4_words_to_bf16(tl.reshape(words, (BLOCK_N, GROUPS, GROUP_K // 8)), scale)
+            # the activations in the same order within each group of 8 (0 4 2 6 1 5 3 7: a bit reversal)
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)), (0, 1, 4, 3, 2)),
+                           (BLOCK_M, BLOCK_K))
+        else:                                              # e4m3 values and their scale products are exact in bf16
+            vals = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
+            w = tl.reshape(tl.reshape(vals.to(tl.bfloat16), (BLOCK_N, GROUPS, GROUP_K)) * scale, (BLOCK_N, BLOCK_K))
+        acc += tl.dot(x, tl.trans(w))
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def grouped_config(m: int, n: int, k: int, e: int, fmt: str, block: int) -> GroupedConfig:
+    """BLOCK_M covers the rows an expert typically gets (M / experts hit, assuming routing spreads evenly)
+    so each weight byte is read once per column tile; decode gets 16-row tiles (top-6 of 256 experts puts a
+    few rows on each), prefill up to 128 (tensor-core bound there). From H200 sweeps at V4-Flash shapes:
+    128-wide column tiles (the activation tile, re-read per column tile, costs less per weight byte),
+    except with only a handful of experts hit (batch 1-2), where 64 x 256 tiles spread the few experts'
+    weights over more programs."""
+    hit = max(1, min(e, m))
+    bm = min(128, max(16, triton.next_power_of_2(triton.cdiv(m, hit))))
+    if bm <= 32:
+        return GroupedConfig(bm, 64, 256, 4, 3) if hit <= 16 else GroupedConfig(bm, 128, 128, 4, 3)
+    return GroupedConfig(bm, 128, 128, 8 if bm == 128 else 4, 3)
+
+
+def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                      fmt: str, block: int, cfg: GroupedConfig) -> torch.Tensor:
+    """`grouped_gemm` with an explicit config (the benchmark sweeps these)."""
+    m, k = rows.shape
+    e, n = weight.shape[:2]
+    if fmt not in ("mxfp4", "fp8"):
+        raise ValueError(f"unknown quantized weight format {fmt!r} (fp8, mxfp4)")
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    s = scale.view(torch.uint8)
+    w = weight.view(torch.int32) if fmt == "mxfp4" else weight      # MXFP4 is read as words of 8 values
+    max_tiles = triton.cdiv(m, cfg.block_m) + min(e, m)
+    grid = (max_tiles, triton.cdiv(n, cfg.block_n))
+    scale_n, scale_k = (1, MXFP4_GROUP) if fmt == "mxfp4" else (block, block)
+    _grouped_gemm_kernel[grid](
+        rows, offs, w, s, out, n, k, e, rows.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        out.stride(0), MXFP4=fmt == "mxfp4", SCALE_N=scale_n, SCALE_K=scale_k,
+        GROUP_K=min(scale_k, cfg.block_k), E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
+                 block: int) -> torch.Tensor:
+    """rows [M, K] bf16 sorted by expert, offs [E] int32 cumulative counts -> [M, N] (reference.grouped_gemm)."""
+    m, k = rows.shape
+    e, n = weight.shape[:2]
+    return grouped_gemm_with(rows, offs, weight, scale, fmt, block, grouped_config(m, n, k, e, fmt, block))

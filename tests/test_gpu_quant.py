@@ -1,0 +1,146 @@
+"""GPU tests of the quantized-weight Triton kernels (`pytest -m gpu tests/test_gpu_quant.py`, on the device):
+each against `openinfer.quantization.reference` on the same inputs, the activation quantization bit for bit,
+and CUDA-graph replay against eager."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from openinfer.quantization import formats, reference  # noqa: E402
+from openinfer.quantization import triton_kernels as tk  # noqa: E402
+
+
+def _gen():
+    return torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))   # fresh inputs each run
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _offs(counts):
+    return torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+
+
+def _experts(fmt, e, n, k, block, g):
+    w = torch.randn(e, n, k, generator=g, device="cuda") * 0.05
+    return formats.quantize_mxfp4(w) if fmt == "mxfp4" else formats.quantize_fp8(w, block)
+
+
+@pytest.mark.parametrize("m, k, block", [(1, 4096, 128), (37, 96, 32), (300, 4096, 128), (5, 300, 128),
+                                         (64, 1024, 32)])
+def test_activation_quant_is_bit_exact(m, k, block):
+    g = _gen()
+    x = (torch.randn(m, k, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    x[0, :40] = 0                                  # an all-zero group: amax floored at 1e-4
+    x[-1] *= 1e-6                                  # tiny and large tokens
+    x[m // 2] *= 1e4
+    ref_q, ref_s = formats.quantize_activations(x, block)
+    for column_major in (False, True):
+        q, s = tk.quantize_activations(x, block, scales_column_major=column_major)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("block", [128, 32])
+@pytest.mark.parametrize("n, k", [(1024, 4096), (512, 4096), (200, 96), (4096, 8192)])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 130, 512])
+def test_fp8_linear_matches_reference(m, n, k, block):
+    g = _gen()
+    weight, scale = formats.quantize_fp8(torch.randn(n, k, generator=g, device="cuda") * 0.05, block)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = tk.fp8_linear(x, weight, scale, block)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert _rel(out, reference.fp8_linear(x, weight, scale, block)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 5, 130, 1024])
+def test_scaled_mm_route_matches_reference(m):
+    """cuBLAS' blockwise path (fp8_linear takes it for block 128 from a few hundred tokens), every M."""
+    g = _gen()
+    weight, scale = formats.quantize_fp8(torch.randn(1024, 4096, generator=g, device="cuda") * 0.05, 128)
+    x = torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
+    assert _rel(tk.scaled_mm_fp8(x, weight, scale), reference.fp8_linear(x, weight, scale, 128)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt, block", [("mxfp4", 32), ("fp8", 128), ("fp8", 32)])
+@pytest.mark.parametrize("counts", [[0, 1, 0, 0], [1, 0, 3, 2], [0, 17, 0, 0], [40, 0, 129, 7], [300, 1, 0, 60]])
+@pytest.mark.parametrize("n, k", [(256, 512), (96, 96)])
+def test_grouped_gemm_matches_reference(counts, fmt, block, n, k):
+    g = _gen()
+    weight, scale = _experts(fmt, len(counts), n, k, block, g)
+    m = sum(counts)
+    rows = torch.randn(m + 3, k, generator=g, device="cuda", dtype=torch.bfloat16)   # 3 rows past offs[-1]
+    offs = _offs(counts)
+    out = tk.grouped_gemm(rows, offs, weight, scale, fmt, block)
+    assert out.shape == (m + 3, n)
+    assert _rel(out[:m], reference.grouped_gemm(rows, offs, weight, scale, fmt, block)[:m]) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_grouped_gemm_top6_of_256_experts(tokens):
+    """V4's routing shape: top-6 of 256 experts, most experts empty or with a few rows."""
+    g = _gen()
+    weight, scale = _experts("mxfp4", 256, 128, 256, 32, g)
+    idx = torch.rand(tokens, 256, generator=g, device="cuda").argsort(-1)[:, :6].flatten()
+    offs = torch.bincount(idx, minlength=256).cumsum(0).to(torch.int32)
+    rows = torch.randn(idx.numel(), 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = tk.grouped_gemm(rows, offs, weight, scale, "mxfp4", 32)
+    assert _rel(out, reference.grouped_gemm(rows, offs, weight, scale, "mxfp4", 32)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt, block", [("mxfp4", 32), ("fp8", 32), ("fp8", 128)])
+def test_grouped_gemm_decodes_every_code_exactly(fmt, block):
+    """Every byte value (every E2M1 pair; every non-NaN E4M3 code) times scales over a wide range: one-hot
+    rows read the dequantized weight back, which must equal the reference's bit for bit (MXFP4's 0.5 goes
+    through a bf16 subnormal on its way)."""
+    g = _gen()
+    k = 512
+    if fmt == "mxfp4":
+        weight = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 1)[None]     # [1, 64, 256]
+        scale = torch.randint(20, 200, (1, 64, k // 32), generator=g, device="cuda", dtype=torch.uint8)
+    else:
+        codes = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 2)
+        codes[(codes & 0x7F) == 0x7F] = 0                                                     # no NaNs
+        weight = codes.view(torch.float8_e4m3fn)[None]
+        scale = torch.randint(20, 200, (1, -(-64 // block), k // block), generator=g, device="cuda",
+                              dtype=torch.uint8)
+    scale = scale.view(torch.float8_e8m0fnu)
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    out = tk.grouped_gemm(eye, torch.tensor([k], device="cuda", dtype=torch.int32), weight, scale, fmt, block)
+    assert torch.equal(out.float(), reference.dequantize_weight(weight[0], scale[0], fmt, block).T)
+
+
+def test_cuda_graph_replay_equals_eager():
+    """Both ops captured once, replayed on new activations and a new routing (the row tiles per expert are
+    found on the device, so a replay with other expert counts must still be right)."""
+    g = _gen()
+    w8, s8 = formats.quantize_fp8(torch.randn(512, 1024, generator=g, device="cuda") * 0.05, 128)
+    w4, s4 = _experts("mxfp4", 8, 256, 1024, 32, g)
+    x = torch.randn(4, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(24, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+    offs = _offs([3, 0, 5, 0, 0, 16, 0, 0])
+
+    def step():
+        return tk.fp8_linear(x, w8, s8, 128), tk.grouped_gemm(rows, offs, w4, s4, "mxfp4", 32)
+
+    step()                                          # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_lin, y_grp = step()
+    for counts in ([24, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 0, 3], [0, 0, 0, 0, 0, 0, 0, 24]):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        rows.copy_(torch.randn(rows.shape, generator=g, device="cuda"))
+        offs.copy_(_offs(counts))
+        graph.replay()
+        eager_lin, eager_grp = step()
+        assert torch.equal(y_lin, eager_lin)
+        assert torch.equal(y_grp, eager_grp)
