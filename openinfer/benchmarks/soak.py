@@ -170,11 +170,11 @@ class _Soak:
             if k % 2 == 0:
                 await self.stream(path, body, cut_after=self.rng.randint(1, 4))
             else:
-                r = await self.client.post(path, json=body, timeout=self.rng.uniform(0.3, 1.5))
+                r = await asyncio.wait_for(self.client.post(path, json=body), self.rng.uniform(0.3, 1.5))
                 self.cuts["non_streaming_answered_in_time"] += 1
                 if r.status_code != 200:
                     self.error(f"{path} HTTP {r.status_code}: {r.text[:100]}", r.status_code)
-        except httpx.TimeoutException:
+        except asyncio.TimeoutError:        # the client gives up: its connection is closed
             self.cuts["non_streaming"] += 1
         except httpx.HTTPError as e:
             self.error(f"{path} cut {type(e).__name__}: {e}")
@@ -183,9 +183,10 @@ class _Soak:
         path = ENDPOINTS[k % len(ENDPOINTS)]
         raw = _fuzz(self.rng, path, self.cfg.model)
         try:
-            # a mutated body may be valid and ask for a long answer: hang up after 10 s (another cut)
-            r = await self.client.post(path, content=raw, headers={"content-type": "application/json"}, timeout=10)
-        except httpx.TimeoutException:
+            # a mutated body may be valid and ask for a long answer (streamed or not): hang up after 10 s
+            r = await asyncio.wait_for(self.client.post(path, content=raw,
+                                                        headers={"content-type": "application/json"}), 10)
+        except asyncio.TimeoutError:
             self.fuzz_status["timeout (client hung up)"] += 1
             return
         except httpx.HTTPError as e:
@@ -254,6 +255,8 @@ async def _run(cfg: SoakConfig) -> dict:
                 idle_after = round(time.monotonic() - t0 - load_s, 2)
                 break
             await asyncio.sleep(0.5)
+        if idle_after is None:
+            soak.error(f"server not idle 60 s after the load: {soak.samples[-1]}")
         metrics = (await client.get("/metrics")).text
         health = (await client.get("/health")).status_code
     return {
