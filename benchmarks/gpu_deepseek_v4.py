@@ -120,7 +120,7 @@ def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) 
 
 def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) -> dict:
     eng = llm.engine
-    start_decoding(eng, batch, ctx, steps + 10, warmup=2)
+    start_decoding(eng, batch, ctx, steps + 10, warmup=4)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
