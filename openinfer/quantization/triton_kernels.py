@@ -366,7 +366,9 @@ def grouped_config(m: int, n: int, k: int, e: int, fmt: str, block: int) -> Grou
     bm = min(128, max(16, triton.next_power_of_2(triton.cdiv(m, hit))))
     if bm <= 32:
         return GroupedConfig(bm, 64, 256, 4, 3) if hit <= 16 else GroupedConfig(bm, 128, 128, 4, 3)
-    return GroupedConfig(bm, 128, 128, 8 if bm == 128 else 4, 3)
+    if bm == 128:       # prefill (~190 rows per expert at 8K tokens): 128 x 256 tiles, 147-154 vs 100-105 TFLOP/s
+        return GroupedConfig(bm, 256, 64, 8, 3)
+    return GroupedConfig(bm, 128, 128, 4, 3)
 
 
 def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
