@@ -57,6 +57,13 @@ class EngineConfig:
     # groups of the weight block (E4M3, power-of-two scales), as DeepSeek's inference code does (W8A8);
     # False: dequantize the weights only (W8A16), exactly "dequantize, then multiply" (docs/quantization.md)
     quantize_activations: bool = True
+    # Structured output (docs/structured_output.md): worker threads compiling grammars, the longest a request
+    # waits for its grammar before it fails, compiled grammars kept, whether JSON may hold free whitespace
+    # (off: compact separators, which keeps small models from padding with spaces)
+    structured_output_compile_threads: int = 2
+    structured_output_compile_timeout_s: float = 30.0
+    structured_output_cache_size: int = 256
+    structured_output_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -89,6 +96,11 @@ class EngineConfig:
                 raise ValueError("quantization='int4' is a CPU path (torch's int4 CPU kernel); use device='cpu'")
             if self.dtype not in ("auto", "bfloat16", "bf16"):
                 raise ValueError(f"quantization='int4' computes in bfloat16; dtype {self.dtype!r} is not possible")
+        if self.structured_output_compile_threads < 1 or self.structured_output_cache_size < 1:
+            raise ValueError("structured_output_compile_threads and structured_output_cache_size must be >= 1")
+        if not self.structured_output_compile_timeout_s > 0:
+            raise ValueError(f"structured_output_compile_timeout_s must be > 0, got "
+                             f"{self.structured_output_compile_timeout_s}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
 

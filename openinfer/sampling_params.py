@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from openinfer.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -35,6 +37,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1
+    # Constrained decoding (vLLM's shape): {"json": schema} | {"json_object": True} | {"regex": r} |
+    # {"grammar": ebnf} | {"choice": [...]}, or a StructuredOutputsParams. docs/structured_output.md
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    so_args: dict | None = None          # DeepInfer's name for structured_outputs (an alias, folded into it)
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -44,6 +50,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.so_args is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("SamplingParams.so_args is an alias of structured_outputs: give only one")
+            self.structured_outputs, self.so_args = self.so_args, None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -66,6 +66,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_id = 0
         self._in_flight = None   # the step queued on the device and not yet read back (async scheduling)
+        self._structured = None  # StructuredOutputManager, made with the first constrained request
+        self._compiling: dict[str, Request] = {}   # requests whose grammar was not compiled when they arrived
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -101,9 +103,32 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       metrics=RequestMetrics(arrival_time or time.time()), prompt=prompt,
                       eos_token_ids=self.tokenizer.eos_token_ids, generator=generator)
+        if params.structured_outputs is not None:
+            # compiles in the pool (or comes from its cache); the scheduler admits the request once it is ready
+            req.grammar = self.structured_output.new_state(params.structured_outputs)
+            if not req.grammar.ready:
+                self._compiling[request_id] = req
+            elif req.grammar.error() is not None:
+                raise ValueError(req.grammar.error())
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    @property
+    def structured_output(self):
+        """The grammar compiler pool and bitmask builder (xgrammar is imported on first use)."""
+        if self._structured is None:
+            from openinfer.structured_output.compiler import GrammarCompilerPool
+            from openinfer.structured_output.manager import StructuredOutputManager
+
+            c = self.config
+            pool = GrammarCompilerPool(self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
+                                       num_threads=c.structured_output_compile_threads,
+                                       timeout_s=c.structured_output_compile_timeout_s,
+                                       cache_size=c.structured_output_cache_size,
+                                       any_whitespace=c.structured_output_any_whitespace)
+            self._structured = StructuredOutputManager(pool)
+        return self._structured
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError naming the problem if this prompt can't be served (read-only: thread-safe)."""
@@ -120,6 +145,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         req = self.requests.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -142,19 +168,24 @@ class LLMEngine:
         in a block no other request can hit yet). Requests whose sampling reads their output history
         (penalties) wait for it: such a step reads back first."""
         outputs: list[RequestOutput] = []
+        if self._compiling:
+            outputs += self._retire_failed_grammars()
         prev, self._in_flight = self._in_flight, None
         if prev is not None and (not self.config.use_async_scheduling or self._reads_history(prev)):
             outputs += self._process(prev)
             prev = None
         sched = self.scheduler.schedule()
         current = None
+        if sched.empty and self._compiling and prev is None:
+            next(iter(self._compiling.values())).grammar.wait(0.005)   # nothing to run until a grammar is ready
         if not sched.empty:
+            sampling = [s.request for s in sched.scheduled if s.samples]
+            bitmask = self._structured.bitmask(sampling) if self._structured is not None else None
             try:
-                current = self.runner.execute(sched, prev)
+                current = self.runner.execute(sched, prev, bitmask)
             except BaseException:
                 self._in_flight = prev   # still to be read back; the failed step left no trace but its blocks
                 raise
-            sampling = [s.request for s in sched.scheduled if s.samples]
             self.scheduler.update_after_step(sched.scheduled)
             for req in sampling:
                 req.num_pending += 1
@@ -168,12 +199,30 @@ class LLMEngine:
         return outputs
 
     def _reads_history(self, runner_out) -> bool:
+        """Whether the next step needs this step's tokens on the host: penalties count them, and a grammar's
+        next mask depends on them (structured output waits for the previous step instead of overlapping)."""
         for rid in runner_out.sample_index:
             req = self.requests.get(rid)
-            p = req.sampling_params if req is not None else None
-            if p is not None and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+            if req is None:
+                continue
+            p = req.sampling_params
+            if req.grammar is not None or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 return True
         return False
+
+    def _retire_failed_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile (or timed out) finish as aborted, the reason in
+        `stop_reason`; those compiled go on to be scheduled."""
+        outputs = []
+        for rid, req in list(self._compiling.items()):
+            error = req.grammar.error()
+            if error is None and not req.grammar.ready:
+                continue
+            del self._compiling[rid]
+            if error is not None and rid in self.requests:
+                req.stop_reason = error
+                outputs.append(self.abort_request(rid))
+        return outputs
 
     def _process(self, runner_out) -> list[RequestOutput]:
         outputs = []

@@ -22,6 +22,7 @@ from openinfer.engine.scheduler import SchedulerOutput
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 from openinfer.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
+from openinfer.structured_output.bitmask import GrammarBitmask
 
 _CPU_KV_BUDGET = 2 << 30
 
@@ -231,9 +232,12 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, prev: RunnerOutput | None = None) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, prev: RunnerOutput | None = None,
+                grammar_bitmask: GrammarBitmask | None = None) -> RunnerOutput:
         """Queue one step on the device; nothing here waits for the GPU. A request whose newest token is still
-        on the device (sampled by `prev`, async scheduling) gets it from there, by a device-side copy."""
+        on the device (sampled by `prev`, async scheduling) gets it from there, by a device-side copy.
+        `grammar_bitmask` (structured output) holds the allowed tokens of constrained requests; the sampler
+        applies it to the logits after the forward (so CUDA graphs of the forward are unaffected)."""
         dev, bs = self.device, self.block_size
         self._copy_states(sched.state_copies.restores, restore=True)
         # decodes (single-token rows) first: they share one batched attention call
@@ -282,6 +286,8 @@ class ModelRunner:
         # Host-to-device copies first: made after the forward is queued, each would wait for it.
         if sampling_reqs:
             meta_s = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, dev)
+            if grammar_bitmask is not None:
+                meta_s.token_bitmask = h2d(grammar_bitmask.for_batch([r.request_id for r in sampling_reqs]), dev)
             logit_index = h2d(torch.tensor(logit_rows), dev)
         fixups = None
         if fix_rows:

@@ -1,7 +1,8 @@
 """OutputProcessor: turns sampled tokens into request state and RequestOutputs.
 
 Per new token: append it, record logprobs, detokenize incrementally, then check stop conditions in vLLM's
-order (EOS / stop token ids -> stop strings -> max_tokens / max_model_len). Stop strings are searched in
+order (EOS / stop token ids -> stop strings -> max_tokens / max_model_len). A constrained request first
+advances its grammar matcher; it stops once the grammar has accepted EOS. Stop strings are searched in
 the tail of the text, so one split across token boundaries is still found; the text is cut before it.
 """
 
@@ -84,6 +85,13 @@ class OutputProcessor:
         new_text = self.tokenizer.step_decode(req.detok_state, tok)
         req.output_text += new_text
         past_min = req.num_output_tokens >= p.min_tokens
+        if req.grammar is not None:
+            # the mask only offered tokens the grammar accepts, EOS only in an accepting state
+            if not req.grammar.accept(tok):
+                req.stop_reason = "grammar rejected the sampled token"
+                return RequestStatus.FINISHED_ABORTED
+            if req.grammar.terminated:
+                return RequestStatus.FINISHED_STOPPED
         if past_min and not p.ignore_eos and tok in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if past_min and tok in p.stop_token_ids:

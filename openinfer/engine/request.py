@@ -53,6 +53,13 @@ class Request:
     # What has been reported so far (DELTA outputs).
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    # Structured output: the compiled grammar's future, then its matcher (structured_output/manager.py).
+    grammar: object = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: the scheduler leaves it queued and admits others."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def num_prompt_tokens(self) -> int:

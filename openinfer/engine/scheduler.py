@@ -94,9 +94,14 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing behind it is left
 
-        # 2) Waiting requests, in arrival order, while seats, budget and blocks last.
+        # 2) Waiting requests, in arrival order, while seats, budget and blocks last. One whose grammar is
+        #    still compiling keeps its place in the queue without holding up those behind it.
+        not_ready: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                not_ready.append(self.waiting.popleft())
+                continue
             if req.num_pending:      # preempted with a token still on the device: admit once it is read back
                 break
             hits, num_cached = self.kv.get_computed_blocks(req)
@@ -114,6 +119,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
                                                   self.kv.state_slot(req.request_id)))
             budget -= n
+        self.waiting.extendleft(reversed(not_ready))
         out.state_copies = self.kv.take_state_copies()
         return out
 

@@ -76,6 +76,13 @@ class LLM:
                 raise ValueError(f"prompt {i} is empty: at least one token is needed")
             if len(toks) > limit:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens, more than max_model_len={limit}")
+        specs = {p.structured_outputs for p in params if p.structured_outputs is not None}
+        if specs:   # grammars compile in parallel in the engine's pool; a bad one is a ValueError naming it
+            pool = self.engine.structured_output.pool
+            for spec in specs:
+                pool.submit(spec)
+            for spec in specs:
+                pool.compile_blocking(spec)
         ids = []
         try:
             for toks, text, p in zip(token_lists, texts, params):

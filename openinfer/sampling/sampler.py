@@ -1,6 +1,6 @@
 """Sampler: logits -> next tokens (+ logprobs), batched, in vLLM's order of operations.
 
-raw logprobs -> min_tokens mask -> penalties (repetition on prompt+output, presence/frequency on output)
+raw logprobs -> grammar bitmask (structured output) -> min_tokens mask -> penalties (repetition on prompt+output, presence/frequency on output)
 -> greedy argmax for temperature 0 -> temperature -> min-p -> top-k -> top-p -> exponential-race sample.
 A request with a seed draws its noise from its own generator, so its samples do not depend on what else
 is in the batch.
@@ -14,6 +14,7 @@ import torch
 
 from openinfer.device_io import h2d
 from openinfer.engine.request import Request
+from openinfer.structured_output.bitmask import apply_token_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
@@ -75,6 +76,8 @@ class SamplingMetadata:
     repetition: torch.Tensor | None = None
     # (row, token ids) pairs banned because min_tokens is not reached yet
     banned: list[tuple[int, list[int]]] | None = None
+    # structured output: [N, ceil(V/32)] int32 allowed-token bits per row (all ones: unconstrained), or None
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -113,7 +116,8 @@ class SamplingMetadata:
         banned = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens + r.num_pending < p.min_tokens:
+            # a constrained request ends where its grammar allows EOS: min_tokens does not ban it there
+            if r.num_output_tokens + r.num_pending < p.min_tokens and r.grammar is None:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:
                     banned.append((i, ids))
@@ -139,6 +143,9 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if (meta.max_num_logprobs is not None
                                                   and self.logprobs_mode == "raw_logprobs") else None
+        if meta.token_bitmask is not None:
+            logits = logits.clone()   # .float() may have returned the runner's own tensor
+            apply_token_bitmask(logits, meta.token_bitmask)
         if meta.banned:
             logits = logits.clone()
             for row, ids in meta.banned:
