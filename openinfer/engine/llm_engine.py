@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import threading
 import time
 
 import torch
@@ -67,6 +68,7 @@ class LLMEngine:
         self._next_id = 0
         self._in_flight = None   # the step queued on the device and not yet read back (async scheduling)
         self._structured = None  # StructuredOutputManager, made with the first constrained request
+        self._structured_lock = threading.Lock()   # servers reach the compiler pool from their own thread
         self._compiling: dict[str, Request] = {}   # requests whose grammar was not compiled when they arrived
 
     def _resolve_max_model_len(self) -> int:
@@ -117,18 +119,22 @@ class LLMEngine:
     @property
     def structured_output(self):
         """The grammar compiler pool and bitmask builder (xgrammar is imported on first use)."""
-        if self._structured is None:
-            from openinfer.structured_output.compiler import GrammarCompilerPool
-            from openinfer.structured_output.manager import StructuredOutputManager
-
-            c = self.config
-            pool = GrammarCompilerPool(self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
-                                       num_threads=c.structured_output_compile_threads,
-                                       timeout_s=c.structured_output_compile_timeout_s,
-                                       cache_size=c.structured_output_cache_size,
-                                       any_whitespace=c.structured_output_any_whitespace)
-            self._structured = StructuredOutputManager(pool)
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = self._make_structured_output()
         return self._structured
+
+    def _make_structured_output(self):
+        from openinfer.structured_output.compiler import GrammarCompilerPool
+        from openinfer.structured_output.manager import StructuredOutputManager
+
+        c = self.config
+        pool = GrammarCompilerPool(self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
+                                   num_threads=c.structured_output_compile_threads,
+                                   timeout_s=c.structured_output_compile_timeout_s,
+                                   cache_size=c.structured_output_cache_size,
+                                   any_whitespace=c.structured_output_any_whitespace)
+        return StructuredOutputManager(pool)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError naming the problem if this prompt can't be served (read-only: thread-safe)."""

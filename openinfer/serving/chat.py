@@ -12,6 +12,7 @@ end and do not re-implement any of that. What differs per model family is the pr
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -22,6 +23,9 @@ from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
+from openinfer.structured_output.compiler import wait_compiled
+from openinfer.structured_output.params import StructuredOutputsParams
+from openinfer.structured_output.tool_calls import json_call_to_dsml, tool_call_schema, tool_system_prompt
 from openinfer.tokenizer import Tokenizer
 
 DEEPSEEK_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
@@ -43,6 +47,7 @@ class PreparedChat:
     params: SamplingParams
     stream: bool
     responses_extras: tuple | None = None   # (namespace tool map, echo) for the Responses generator
+    json_tool_call: bool = False   # the reply is a constrained JSON call, turned into a tool call at the end
 
 
 def _message_dict(m: dr.Message) -> dict:
@@ -53,6 +58,24 @@ def _message_dict(m: dr.Message) -> dict:
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
     return d
+
+
+@dataclass
+class _ToolCallOutput:
+    """A whole constrained JSON tool call, as the DSML text the recipe's parser turns into `tool_calls`."""
+    out: RequestOutput
+    dsml: str
+    num_tokens: int          # generated tokens the text stands for (without a final EOS)
+    eos: bool
+    finish_reason: str | None
+
+    @property
+    def prompt_token_ids(self):
+        return self.out.prompt_token_ids
+
+    @property
+    def num_cached_tokens(self):
+        return self.out.num_cached_tokens
 
 
 class ChatFrontend:
@@ -92,16 +115,12 @@ class ChatFrontend:
             raise APIError.from_recipe(e) from None
         except (ValueError, TypeError, OverflowError) as e:   # body the recipe can't even read
             raise APIError(400, f"invalid request body: {e}") from None
-        prompt_ids = self._encode(conv)
+        io = conv.inference_options
+        structured, json_tool_call = self._constraint(conv)
+        prompt_ids = self._encode(conv, json_tool_call)
         if len(prompt_ids) > self.max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, more than this model's context "
                                 f"(max_model_len={self.max_model_len})", param="messages")
-        io = conv.inference_options
-        # A plain `tool_call` constraint (tools with tool_choice=auto) only describes what a call would look
-        # like; the parser handles calls without enforcement. The others would be silently ignored: refuse.
-        if io.output_constraint is not None and io.output_constraint.kind != "tool_call":
-            raise APIError(400, f"constrained output ({io.output_constraint.kind}: response_format / "
-                                "tool_choice=required) is not supported yet", param="response_format")
         try:
             max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.max_model_len)
         except dr.ConversionError as e:
@@ -114,13 +133,38 @@ class ChatFrontend:
                 logprobs=(io.top_logprobs or 0) if io.logprobs else None,
                 stop=list(conv.parsing_options.stop_sequences),
                 presence_penalty=body.get("presence_penalty") or 0.0,
-                frequency_penalty=body.get("frequency_penalty") or 0.0)
+                frequency_penalty=body.get("frequency_penalty") or 0.0,
+                structured_outputs=structured)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param="response_format" if "structured_outputs" in str(e) else None) from None
         return PreparedChat(protocol, self.engine.new_request_id(prefix), conv, prompt_ids, params, conv.stream,
-                            extras)
+                            extras, json_tool_call)
 
-    def _encode(self, conv: dr.ConversationRequest) -> list[int]:
+    def _constraint(self, conv: dr.ConversationRequest) -> tuple[StructuredOutputsParams | None, bool]:
+        """The recipe's output constraint as structured-output params, and whether the reply is a JSON tool
+        call to convert (models without a tool-call format). A plain `tool_call` constraint (tools with
+        tool_choice=auto) only describes what a call would look like: nothing is enforced."""
+        oc = conv.inference_options.output_constraint
+        if oc is None or oc.kind == "tool_call":
+            return None, False
+        if self.deepseek and conv.conversation.thinking_mode:
+            raise APIError(400, f"constrained output ({oc.kind}) is not supported in thinking mode yet: the "
+                                "grammar would constrain the reasoning too; disable thinking", param="thinking")
+        try:
+            if oc.kind == "json":
+                return StructuredOutputsParams(json=oc.schema) if oc.schema else StructuredOutputsParams(json_object=True), False
+            if oc.kind == "regex":
+                return StructuredOutputsParams(regex=oc.schema), False
+            if oc.kind == "tool_call_required":
+                if self.deepseek:
+                    raise APIError(400, "tool_choice=required / a named tool is not enforced for DeepSeek models "
+                                        "yet (their DSML tool-call grammar is not written)", param="tool_choice")
+                return StructuredOutputsParams(json=tool_call_schema(json.loads(oc.schema))), True
+        except ValueError as e:   # schema keywords the grammar engine would not enforce
+            raise APIError(400, str(e), param="response_format" if oc.kind != "tool_call_required" else "tools") from None
+        raise APIError(400, f"output constraint {oc.kind!r} is not supported", param="response_format")
+
+    def _encode(self, conv: dr.ConversationRequest, json_tool_call: bool = False) -> list[int]:
         if self.deepseek:
             try:
                 return self.encodings[conv.model_version].encode(conv.conversation)
@@ -130,13 +174,22 @@ class ChatFrontend:
         if c.thinking_mode:
             raise APIError(400, f"model {self.served_name!r} has no thinking mode", param="thinking")
         kwargs = {}
-        if c.tools:
+        messages = [_message_dict(m) for m in c.messages]
+        if c.tools and json_tool_call and "tools" not in (self.tokenizer.chat_template or ""):
+            # no tool format in the template: describe the tools in the system message (see tool_calls.py)
+            text = tool_system_prompt([{"name": t.name, "description": t.description, "parameters": t.parameters}
+                                       for t in c.tools])
+            if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        elif c.tools:
             if "tools" not in (self.tokenizer.chat_template or ""):
                 raise APIError(400, f"model {self.served_name!r}: its chat template takes no tools", param="tools")
             kwargs["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                  "parameters": t.parameters}} for t in c.tools]
         try:
-            return self.tokenizer.encode_chat([_message_dict(m) for m in c.messages], True, **kwargs)
+            return self.tokenizer.encode_chat(messages, True, **kwargs)
         except Exception as e:  # template errors (raise_exception in the template, bad roles)
             raise APIError(400, f"chat template rejected the conversation: {e}") from None
 
@@ -148,11 +201,18 @@ class ChatFrontend:
             gen = gen.with_namespace_tool_map(p.responses_extras[0]).with_echo(p.responses_extras[1])
         return dr.StreamProcessor(gen, p.conversation_request.parsing_options, self.recipe_tokenizer)
 
-    def _chunks(self, out: RequestOutput, first: bool) -> list[dr.InferenceChunk]:
+    def _chunks(self, out, first: bool) -> list[dr.InferenceChunk]:
         chunks = []
         if first:
             chunks.append(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
                 prompt_tokens=len(out.prompt_token_ids), prompt_cache_hit_tokens=out.num_cached_tokens)))
+        if isinstance(out, _ToolCallOutput):
+            chunks.append(dr.InferenceChunk.text(out.dsml, out.num_tokens))
+            if out.eos:
+                chunks.append(dr.InferenceChunk.text("", 1))
+            reason = dr.InferenceFinishReason.Length if out.finish_reason == "length" else dr.InferenceFinishReason.Stop
+            chunks.append(dr.InferenceChunk.finish(reason))
+            return chunks
         c = out.outputs[0]
         ids = list(c.token_ids)
         logprobs = None
@@ -177,10 +237,15 @@ class ChatFrontend:
 
     async def events(self, p: PreparedChat) -> AsyncIterator[object]:
         """Protocol events (recipe objects) for one request, ending the engine request once the parser is done."""
+        if p.params.structured_outputs is not None:   # a grammar that does not compile is a 400, before any work
+            await wait_compiled(self.engine.engine.structured_output.pool, p.params.structured_outputs)
         proc = self._processor(p)
         first = True
         try:
-            async for out in self.engine.generate(p.prompt_token_ids, p.params, p.request_id):
+            outs = self.engine.generate(p.prompt_token_ids, p.params, p.request_id)
+            if p.json_tool_call:
+                outs = self._as_tool_call(outs)
+            async for out in outs:
                 for chunk in self._chunks(out, first):
                     first = False
                     for ev in proc.push(chunk):
@@ -192,6 +257,19 @@ class ChatFrontend:
         finally:
             if not proc.finished:
                 proc.close()
+
+    async def _as_tool_call(self, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[object]:
+        """Gather a constrained JSON call and hand it on as one output whose text is the DSML invoke the
+        recipe's parser reads as a tool call (a call cut short by max_tokens becomes no call, 'length')."""
+        text, ids, last = [], [], None
+        async for out in outs:
+            text.append(out.outputs[0].text)
+            ids += out.outputs[0].token_ids
+            last = out
+        c = last.outputs[0]
+        eos = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids and c.finish_reason == "stop"
+        dsml = json_call_to_dsml("".join(text)) if c.finish_reason == "stop" else None
+        yield _ToolCallOutput(last, dsml or "", len(ids) - eos, eos, c.finish_reason)
 
     async def complete(self, p: PreparedChat) -> str:
         resp_cls = PROTOCOLS[p.protocol][1]

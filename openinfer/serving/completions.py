@@ -12,6 +12,7 @@ from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
+from openinfer.structured_output.compiler import wait_compiled
 from openinfer.tokenizer import Tokenizer
 
 
@@ -42,6 +43,10 @@ class CompletionRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     user: str | None = None          # an end-user id for abuse tracking: accepted, not used
+    # constrained output: vLLM's {"json"|"json_object"|"regex"|"grammar"|"choice": ...}, or OpenAI's
+    # response_format ({"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema": ...}})
+    structured_outputs: dict | None = None
+    response_format: dict | None = None
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -83,10 +88,29 @@ class CompletionsFrontend:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, seed=req.seed,
                 logprobs=req.logprobs, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                ignore_eos=req.ignore_eos)
+                ignore_eos=req.ignore_eos, structured_outputs=self._structured_outputs(req))
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+            param = "structured_outputs" if "structured_outputs" in str(e) else "prompt" if "prompt" in str(e) else None
+            raise APIError(400, str(e), param=param) from None
         return req, ids, params
+
+    @staticmethod
+    def _structured_outputs(req: CompletionRequest) -> dict | None:
+        rf = req.response_format
+        if rf is None or rf.get("type") == "text":
+            return req.structured_outputs
+        if req.structured_outputs is not None:
+            raise APIError(400, "give structured_outputs or response_format, not both", param="response_format")
+        if rf.get("type") == "json_object":
+            return {"json_object": True}
+        if rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict) and "schema" in rf["json_schema"]:
+            return {"json": rf["json_schema"]["schema"]}
+        raise APIError(400, "response_format must be {'type': 'text' | 'json_object'} or {'type': 'json_schema', "
+                            "'json_schema': {'schema': ...}}", param="response_format")
+
+    async def _wait_compiled(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:   # a grammar that does not compile is a 400, before any work
+            await wait_compiled(self.engine.engine.structured_output.pool, params.structured_outputs)
 
     def _max_tokens(self, req: CompletionRequest, prompt_tokens: int) -> int | None:
         """Checked before any work, as OpenAI and vLLM do: a requested max_tokens that does not fit beside the
@@ -127,6 +151,7 @@ class CompletionsFrontend:
                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def stream(self, req: CompletionRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[dict]:
+        await self._wait_compiled(params)
         rid, created = self.engine.new_request_id("cmpl"), int(time.time())
         n_out, text_len, last = 0, 0, None
         async for out in self.engine.generate(ids, params, rid):
@@ -142,6 +167,7 @@ class CompletionsFrontend:
             yield chunk
 
     async def complete(self, req: CompletionRequest, ids: list[int], params: SamplingParams) -> dict:
+        await self._wait_compiled(params)
         rid, created = self.engine.new_request_id("cmpl"), int(time.time())
         text, token_ids, lps, last = [], [], [], None
         out: RequestOutput

@@ -123,3 +123,16 @@ def _short(e: Exception) -> str:
     if msg.startswith("[") and ".cc:" in msg:
         msg = msg.split(": ", 1)[-1]
     return msg
+
+
+async def wait_compiled(pool: GrammarCompilerPool, params: StructuredOutputsParams) -> None:
+    """For servers, before a request is queued: wait for its grammar without blocking the event loop (other
+    requests go on), so a grammar that fails to compile is a 400 naming the problem (GrammarError is a
+    ValueError) instead of an aborted generation. The engine then finds it in the cache."""
+    import asyncio
+
+    fut = pool.submit(params)
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), pool.timeout_s)
+    except asyncio.TimeoutError:
+        raise GrammarTimeoutError(f"{params.kind} grammar did not compile within {pool.timeout_s:g} s") from None

@@ -1,0 +1,53 @@
+"""Enforced tool calls for models whose chat template has no tool-call format (SmolLM2 and other plain
+chat models): the tools are described in a system message, the reply is constrained to one JSON object
+`{"name": <a tool's name>, "arguments": <that tool's parameters schema>}`, and the server turns it into a
+tool call by handing deepseek-recipe's parser the equivalent DSML invoke (the parser that produces
+`tool_calls` / `tool_use` in every protocol), so responses keep one code path.
+"""
+
+from __future__ import annotations
+
+import json
+
+_DSML = "｜DSML｜"
+
+
+def tool_call_schema(tools: list[dict]) -> dict:
+    """JSON schema of one call to any of `tools` (Chat Completions function tools)."""
+    calls = []
+    for t in tools:
+        f = t.get("function", t)
+        params = f.get("parameters") or {"type": "object"}
+        calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def tool_system_prompt(tools: list[dict]) -> str:
+    specs = []
+    for t in tools:
+        f = t.get("function", t)
+        specs.append(json.dumps({"name": f["name"], "description": f.get("description") or "",
+                                 "parameters": f.get("parameters") or {"type": "object"}}, ensure_ascii=False))
+    return ("You can call these tools:\n" + "\n".join(specs) + "\nCall one by answering with a JSON object "
+            '{"name": <tool name>, "arguments": <its arguments>}.')
+
+
+def json_call_to_dsml(text: str) -> str | None:
+    """The DSML invoke (as DeepSeek models write it after the opening `tool_calls` tag) of a JSON call;
+    None if `text` is not a complete call (e.g. cut by max_tokens)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"), dict):
+        return None
+    lines = [f'<{_DSML}invoke name="{call["name"]}">']
+    for k, v in call["arguments"].items():
+        if isinstance(v, str):
+            lines.append(f'<{_DSML}parameter name="{k}" string="true">{v}</{_DSML}parameter>')
+        else:
+            lines.append(f'<{_DSML}parameter name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}'
+                         f'</{_DSML}parameter>')
+    lines += [f"</{_DSML}invoke>", f"</{_DSML}tool_calls>"]
+    return "\n".join(lines)
