@@ -56,8 +56,29 @@ def _make_llm(args):
 def cmd_generate(args) -> int:
     from openinfer import SamplingParams
 
+    so = None
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):        # a file holding the schema
+            with open(text) as f:
+                text = f.read()
+        so = {"json": text}
+    elif args.json_object:
+        so = {"json_object": True}
+    elif args.regex is not None:
+        so = {"regex": args.regex}
+    elif args.grammar is not None:
+        with open(args.grammar) as f:
+            so = {"grammar": f.read()}
+    elif args.choice is not None:
+        so = {"choice": args.choice}
+    try:
+        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed, structured_outputs=so)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     llm = _make_llm(args)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()
     if args.raw or not (llm.tokenizer.chat_template or llm.tokenizer.is_deepseek):
         outs = llm.generate(args.prompts, sp, use_tqdm=len(args.prompts) > 1)
@@ -161,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
+    so = gen.add_mutually_exclusive_group()   # structured output (docs/structured_output.md)
+    so.add_argument("--json-schema", default=None, metavar="SCHEMA|FILE", help="answer with JSON matching this schema")
+    so.add_argument("--json-object", action="store_true", help="answer with a JSON object")
+    so.add_argument("--regex", default=None, help="answer with text matching this regular expression")
+    so.add_argument("--grammar", default=None, metavar="FILE", help="answer in the language of this EBNF grammar")
+    so.add_argument("--choice", action="append", default=None, help="answer with one of these strings (repeat it)")
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
