@@ -292,3 +292,44 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(server, route, extra,
                     timeout=60)
     assert ok.status_code == 200
     assert server.wait_idle()
+
+
+# ---- DeepSeek models: constraints through the recipe's encoding and DSML tool calls ---------------------
+@pytest.fixture(scope="module")
+def ds_server(tmp_path_factory):
+    from tests.test_server_deepseek import make_scripted_model
+
+    path = tmp_path_factory.mktemp("ds-structured")
+    make_scripted_model(path)          # a tiny model scripted to say "Hello world": the grammar must win
+    with LiveServer(str(path), served_model_name="DeepSeek-V4-Pro", max_num_seqs=8, block_size=16) as s:
+        yield s
+
+
+def test_deepseek_required_tool_call_is_a_valid_dsml_call(ds_server):
+    client = openai.OpenAI(base_url=ds_server.base_url + "/v1", api_key="x")
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,5}$"},   # strict
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},     # drops maxLength
+        "required": ["city", "days"], "additionalProperties": False}}}
+    r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "Weather?"}],
+                                       max_tokens=400, temperature=0, tools=[tool], tool_choice="required",
+                                       extra_body={"thinking": {"type": "disabled"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", (choice, r.usage)
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), tool["function"]["parameters"])
+
+
+def test_deepseek_response_format_in_non_thinking_mode_and_400_in_thinking_mode(ds_server):
+    client = openai.OpenAI(base_url=ds_server.base_url + "/v1", api_key="x")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "json"}],
+                                       max_tokens=100, temperature=0, response_format=rf,
+                                       extra_body={"thinking": {"type": "disabled"}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)    # not "Hello world"
+    with pytest.raises(openai.BadRequestError, match="thinking"):
+        client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "json"}],
+                                       max_tokens=30, response_format=rf)
+    assert ds_server.wait_idle()

@@ -25,7 +25,8 @@ from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
 from openinfer.structured_output.compiler import wait_compiled
 from openinfer.structured_output.params import StructuredOutputsParams
-from openinfer.structured_output.tool_calls import json_call_to_dsml, tool_call_schema, tool_system_prompt
+from openinfer.structured_output.tool_calls import (dsml_tool_grammar, json_call_to_dsml, tool_call_schema,
+                                                    tool_system_prompt)
 from openinfer.tokenizer import Tokenizer
 
 DEEPSEEK_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
@@ -48,6 +49,9 @@ class PreparedChat:
     stream: bool
     responses_extras: tuple | None = None   # (namespace tool map, echo) for the Responses generator
     json_tool_call: bool = False   # the reply is a constrained JSON call, turned into a tool call at the end
+    # hand the parser text, not token ids: a grammar admits DSML markers spelled in byte tokens as well as
+    # the marker token, and the parser recognises only the latter among ids (text is parsed either way)
+    text_chunks: bool = False
 
 
 def _message_dict(m: dr.Message) -> dict:
@@ -138,7 +142,7 @@ class ChatFrontend:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="response_format" if "structured_outputs" in str(e) else None) from None
         return PreparedChat(protocol, self.engine.new_request_id(prefix), conv, prompt_ids, params, conv.stream,
-                            extras, json_tool_call)
+                            extras, json_tool_call, text_chunks=self.deepseek and structured is not None)
 
     def _constraint(self, conv: dr.ConversationRequest) -> tuple[StructuredOutputsParams | None, bool]:
         """The recipe's output constraint as structured-output params, and whether the reply is a JSON tool
@@ -156,11 +160,10 @@ class ChatFrontend:
             if oc.kind == "regex":
                 return StructuredOutputsParams(regex=oc.schema), False
             if oc.kind == "tool_call_required":
-                if self.deepseek:
-                    raise APIError(400, "tool_choice=required / a named tool is not enforced for DeepSeek models "
-                                        "yet (their DSML tool-call grammar is not written)", param="tool_choice")
+                if self.deepseek:   # the prompt opened the DSML tool_calls block: constrain the invoke inside
+                    return StructuredOutputsParams(grammar=dsml_tool_grammar(json.loads(oc.schema))), False
                 return StructuredOutputsParams(json=tool_call_schema(json.loads(oc.schema))), True
-        except ValueError as e:   # schema keywords the grammar engine would not enforce
+        except (ValueError, RuntimeError) as e:   # keywords the grammar engine would not enforce, bad schemas
             raise APIError(400, str(e), param="response_format" if oc.kind != "tool_call_required" else "tools") from None
         raise APIError(400, f"output constraint {oc.kind!r} is not supported", param="response_format")
 
@@ -201,7 +204,7 @@ class ChatFrontend:
             gen = gen.with_namespace_tool_map(p.responses_extras[0]).with_echo(p.responses_extras[1])
         return dr.StreamProcessor(gen, p.conversation_request.parsing_options, self.recipe_tokenizer)
 
-    def _chunks(self, out, first: bool) -> list[dr.InferenceChunk]:
+    def _chunks(self, out, first: bool, text_chunks: bool = False) -> list[dr.InferenceChunk]:
         chunks = []
         if first:
             chunks.append(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
@@ -226,7 +229,9 @@ class ChatFrontend:
                     and ids[-1] in self.tokenizer.eos_token_ids)
         if eos_tail:
             ids, logprobs = ids[:-1], (logprobs[:-1] if logprobs is not None else None)
-        if ids:
+        if ids and text_chunks:
+            chunks.append(dr.InferenceChunk.text(c.text, len(ids)))
+        elif ids:
             chunks.append(dr.InferenceChunk.tokens(ids, logprobs))
         if eos_tail:
             chunks.append(dr.InferenceChunk.text("", 1))
@@ -246,7 +251,7 @@ class ChatFrontend:
             if p.json_tool_call:
                 outs = self._as_tool_call(outs)
             async for out in outs:
-                for chunk in self._chunks(out, first):
+                for chunk in self._chunks(out, first, p.text_chunks):
                     first = False
                     for ev in proc.push(chunk):
                         yield ev

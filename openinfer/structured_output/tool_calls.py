@@ -51,3 +51,43 @@ def json_call_to_dsml(text: str) -> str | None:
                          f'</{_DSML}parameter>')
     lines += [f"</{_DSML}invoke>", f"</{_DSML}tool_calls>"]
     return "\n".join(lines)
+
+
+def dsml_tool_grammar(tools: list[dict]) -> str:
+    """EBNF of one DSML tool call, as a DeepSeek model writes it after the `tool_calls` opening its prompt
+    ends with (tool_choice required / named): an invoke of one of `tools` whose parameters follow the
+    tool's schema — string parameters raw (`string="true"`, enum / pattern / maxLength enforced), the others
+    JSON valid for their subschema — then the closing tag, after which only EOS is allowed. Parameters come
+    in the schema's order; optional ones may be left out. Built with xgrammar's grammar combinators."""
+    import xgrammar as xgr
+
+    def lit(text: str) -> "xgr.Grammar":
+        return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+    def opt(g: "xgr.Grammar") -> "xgr.Grammar":
+        return xgr.Grammar.union(g, xgr.Grammar.from_ebnf('root ::= ""'))
+
+    def raw_string(schema: dict) -> "xgr.Grammar":
+        if schema.get("enum"):
+            return xgr.Grammar.union(*[lit(str(v)) for v in schema["enum"]])
+        if schema.get("pattern"):
+            return xgr.Grammar.from_regex(schema["pattern"].removeprefix("^").removesuffix("$"))
+        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return xgr.Grammar.from_regex(f"[^<]{{{lo},{int(hi)}}}" if hi is not None else f"[^<]{{{lo},}}")
+
+    calls = []
+    for t in tools:
+        f = t.get("function", t)
+        params = f.get("parameters") or {}
+        required = set(params.get("required", []))
+        parts = [lit(f'<{_DSML}invoke name="{f["name"]}">\n')]
+        for name, schema in (params.get("properties") or {}).items():
+            schema = schema if isinstance(schema, dict) else {}
+            is_str = schema.get("type") == "string"
+            value = raw_string(schema) if is_str else xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            p = xgr.Grammar.concat(lit(f'<{_DSML}parameter name="{name}" string="{"true" if is_str else "false"}">'),
+                                   value, lit(f"</{_DSML}parameter>\n"))
+            parts.append(p if name in required else opt(p))
+        parts.append(lit(f"</{_DSML}invoke>\n</{_DSML}tool_calls>"))
+        calls.append(xgr.Grammar.concat(*parts))
+    return str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
