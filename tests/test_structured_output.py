@@ -333,3 +333,31 @@ def test_deepseek_response_format_in_non_thinking_mode_and_400_in_thinking_mode(
         client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "json"}],
                                        max_tokens=30, response_format=rf)
     assert ds_server.wait_idle()
+
+
+def test_strict_tools_under_auto_constrain_only_the_dsml_invokes(ds_server):
+    """tool_choice=auto with strict tools (DeepSeek): text is free, an invoke must follow its tool's schema."""
+    import xgrammar as xgr
+
+    from openinfer.structured_output.tool_calls import dsml_strict_tools_tag
+
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,5}$"},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    pool = ds_server.engine.structured_output.pool
+    compiled = pool.compile_blocking(StructuredOutputsParams(structural_tag=dsml_strict_tools_tag([tool])))
+    call = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">{}</｜DSML｜parameter>\n</｜DSML｜invoke>')
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.is_completed()
+    assert accepts("Let me look.\n\n<｜DSML｜tool_calls>\n" + call.format(3) + "\n</｜DSML｜tool_calls>")
+    assert accepts("No tool needed: it is sunny.")
+    assert not accepts("<｜DSML｜tool_calls>\n" + call.format(9))          # days > maximum
+    # through the server: the scripted answer is plain text, which the constraint leaves alone
+    client = openai.OpenAI(base_url=ds_server.base_url + "/v1", api_key="x")
+    r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=20, tools=[tool])
+    assert r.choices[0].message.content == "Hello world" and r.choices[0].finish_reason == "stop"

@@ -25,8 +25,8 @@ from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
 from openinfer.structured_output.compiler import wait_compiled
 from openinfer.structured_output.params import StructuredOutputsParams
-from openinfer.structured_output.tool_calls import (dsml_tool_grammar, json_call_to_dsml, tool_call_schema,
-                                                    tool_system_prompt)
+from openinfer.structured_output.tool_calls import (dsml_strict_tools_tag, dsml_tool_grammar, json_call_to_dsml,
+                                                    tool_call_schema, tool_system_prompt)
 from openinfer.tokenizer import Tokenizer
 
 DEEPSEEK_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
@@ -147,10 +147,19 @@ class ChatFrontend:
     def _constraint(self, conv: dr.ConversationRequest) -> tuple[StructuredOutputsParams | None, bool]:
         """The recipe's output constraint as structured-output params, and whether the reply is a JSON tool
         call to convert (models without a tool-call format). A plain `tool_call` constraint (tools with
-        tool_choice=auto) only describes what a call would look like: nothing is enforced."""
+        tool_choice=auto) is enforced only for strict tools of DeepSeek models (free text, but any DSML invoke
+        follows its tool's schema); otherwise it only describes what a call would look like."""
         oc = conv.inference_options.output_constraint
-        if oc is None or oc.kind == "tool_call":
+        if oc is None:
             return None, False
+        if oc.kind == "tool_call":
+            tools = json.loads(oc.schema)
+            if not (self.deepseek and any(t.get("function", t).get("strict") for t in tools)):
+                return None, False
+            try:
+                return StructuredOutputsParams(structural_tag=dsml_strict_tools_tag(tools)), False
+            except (ValueError, RuntimeError) as e:
+                raise APIError(400, f"tools: {e}", param="tools") from None
         if self.deepseek and conv.conversation.thinking_mode:
             raise APIError(400, f"constrained output ({oc.kind}) is not supported in thinking mode yet: the "
                                 "grammar would constrain the reasoning too; disable thinking", param="thinking")

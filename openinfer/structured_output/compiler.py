@@ -97,6 +97,8 @@ class GrammarCompilerPool:
                 g = c.compile_regex(params.regex)
             elif kind == "grammar":
                 g = c.compile_grammar(params.grammar)
+            elif kind == "structural_tag":
+                g = c.compile_structural_tag(json.dumps(params.structural_tag))
             else:
                 g = c.compile_grammar(choice_ebnf(params.choice))
         except Exception as e:   # xgrammar raises RuntimeError / ValueError with the parser's message

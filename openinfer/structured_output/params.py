@@ -1,7 +1,9 @@
 """StructuredOutputsParams: what a request's output must match (vLLM's shape), checked on construction.
 
 Exactly one of `json` (a JSON schema, as a dict or JSON text), `json_object` (any JSON object), `regex`,
-`grammar` (EBNF, xgrammar's GBNF dialect) or `choice` (one of a list of strings). Only the shape is checked
+`grammar` (EBNF, xgrammar's GBNF dialect), `choice` (one of a list of strings) or `structural_tag`
+(xgrammar's structural-tag format, as a dict or JSON text: e.g. free text with constrained tagged
+sections, which is how strict tools are enforced under tool_choice=auto). Only the shape is checked
 here; whether the schema / regex / grammar compiles is the compiler's answer (`compiler.py`), which the
 engine asks before a request is scheduled. Nothing here imports xgrammar.
 """
@@ -13,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "grammar", "choice")
+KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 # JSON-schema keywords xgrammar parses but does not enforce (checked with xgrammar 0.2.9: a violating
 # output is accepted). A schema using one is refused instead of silently unconstrained.
@@ -58,6 +60,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
+    structural_tag: dict | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -75,6 +78,16 @@ class StructuredOutputsParams:
                 raise _bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
             check_schema_keywords(schema)
             object.__setattr__(self, "json", schema)
+        elif kind == "structural_tag":
+            tag = self.structural_tag
+            if isinstance(tag, str):
+                try:
+                    tag = json.loads(tag)
+                except ValueError as e:
+                    raise _bad(f"structural_tag is not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise _bad("structural_tag must be an object (xgrammar's structural-tag format)")
+            object.__setattr__(self, "structural_tag", tag)
         elif kind == "json_object" and self.json_object is not True:
             raise _bad("json_object must be true")
         elif kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
@@ -105,7 +118,7 @@ class StructuredOutputsParams:
     def spec(self) -> str:
         """The constraint as canonical text (sorted-key JSON for schemas)."""
         v = getattr(self, self.kind)
-        if self.kind == "json":
+        if self.kind in ("json", "structural_tag"):
             return json.dumps(v, sort_keys=True, ensure_ascii=False)
         if self.kind == "choice":
             return json.dumps(list(v), ensure_ascii=False)

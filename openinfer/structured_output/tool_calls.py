@@ -53,21 +53,16 @@ def json_call_to_dsml(text: str) -> str | None:
     return "\n".join(lines)
 
 
-def dsml_tool_grammar(tools: list[dict]) -> str:
-    """EBNF of one DSML tool call, as a DeepSeek model writes it after the `tool_calls` opening its prompt
-    ends with (tool_choice required / named): an invoke of one of `tools` whose parameters follow the
-    tool's schema — string parameters raw (`string="true"`, enum / pattern / maxLength enforced), the others
-    JSON valid for their subschema — then the closing tag, after which only EOS is allowed. Parameters come
-    in the schema's order; optional ones may be left out. Built with xgrammar's grammar combinators."""
+def _dsml_parameters(f: dict) -> "object":
+    """xgrammar Grammar of a DSML invoke's parameter lines for function `f`: in schema order, optional ones
+    optional, string parameters raw (`string="true"`, enum / pattern / maxLength enforced), the others JSON
+    valid for their subschema."""
     import xgrammar as xgr
 
-    def lit(text: str) -> "xgr.Grammar":
+    def lit(text: str):
         return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
-    def opt(g: "xgr.Grammar") -> "xgr.Grammar":
-        return xgr.Grammar.union(g, xgr.Grammar.from_ebnf('root ::= ""'))
-
-    def raw_string(schema: dict) -> "xgr.Grammar":
+    def raw_string(schema: dict):
         if schema.get("enum"):
             return xgr.Grammar.union(*[lit(str(v)) for v in schema["enum"]])
         if schema.get("pattern"):
@@ -75,19 +70,46 @@ def dsml_tool_grammar(tools: list[dict]) -> str:
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         return xgr.Grammar.from_regex(f"[^<]{{{lo},{int(hi)}}}" if hi is not None else f"[^<]{{{lo},}}")
 
+    params = f.get("parameters") or {}
+    required = set(params.get("required", []))
+    parts = [lit("")]
+    for name, schema in (params.get("properties") or {}).items():
+        schema = schema if isinstance(schema, dict) else {}
+        is_str = schema.get("type") == "string"
+        value = raw_string(schema) if is_str else xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        p = xgr.Grammar.concat(lit(f'<{_DSML}parameter name="{name}" string="{"true" if is_str else "false"}">'),
+                               value, lit(f"</{_DSML}parameter>\n"))
+        parts.append(p if name in required else xgr.Grammar.union(p, lit("")))
+    return xgr.Grammar.concat(*parts)
+
+
+def dsml_tool_grammar(tools: list[dict]) -> str:
+    """EBNF of one DSML tool call, as a DeepSeek model writes it after the `tool_calls` opening its prompt
+    ends with (tool_choice required / named): an invoke of one of `tools` with parameters per
+    `_dsml_parameters`, then the closing tags, after which only EOS is allowed. Built with xgrammar's
+    grammar combinators."""
+    import xgrammar as xgr
+
+    def lit(text: str):
+        return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
     calls = []
     for t in tools:
         f = t.get("function", t)
-        params = f.get("parameters") or {}
-        required = set(params.get("required", []))
-        parts = [lit(f'<{_DSML}invoke name="{f["name"]}">\n')]
-        for name, schema in (params.get("properties") or {}).items():
-            schema = schema if isinstance(schema, dict) else {}
-            is_str = schema.get("type") == "string"
-            value = raw_string(schema) if is_str else xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-            p = xgr.Grammar.concat(lit(f'<{_DSML}parameter name="{name}" string="{"true" if is_str else "false"}">'),
-                                   value, lit(f"</{_DSML}parameter>\n"))
-            parts.append(p if name in required else opt(p))
-        parts.append(lit(f"</{_DSML}invoke>\n</{_DSML}tool_calls>"))
-        calls.append(xgr.Grammar.concat(*parts))
+        calls.append(xgr.Grammar.concat(lit(f'<{_DSML}invoke name="{f["name"]}">\n'), _dsml_parameters(f),
+                                        lit(f"</{_DSML}invoke>\n</{_DSML}tool_calls>")))
     return str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+
+
+def dsml_strict_tools_tag(tools: list[dict]) -> dict:
+    """xgrammar structural tag for strict tools under tool_choice=auto (DeepSeek models): any text (thinking,
+    answer, the `tool_calls` opening) until a DSML invoke starts; inside an invoke of a listed tool the
+    parameters follow its schema (`_dsml_parameters`); after `</invoke>` any text again."""
+    tags = []
+    for t in tools:
+        f = t.get("function", t)
+        tags.append({"type": "tag", "begin": f'<{_DSML}invoke name="{f["name"]}">\n',
+                     "content": {"type": "grammar", "grammar": str(_dsml_parameters(f))},
+                     "end": f"</{_DSML}invoke>"})
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [f"<{_DSML}invoke name="],
+                                                 "tags": tags, "at_least_one": False, "stop_after_first": False}}
