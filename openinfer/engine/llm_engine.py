@@ -172,7 +172,9 @@ class LLMEngine:
         runner feeds it from there. Stops are therefore found one step late; the extra token computed for a
         finished request is discarded, and its blocks are freed when the stop is found (the late write lands
         in a block no other request can hit yet). Requests whose sampling reads their output history
-        (penalties) wait for it: such a step reads back first."""
+        (penalties) or whose grammar mask depends on their last token (structured output) wait for it: such
+        a step reads back first. Requests whose grammar is still compiling wait in the queue (the scheduler
+        skips them); a grammar that fails or times out aborts its request with the reason in stop_reason."""
         outputs: list[RequestOutput] = []
         if self._compiling:
             outputs += self._retire_failed_grammars()
