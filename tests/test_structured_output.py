@@ -361,3 +361,28 @@ def test_strict_tools_under_auto_constrain_only_the_dsml_invokes(ds_server):
     r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=20, tools=[tool])
     assert r.choices[0].message.content == "Hello world" and r.choices[0].finish_reason == "stop"
+
+
+def test_engine_a_bad_grammar_aborts_its_request_and_nothing_else(llm):
+    """Through LLMEngine directly (no pre-compile): the grammar compiles after add_request returns, so the
+    failure shows at a step, as an aborted request naming the problem; the request beside it completes."""
+    eng = llm.engine
+    ok = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    try:
+        bad = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, structured_outputs={
+            "regex": f"(unclosed{time.time_ns()}"}))
+    except ValueError as e:            # already compiled (and failed) by the time add_request looked
+        assert "parenthesis" in str(e)
+        bad = None
+    done = {}
+    for _ in range(50):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if ok in done and (bad is None or bad in done):
+            break
+    assert done[ok].outputs[0].finish_reason == "length"
+    if bad is not None:
+        assert done[bad].outputs[0].finish_reason == "abort" and "parenthesis" in done[bad].outputs[0].stop_reason
+        assert done[bad].outputs[0].token_ids == []
+    assert_pool_idle(eng)
