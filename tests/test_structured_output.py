@@ -320,7 +320,7 @@ def test_deepseek_required_tool_call_is_a_valid_dsml_call(ds_server):
     jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), tool["function"]["parameters"])
 
 
-def test_deepseek_response_format_in_non_thinking_mode_and_400_in_thinking_mode(ds_server):
+def test_deepseek_response_format_with_and_without_thinking(ds_server):
     client = openai.OpenAI(base_url=ds_server.base_url + "/v1", api_key="x")
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
@@ -329,9 +329,11 @@ def test_deepseek_response_format_in_non_thinking_mode_and_400_in_thinking_mode(
                                        max_tokens=100, temperature=0, response_format=rf,
                                        extra_body={"thinking": {"type": "disabled"}})
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)    # not "Hello world"
-    with pytest.raises(openai.BadRequestError, match="thinking"):
-        client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "json"}],
-                                       max_tokens=30, response_format=rf)
+    # thinking mode: the reasoning is free (the scripted "Let me think"), the answer follows the schema
+    r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "json"}],
+                                       max_tokens=100, temperature=0, response_format=rf)
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Let me think"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     assert ds_server.wait_idle()
 
 

@@ -152,6 +152,11 @@ class ChatFrontend:
         oc = conv.inference_options.output_constraint
         if oc is None:
             return None, False
+        dsml = self.deepseek and oc.kind in ("tool_call", "tool_call_required")
+        if dsml and conv.model_version != dr.ModelVersion.DeepseekV4Pro and (
+                oc.kind == "tool_call_required" or any(t.get("function", t).get("strict") for t in json.loads(oc.schema))):
+            raise APIError(400, "enforced tool calls use DeepSeek-V4's DSML format; this model version's format "
+                                "is not covered yet", param="tool_choice")
         if oc.kind == "tool_call":
             tools = json.loads(oc.schema)
             if not (self.deepseek and any(t.get("function", t).get("strict") for t in tools)):
@@ -160,9 +165,17 @@ class ChatFrontend:
                 return StructuredOutputsParams(structural_tag=dsml_strict_tools_tag(tools)), False
             except (ValueError, RuntimeError) as e:
                 raise APIError(400, f"tools: {e}", param="tools") from None
-        if self.deepseek and conv.conversation.thinking_mode:
-            raise APIError(400, f"constrained output ({oc.kind}) is not supported in thinking mode yet: the "
-                                "grammar would constrain the reasoning too; disable thinking", param="thinking")
+        if self.deepseek and conv.conversation.thinking_mode and oc.kind in ("json", "regex"):
+            # the reasoning stays free: any text up to </think>, then the answer's grammar
+            answer = ({"type": "regex", "pattern": oc.schema} if oc.kind == "regex" else
+                      {"type": "json_schema", "json_schema": json.loads(oc.schema) if oc.schema else {"type": "object"},
+                       "max_whitespace_cnt": 1})   # no runs of free whitespace (cf. structured_output_any_whitespace)
+            try:
+                return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+                    "type": "sequence", "elements": [{"type": "tag", "begin": "", "content": {"type": "any_text"},
+                                                      "end": "</think>"}, answer]}}), False
+            except ValueError as e:
+                raise APIError(400, str(e), param="response_format") from None
         try:
             if oc.kind == "json":
                 return StructuredOutputsParams(json=oc.schema) if oc.schema else StructuredOutputsParams(json_object=True), False
