@@ -243,6 +243,14 @@ def test_anthropic_tool_choice_gives_a_valid_tool_use(server):
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, tool["input_schema"])
+    # {"type": "any"}: some tool must be called
+    clock = {"name": "get_time", "description": "Current time in a timezone",
+             "input_schema": TIME_TOOL["function"]["parameters"]}
+    msg = client.messages.create(model="smollm2", max_tokens=40, tools=[tool, clock], tool_choice={"type": "any"},
+                                 messages=[{"role": "user", "content": "Hello there!"}])
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(uses) == 1
+    jsonschema.validate(uses[0].input, {"get_weather": tool, "get_time": clock}[uses[0].name]["input_schema"])
 
 
 def test_completions_regex_and_choice(server, oai):

@@ -120,7 +120,10 @@ class ChatFrontend:
         except (ValueError, TypeError, OverflowError) as e:   # body the recipe can't even read
             raise APIError(400, f"invalid request body: {e}") from None
         io = conv.inference_options
-        structured, json_tool_call = self._constraint(conv)
+        # Anthropic's tool_choice {"type": "any"} (some tool must be called): the recipe reads it as auto
+        any_tool = (protocol == "messages" and isinstance(body.get("tool_choice"), dict)
+                    and body["tool_choice"].get("type") == "any")
+        structured, json_tool_call = self._constraint(conv, any_tool)
         prompt_ids = self._encode(conv, json_tool_call)
         if len(prompt_ids) > self.max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, more than this model's context "
@@ -144,7 +147,8 @@ class ChatFrontend:
         return PreparedChat(protocol, self.engine.new_request_id(prefix), conv, prompt_ids, params, conv.stream,
                             extras, json_tool_call, text_chunks=self.deepseek and structured is not None)
 
-    def _constraint(self, conv: dr.ConversationRequest) -> tuple[StructuredOutputsParams | None, bool]:
+    def _constraint(self, conv: dr.ConversationRequest, any_tool: bool = False
+                    ) -> tuple[StructuredOutputsParams | None, bool]:
         """The recipe's output constraint as structured-output params, and whether the reply is a JSON tool
         call to convert (models without a tool-call format). A plain `tool_call` constraint (tools with
         tool_choice=auto) is enforced only for strict tools of DeepSeek models (free text, but any DSML invoke
@@ -157,6 +161,8 @@ class ChatFrontend:
                 oc.kind == "tool_call_required" or any(t.get("function", t).get("strict") for t in json.loads(oc.schema))):
             raise APIError(400, "enforced tool calls use DeepSeek-V4's DSML format; this model version's format "
                                 "is not covered yet", param="tool_choice")
+        if oc.kind == "tool_call" and any_tool and not self.deepseek:
+            return StructuredOutputsParams(json=tool_call_schema(json.loads(oc.schema))), True
         if oc.kind == "tool_call":
             tools = json.loads(oc.schema)
             if not (self.deepseek and any(t.get("function", t).get("strict") for t in tools)):
@@ -271,7 +277,7 @@ class ChatFrontend:
         try:
             outs = self.engine.generate(p.prompt_token_ids, p.params, p.request_id)
             if p.json_tool_call:
-                outs = self._as_tool_call(outs)
+                outs = self._as_tool_call(outs, p.conversation_request.parsing_options.starts_in_tool_calls)
             async for out in outs:
                 for chunk in self._chunks(out, first, p.text_chunks):
                     first = False
@@ -285,7 +291,7 @@ class ChatFrontend:
             if not proc.finished:
                 proc.close()
 
-    async def _as_tool_call(self, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[object]:
+    async def _as_tool_call(self, outs: AsyncIterator[RequestOutput], in_block: bool) -> AsyncIterator[object]:
         """Gather a constrained JSON call and hand it on as one output whose text is the DSML invoke the
         recipe's parser reads as a tool call (a call cut short by max_tokens becomes no call, 'length')."""
         text, ids, last = [], [], None
@@ -295,7 +301,7 @@ class ChatFrontend:
             last = out
         c = last.outputs[0]
         eos = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids and c.finish_reason == "stop"
-        dsml = json_call_to_dsml("".join(text)) if c.finish_reason == "stop" else None
+        dsml = json_call_to_dsml("".join(text), opening=not in_block) if c.finish_reason == "stop" else None
         yield _ToolCallOutput(last, dsml or "", len(ids) - eos, eos, c.finish_reason)
 
     async def complete(self, p: PreparedChat) -> str:

@@ -33,16 +33,17 @@ def tool_system_prompt(tools: list[dict]) -> str:
             '{"name": <tool name>, "arguments": <its arguments>}.')
 
 
-def json_call_to_dsml(text: str) -> str | None:
-    """The DSML invoke (as DeepSeek models write it after the opening `tool_calls` tag) of a JSON call;
-    None if `text` is not a complete call (e.g. cut by max_tokens)."""
+def json_call_to_dsml(text: str, opening: bool = False) -> str | None:
+    """The DSML invoke (as DeepSeek models write it after the opening `tool_calls` tag, or with that tag when
+    `opening`: the parser was not told the reply starts inside the block) of a JSON call; None if `text` is
+    not a complete call (e.g. cut by max_tokens)."""
     try:
         call = json.loads(text)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"), dict):
         return None
-    lines = [f'<{_DSML}invoke name="{call["name"]}">']
+    lines = ([f"<{_DSML}tool_calls>"] if opening else []) + [f'<{_DSML}invoke name="{call["name"]}">']
     for k, v in call["arguments"].items():
         if isinstance(v, str):
             lines.append(f'<{_DSML}parameter name="{k}" string="true">{v}</{_DSML}parameter>')
