@@ -24,7 +24,7 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
 from openinfer.structured_output.compiler import wait_compiled
-from openinfer.structured_output.params import StructuredOutputsParams
+from openinfer.structured_output.params import StructuredOutputsParams, check_schema_keywords
 from openinfer.structured_output.tool_calls import (dsml_strict_tools_tag, dsml_tool_grammar, json_call_to_dsml,
                                                     tool_call_schema, tool_system_prompt)
 from openinfer.tokenizer import Tokenizer
@@ -177,6 +177,7 @@ class ChatFrontend:
                       {"type": "json_schema", "json_schema": json.loads(oc.schema) if oc.schema else {"type": "object"},
                        "max_whitespace_cnt": 1})   # no runs of free whitespace (cf. structured_output_any_whitespace)
             try:
+                check_schema_keywords(answer.get("json_schema"))
                 return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
                     "type": "sequence", "elements": [{"type": "tag", "begin": "", "content": {"type": "any_text"},
                                                       "end": "</think>"}, answer]}}), False
