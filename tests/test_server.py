@@ -133,7 +133,7 @@ def test_errors_are_well_formed(server):
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                   "temperature": -1}, 400),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
-                                  "response_format": {"type": "json_object"}}, 400),   # not enforced: refused
+                                  "response_format": {"type": "json_object"}}, 400),   # json_object without "json" in the prompt (OpenAI rule)
         ("/v1/completions", {"model": "smollm2", "prompt": "x", "max_tokens": 0}, 400),
         ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400),
         ("/v1/completions", {"model": "smollm2", "prompt": "x", "bogus_field": 1}, 400),
