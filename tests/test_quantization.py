@@ -297,7 +297,7 @@ def test_dummy_load_format_learns_the_published_formats(tmp_path):
     assert_pool_idle(engine)
 
 
-def _edit(src: Path, dst: Path, name: str, fn=None, config: dict | None = None) -> Path:
+def _edit(src: Path, dst: Path, name: str | None, fn=None, config: dict | None = None) -> Path:
     shutil.copytree(src, dst)
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config))
@@ -358,3 +358,58 @@ def test_cli_runs_a_published_checkpoint_with_either_activation_mode(published):
                                "--max-tokens", "4", "--raw", *extra, "Hello"], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "tok/s" in proc.stdout + proc.stderr
+
+
+def test_more_bad_checkpoints_are_named(tmp_path, published):
+    """Shards, duplicates and format mixes that a hand-made or half-converted checkpoint can have."""
+    src, _ = published
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    wq = "layers.1.attn.wq_b.weight"
+    first = sorted(set(index["weight_map"].values()))[0]
+    missing = _edit(src, tmp_path / "missing", wq)
+    (missing / first).rename(missing / "elsewhere.bin")
+    twice = _edit(src, tmp_path / "twice", wq)
+    save_file({"layers.0.attn_norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(twice / "extra.safetensors"))
+    cases = [
+        (missing, "names shard"),
+        (twice, "stored twice"),
+        (_edit(src, tmp_path / "floatscale", wq, lambda t: t.__setitem__(wq, t[wq].to(torch.bfloat16))),
+         "is a scale for"),                                            # a bf16 weight with a scale beside it
+        (_edit(src, tmp_path / "i8dense", wq, lambda t: (t.__setitem__(wq, t[wq].view(torch.int8)),
+                                                         t.pop("layers.1.attn.wq_b.scale"))),
+         "never read as plain floats"),                                # raw bytes, no scale, a float place
+        (_edit(src, tmp_path / "floatexpert", "layers.2.ffn.experts.0.w2.weight",
+               lambda t: (t.__setitem__("layers.2.ffn.experts.0.w2.weight", torch.zeros(64, 32, dtype=torch.bfloat16)),
+                          t.pop("layers.2.ffn.experts.0.w2.scale"))),
+         "one module, one format"),
+        (_edit(src, tmp_path / "block48", None, config={**TINY_PUBLISHED, "quantization_config": {
+            **QUANT, "weight_block_size": [48, 48]}}), "power of two"),
+    ]
+    head = "head.weight"
+    cases.append((_edit(src, tmp_path / "tiedhead", head,
+                        lambda t: t.update(dict(zip(("head.weight", "head.scale"), quantize_fp8(t[head].float(), 32)))),
+                        config={**TINY_PUBLISHED, "tie_word_embeddings": True}), "tie_word_embeddings"))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": QUANT}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, llama / f)
+    cases.append((llama, "DeepSeek-V4 only"))
+    for path, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine_for(path)
+
+
+def test_ragged_fp8_tiles_load_and_equal_the_dequantized_weights(tmp_path):
+    """N and K need not be multiples of the block (ceil(N/b) x ceil(K/b) scales, as DeepSeek's format)."""
+    g = torch.Generator().manual_seed(6)
+    lin = Fp8Linear(100, 48, 32)
+    lin.weight.data, lin.weight_scale.data = quantize_fp8(torch.randn(48, 100, generator=g) * 0.05, 32)
+    assert lin.weight_scale.shape == (2, 4)
+    x = torch.randn(5, 100, generator=g)
+    w8a16 = reference.weight_only_fp8_linear(reference.grouped_gemm)(x, lin.weight, lin.weight_scale, 32)
+    torch.testing.assert_close(w8a16, x @ dequantize_fp8(lin.weight, lin.weight_scale, 32).T, rtol=1e-6, atol=1e-6)
+    src = write_published(tmp_path / "ragged", {**TINY_PUBLISHED, "q_lora_rank": 48})   # wq_a: 48 rows, wq_b: 48 inputs
+    (o, lg), = run_recording(engine_for(src, quantize_activations=False), prompts_of(20),
+                             SamplingParams(max_tokens=2, **GREEDY))
+    assert lg.isfinite().all()

@@ -150,8 +150,8 @@ def init_deepseek_v4_random(model: DeepseekV4ForCausalLM, seed: int, std: float 
         for name, p in model.named_parameters():
             if name.endswith("_scale") and p.dtype == torch.float8_e8m0fnu:
                 fmt = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "fmt", "fp8")
-                p.copy_(float_to_e8m0(pow2_ceil(torch.tensor(std / (e2m1_std if fmt == "mxfp4" else fp8_std)))
-                                      .expand(p.shape).to(dev)))
+                byte = float_to_e8m0(pow2_ceil(torch.tensor(std / (e2m1_std if fmt == "mxfp4" else fp8_std))))
+                p.view(torch.uint8).fill_(int(byte.view(torch.uint8)))
             elif p.dtype == torch.uint8:          # packed E2M1
                 p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=dev, dtype=torch.uint8))
             elif p.dtype == torch.float8_e4m3fn:  # in slices: no full-size float temporary

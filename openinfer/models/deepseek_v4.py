@@ -852,6 +852,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             if isinstance(module, Experts):
                 with torch.device(module.gate_up_proj.device):
                     new = QuantizedExperts(self.config, fmt, block, self.ops)
+            elif name == "lm_head" and self.config.tie_word_embeddings:
+                raise ValueError("the checkpoint stores lm_head quantized but the config ties it to the "
+                                 "(bf16) embedding: tie_word_embeddings must be false for a quantized head")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
                 new = to_fp8_linear(module, block, self.ops, self.config.o_groups if child == "o_a_proj" else 1)
             else:
@@ -885,13 +888,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 half = dst.shape[1] // 2
                 dst = dst[e] if w == "w2" else dst[e, :half] if w == "w1" else dst[e, half:]
                 key = f"{name}#{e}.{w}"
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
             stored_raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
             if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
                 raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but its place holds "
                                  f"{dst.dtype}: quantized weights are never read as plain floats")
+            if dst.dtype.itemsize == 1 and not stored_raw:
+                raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but the other tensors of "
+                                 f"its module are quantized ({dst.dtype}): one module, one format")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
             if not dry_run:
                 dst.copy_(tensor.view(dst.dtype) if stored_raw and tensor.dtype.itemsize == 1 == dst.dtype.itemsize
                           else tensor.to(dst.dtype))

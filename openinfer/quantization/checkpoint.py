@@ -31,6 +31,8 @@ class QuantScheme:
     @classmethod
     def from_hf(cls, hf: dict) -> "QuantScheme | None":
         qc = hf.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ValueError(f"quantization_config must be an object, got {qc!r}")
         if qc is None:
             if hf.get("expert_dtype") is not None:
                 raise ValueError(f"config.json sets expert_dtype={hf['expert_dtype']!r} but has no quantization_config")
@@ -42,8 +44,11 @@ class QuantScheme:
             raise ValueError(f"quantization_config.scale_fmt {qc.get('scale_fmt')!r} is not supported "
                              f"(supported: 'ue8m0', power-of-two E8M0 scales)")
         bs = qc.get("weight_block_size", [128, 128])
-        if len(bs) != 2 or bs[0] != bs[1] or int(bs[0]) < 1:
-            raise ValueError(f"quantization_config.weight_block_size must be square [b, b], got {bs}")
+        if not isinstance(bs, (list, tuple)) or len(bs) != 2 or bs[0] != bs[1]:
+            raise ValueError(f"quantization_config.weight_block_size must be square [b, b], got {bs!r}")
+        if not isinstance(bs[0], int) or bs[0] < 16 or bs[0] & (bs[0] - 1):
+            raise ValueError(f"quantization_config.weight_block_size must be a power of two >= 16 (DeepSeek "
+                             f"publishes 128 and 32), got {bs!r}")
         if hf.get("expert_dtype") not in _EXPERT_DTYPES:
             raise ValueError(f"expert_dtype {hf.get('expert_dtype')!r} is not supported (fp4, fp8, or unset)")
         return cls(int(bs[0]), _EXPERT_DTYPES[hf.get("expert_dtype")])
@@ -100,6 +105,8 @@ def pair_quantized(headers: dict[str, StoredTensor], scheme: QuantScheme | None,
             continue
         stem = name[:-len(".weight")]
         scales = [headers[stem + s] for s in SCALE_SUFFIXES if stem + s in headers]
+        if len(scales) > 1:
+            raise ValueError(f"{name!r} has two scales: {[t.name for t in scales]}")
         if t.dtype in FLOAT_STORED:
             if scales:
                 raise ValueError(f"{scales[0].name!r} is a scale for {name!r}, which is stored {t.dtype}, "
@@ -109,6 +116,9 @@ def pair_quantized(headers: dict[str, StoredTensor], scheme: QuantScheme | None,
             fmt = "fp8"
         elif t.dtype in PACKED_FP4_STORED and is_expert(name):
             fmt = "mxfp4"
+        elif t.dtype in PACKED_FP4_STORED and scales:
+            raise ValueError(f"{name!r} is packed FP4 ({t.dtype}) with a scale, but packed FP4 is only read "
+                             f"for routed experts (ffn.experts.E.w1/w2/w3)")
         else:
             continue        # integer tables (tid2eid) and the like: loaded as they are
         if scheme is None:

@@ -43,8 +43,8 @@ class Fp8Linear(nn.Module):
 
     def forward_groups(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use (DeepSeek-V4's grouped output projection `wo_a`): x [T, g, K]; group i
-        multiplies by rows [i*N/g, (i+1)*N/g) of W, whose scale tiles it owns whole (checked at
-        construction). One grouped GEMM with the groups as experts, weight-only: DeepSeek's inference code
+        multiplies by rows [i*N/g, (i+1)*N/g) of W, whose scale tiles it owns whole (`to_fp8_linear` checks
+        that when it builds a grouped one). One grouped GEMM with the groups as experts, weight-only: DeepSeek's inference code
         dequantizes `wo_a` to bf16 and multiplies unquantized activations, and so does this."""
         T, g, k = x.shape
         rows = x.transpose(0, 1).reshape(g * T, k)
@@ -61,7 +61,7 @@ def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1)
     """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time)."""
     if linear.bias is not None:
         raise ValueError("FP8 block-scaled linears have no bias")
-    if (linear.out_features // groups) % block:
+    if groups > 1 and (linear.out_features % groups or (linear.out_features // groups) % block):
         raise ValueError(f"a grouped FP8 projection needs whole {block}-row scale tiles per group; "
                          f"{linear.out_features} rows in {groups} groups")
     with torch.device(linear.weight.device):

@@ -41,9 +41,10 @@ def _e8m0_to_f32(s):
 def _quantize_groups(x):
     """x [R, G] fp32, one quantization group per row -> (float8e4nv [R, G], fp32 scales [R]).
 
-    Same arithmetic as `formats.quantize_activations`: scale = 2^ceil(log2(max(amax, 1e-4) / 448)) with an
-    IEEE-rounded division, values scaled by the exact reciprocal power of two, clamped, rounded to nearest
-    even E4M3. pow2-ceil reads the exponent off the float bits (a non-zero mantissa rounds up)."""
+    Same result as `formats.quantize_activations` (which multiplies amax by fp32(1/448), as DeepSeek's kernel
+    does; for every bf16 amax that equals this IEEE-rounded division, and `TRITON_OPS` feeds bf16):
+    scale = 2^ceil(log2(max(amax, 1e-4) / 448)), values scaled by the exact reciprocal power of two,
+    clamped, rounded to nearest even E4M3. pow2-ceil reads the exponent off the float bits (a non-zero mantissa rounds up)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     ratio = tl.math.div_rn(amax, _FP8_MAX).to(tl.int32, bitcast=True)
     exp = ((ratio >> 23) & 0xFF) + ((ratio & 0x7FFFFF) != 0).to(tl.int32)
