@@ -158,6 +158,18 @@ class LLMEngine:
         req.metrics.finished_time = time.time()
         return self.output_processor.make_output(req)
 
+    def shutdown(self) -> None:
+        """Abort every request, stop the grammar-compile threads and drop the model, its caches and CUDA graphs.
+        The engine's objects refer to each other (cycles), so without this, memory comes back only when
+        Python's collector next runs; `LLM.shutdown()` calls this and then collects."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self._in_flight = None
+        if self._structured is not None:
+            self._structured.pool.shutdown()
+            self._structured = None
+        self.runner = None
+
     def has_unfinished_requests(self) -> bool:
         # A step still in flight whose requests all finished holds nothing: the next step() reads it back.
         return self.scheduler.has_unfinished()

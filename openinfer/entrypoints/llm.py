@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from openinfer.config import EngineConfig
@@ -22,6 +24,18 @@ class LLM:
         self.config = EngineConfig.from_kwargs(**engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Free the engine now (device memory included) instead of whenever Python's collector next runs;
+        the LLM cannot be used afterwards. Idempotent."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -58,6 +72,8 @@ class LLM:
         return self._run(token_lists, texts, sampling_params, use_tqdm)
 
     def _run(self, token_lists, texts, sampling_params, use_tqdm) -> list[RequestOutput]:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
         n = len(token_lists)
         if sampling_params is None:
             sampling_params = SamplingParams()
