@@ -25,6 +25,16 @@ SUPPORTED_FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "
                      "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
 
 
+def _loads_if_text(value, field: str):
+    """A JSON value given as text is parsed; a parse error names the field."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise _bad(f"{field} is not valid JSON: {e}") from None
+
+
 def _bad(msg: str) -> ValueError:
     return ValueError(f"SamplingParams.structured_outputs: {msg}")
 
@@ -68,23 +78,13 @@ class StructuredOutputsParams:
             raise _bad(f"give exactly one of {', '.join(KINDS)}; got {given or 'none'}")
         kind = given[0]
         if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise _bad(f"json is not valid JSON: {e}") from None
+            schema = _loads_if_text(self.json, "json")
             if not isinstance(schema, (dict, bool)):
                 raise _bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
             check_schema_keywords(schema)
             object.__setattr__(self, "json", schema)
         elif kind == "structural_tag":
-            tag = self.structural_tag
-            if isinstance(tag, str):
-                try:
-                    tag = json.loads(tag)
-                except ValueError as e:
-                    raise _bad(f"structural_tag is not valid JSON: {e}") from None
+            tag = _loads_if_text(self.structural_tag, "structural_tag")
             if not isinstance(tag, dict):
                 raise _bad("structural_tag must be an object (xgrammar's structural-tag format)")
             object.__setattr__(self, "structural_tag", tag)
