@@ -64,6 +64,21 @@ class EngineConfig:
     structured_output_compile_timeout_s: float = 30.0
     structured_output_cache_size: int = 256
     structured_output_any_whitespace: bool = False
+    # Parallelism (docs/parallelism.md; vLLM's names). One worker process per rank, world = DP x TP ranks:
+    # DP ranks own their requests and KV pools, TP ranks split each matrix; with expert parallelism the
+    # routed experts of MoE models are split over all ranks (attention DP + EP, DeepInfer's layout).
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # EPLB: redundant experts (a lower bound, rounded up so routed + redundant divide by the EP size), token
+    # counts per expert over a window of steps, a new placement every interval, weights moved between ranks
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window_steps: int = 1000
+    eplb_rebalance_interval_steps: int = 3000
+    # rendezvous of the worker processes: None = a free local TCP port; "env://" = torchrun's variables
+    # (MASTER_ADDR, MASTER_PORT) for several hosts; or "tcp://host:port"
+    distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -101,6 +116,27 @@ class EngineConfig:
         if not self.structured_output_compile_timeout_s > 0:
             raise ValueError(f"structured_output_compile_timeout_s must be > 0, got "
                              f"{self.structured_output_compile_timeout_s}")
+        for name in ("data_parallel_size", "tensor_parallel_size", "eplb_window_steps",
+                     "eplb_rebalance_interval_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel (EPLB places experts across EP ranks)")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb (replicas are placed by EPLB)")
+        if self.enable_expert_parallel and self.world_size == 1:
+            raise ValueError("enable_expert_parallel needs more than one rank: set data_parallel_size "
+                             "(attention DP + EP) or tensor_parallel_size")
+        if self.world_size > 1:
+            if self.device.startswith("cuda") and self.world_size > torch.cuda.device_count():
+                raise ValueError(f"data_parallel_size x tensor_parallel_size = {self.world_size} ranks need as "
+                                 f"many GPUs; torch sees {torch.cuda.device_count()}")
+            if self.device.startswith("cuda:"):
+                raise ValueError("with several ranks, device must be 'cuda' (rank r uses GPU r), not a single GPU")
+            if self.quantization is not None:
+                raise ValueError(f"quantization={self.quantization!r} is a one-process CPU path")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
 
@@ -111,6 +147,10 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
         return cls(**kwargs)
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

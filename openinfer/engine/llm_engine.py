@@ -19,6 +19,7 @@ from openinfer.engine.model_runner import ModelRunner
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
 from openinfer.layers.basic import TORCH_OPS
@@ -45,16 +46,19 @@ def make_kernels(config: EngineConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+        """`parallel`: this process's ranks and groups when it is one worker of a multi-rank engine
+        (`distributed/executor.py` makes it); None for the one-process engine."""
         self.config = config
+        self.parallel = parallel or ParallelContext.single(config.device)
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         backend, ops = make_kernels(config)
-        model = build_model(self.model_dir, config.torch_dtype, torch.device(config.device), backend, ops,
+        model = build_model(self.model_dir, config.torch_dtype, self.parallel.device, backend, ops,
                             max_positions=config.max_model_len, dummy=config.load_format == "dummy",
-                            quantization=config.quantization)
+                            quantization=config.quantization, parallel=self.parallel)
         self.model_config = model.config
-        self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size)
+        self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots,

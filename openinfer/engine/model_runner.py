@@ -18,6 +18,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.engine.scheduler import SchedulerOutput
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
@@ -49,9 +50,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, vocab_size: int):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, vocab_size: int,
+                 parallel: ParallelContext | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        self.parallel = parallel or ParallelContext.single(self.device)
+        if self.parallel.is_distributed:
+            self.device = self.parallel.device
         self.dtype = config.torch_dtype
         self.model = model
         self.vocab_size = vocab_size

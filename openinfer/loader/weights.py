@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.layers.attention import AttentionBackend
 from openinfer.layers.basic import TORCH_OPS, LayerOps
 from openinfer.models.deepseek_v4 import (DeepseekV4Config, DeepseekV4ForCausalLM, Experts, hf_to_native,
@@ -36,16 +37,17 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Itera
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                 ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
-                quantization: str | None = None) -> LlamaForCausalLM:
+                quantization: str | None = None, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
-    is cast to `dtype`."""
+    is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process."""
+    parallel = parallel or ParallelContext.single(device)
     final_dtype, dtype = dtype, (torch.float32 if quantization else dtype)
     hf = read_hf_config(model_dir)
     if hf.get("model_type") == "deepseek_v4":
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")
-        return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy, ops)
+        return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy, ops, parallel)
     if hf.get("quantization_config") is not None:
         raise ValueError(f"{model_dir}: quantized checkpoints (quantization_config "
                          f"{hf['quantization_config'].get('quant_method')!r}) are supported for DeepSeek-V4 only")
@@ -53,7 +55,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, ops)
+        model = LlamaForCausalLM(cfg, backend, ops, parallel)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_tables(device)   # buffers made on "meta" are recomputed for real, in float32
     if cfg.tie_word_embeddings:
@@ -83,7 +85,8 @@ _STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fn
 
 
 def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
-                       max_positions: int | None, dummy: bool, ops: LayerOps) -> DeepseekV4ForCausalLM:
+                       max_positions: int | None, dummy: bool, ops: LayerOps,
+                       parallel: ParallelContext) -> DeepseekV4ForCausalLM:
     """Quantized weights stay as published (FP8 block-scaled, MXFP4 experts): which modules hold them is
     read from the checkpoint's headers (or, for `dummy`, from the published layout), checked against the
     config and the model's shapes on the meta device, and only then is memory allocated."""
@@ -92,7 +95,7 @@ def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg, ops).cast(dtype)   # cast first: memory is only taken in the final dtypes
+        model = DeepseekV4ForCausalLM(cfg, ops, parallel).cast(dtype)   # cast first: memory is only taken in the final dtypes
     if dummy:
         formats = published_formats(model, scheme)
     else:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps
@@ -754,10 +755,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Graph capture needs the host-sync-free expert path (grouped GEMM: bf16 on CUDA)."""
         return self.lm_head.weight.dtype == torch.bfloat16
 
-    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
-        """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime."""
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None):
+        """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime; `parallel`:
+        this rank's place (with expert parallelism, which routed experts it holds)."""
         super().__init__()
         self.config, self.ops = cfg, ops
+        self.parallel = parallel or ParallelContext.single()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings

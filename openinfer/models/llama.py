@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
@@ -119,9 +120,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps = TORCH_OPS,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.config = cfg
+        self.parallel = parallel or ParallelContext.single()
         # weights come from a checkpoint: skip Embedding's random init (slow on the meta device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))

@@ -1,0 +1,51 @@
+"""The collectives models call, each a no-op for a group of one. Tensors stay where they are (NCCL on
+CUDA, gloo on CPU); all are capturable in CUDA graphs on NCCL."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from openinfer.distributed.parallel_state import ParallelContext
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def tp_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Sum over the tensor-parallel group (row-parallel linears); in place."""
+    if ctx.tp_size > 1:
+        dist.all_reduce(x, group=ctx.tp_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, ctx: ParallelContext, dim: int = -1) -> torch.Tensor:
+    """Concatenate the TP ranks' shards along `dim` (rank order)."""
+    if ctx.tp_size == 1:
+        return x
+    return _all_gather(x, ctx.tp_size, ctx.tp_group, dim)
+
+
+def ep_all_gather(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """[T, ...] on each EP rank -> [ep_size * T, ...], rank-major (every rank passes the same T)."""
+    if ctx.ep_size == 1:
+        return x
+    return _all_gather(x, ctx.ep_size, ctx.ep_group, 0)
+
+
+def ep_reduce_scatter(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """[ep_size * T, ...] partial sums on each EP rank -> this rank's [T, ...] slice of their sum."""
+    if ctx.ep_size == 1:
+        return x
+    out = x.new_empty((x.shape[0] // ctx.ep_size, *x.shape[1:]))
+    _reduce_scatter(out, x.contiguous(), group=ctx.ep_group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, n: int, group, dim: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    _gather(out, x, group=group)
+    if dim in (0, -x.dim()):
+        return out
+    return torch.cat(out.chunk(n, dim=0), dim=dim)
