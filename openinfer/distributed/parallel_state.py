@@ -28,6 +28,7 @@ class ParallelContext:
     tp_rank: int = 0
     ep_size: int = 1            # 1: experts replicated (no expert parallelism)
     ep_rank: int = 0
+    num_redundant_experts: int = 0   # EP: the lower bound of extra expert slots (EPLB replicas)
     tp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
     # gloo over all ranks, for host-side agreement (step sizes, EPLB decisions): never waits for the device
@@ -55,7 +56,8 @@ def rank_layout(dp_size: int, tp_size: int, rank: int) -> tuple[int, int]:
 
 
 def init_parallel(dp_size: int, tp_size: int, enable_expert_parallel: bool, rank: int, device: torch.device,
-                  init_method: str = "env://", timeout_s: float = 600.0) -> ParallelContext:
+                  init_method: str = "env://", timeout_s: float = 600.0,
+                  num_redundant_experts: int = 0) -> ParallelContext:
     """Join the process group (NCCL for CUDA devices, gloo for CPU) and make the TP, EP and host groups.
     Every rank calls this with the same sizes; `init_method` is `env://` (torchrun's variables: MASTER_ADDR,
     MASTER_PORT) or `tcp://host:port`."""
@@ -80,6 +82,7 @@ def init_parallel(dp_size: int, tp_size: int, enable_expert_parallel: bool, rank
     ep = enable_expert_parallel and world > 1
     return ParallelContext(world_size=world, rank=rank, dp_size=dp_size, dp_rank=dp_rank, tp_size=tp_size,
                            tp_rank=tp_rank, ep_size=world if ep else 1, ep_rank=rank if ep else 0,
+                           num_redundant_experts=num_redundant_experts if ep else 0,
                            tp_group=tp_group, ep_group=world_group if ep else None, cpu_group=cpu_group,
                            backend=backend, device=device)
 

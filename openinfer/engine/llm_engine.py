@@ -174,6 +174,9 @@ class LLMEngine:
             self._structured = None
         self.runner = None
 
+    def touch_cache_pages(self) -> None:
+        self.runner.touch_cache_pages()
+
     def has_unfinished_requests(self) -> bool:
         # A step still in flight whose requests all finished holds nothing: the next step() reads it back.
         return self.scheduler.has_unfinished()
@@ -213,6 +216,8 @@ class LLMEngine:
             self.scheduler.update_after_step(sched.scheduled)
             for req in sampling:
                 req.num_pending += 1
+        elif self.runner.step_sync is not None:
+            self.runner.execute_idle()       # expert parallelism: the other ranks' MoE layers need this one
         if prev is not None:
             outputs += self._process(prev)
         if current is not None:
@@ -267,5 +272,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks, "kv_usage": kv.usage(),
             "prefix_cache_hit_rate": kv.prefix_stats.hit_rate, "prefix_cache_hit_tokens": kv.prefix_stats.hit_tokens,
+            "prefix_cache_queried_tokens": kv.prefix_stats.queried_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
         }

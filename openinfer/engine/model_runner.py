@@ -19,6 +19,7 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.scheduler import SchedulerOutput
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
@@ -73,7 +74,15 @@ class ModelRunner:
             self.num_state_snapshots = (config.num_state_snapshots if config.num_state_snapshots is not None
                                         else 2 * config.max_num_seqs)
         self.num_blocks = self._num_blocks()
+        self.scratch_slot = self.num_blocks * self.block_size    # the spare page padded rows write to
         self.caches = self._allocate_caches()
+        # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
+        self.step_sync = StepSync(self.parallel) if self.parallel.ep_size > 1 else None
+        self.eplb = None
+        if self.step_sync is not None:
+            from openinfer.distributed.eplb_controller import EplbController
+
+            self.eplb = EplbController(model, self.parallel, config)
         # copies of per-request state at block boundaries, for prefix-cache hits (see KVCacheManager)
         self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
                                    for _ in range(s.num_layers)]
@@ -169,7 +178,7 @@ class ModelRunner:
         dev, bs, n = self.device, self.block_size, sizes[-1]
         self.graph_sizes, self.max_graph_context = sizes, max_model_len
         self.context_buckets = getattr(self.model, "decode_graph_context_buckets", False)
-        self.scratch_slot = self.num_blocks * bs
+        self.g_valid = torch.zeros((), dtype=torch.long, device=dev)   # EP: rows of the bucket that are real
         width = -(-max_model_len // bs)
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -190,29 +199,51 @@ class ModelRunner:
               file=sys.stderr, flush=True)
 
     def _capture(self, b: int, context: int) -> None:
+        """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without
+        collectives (same shapes): a capture is one rank's affair, the others are not waiting for it."""
         bs = self.block_size
-        meta = AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
-                                 decode_block_tables=self.g_tables[:b, :-(-context // bs)],
-                                 decode_context_lens=self.g_lens[:b], max_decode_context_len=context,
-                                 decode_state_slots=self.g_state_slots[:b] if self.num_state_slots else None)
-        self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)      # warm-up (kernel compile)
+
+        def meta_for(communicate: bool) -> AttentionMetadata:
+            lockstep = self.step_sync is not None
+            return AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
+                                     decode_block_tables=self.g_tables[:b, :-(-context // bs)],
+                                     decode_context_lens=self.g_lens[:b], max_decode_context_len=context,
+                                     decode_state_slots=self.g_state_slots[:b] if self.num_state_slots else None,
+                                     moe_rows_per_rank=b if lockstep else None,
+                                     moe_valid_rows=self.g_valid if lockstep else None, moe_communicate=communicate)
+
+        valid = int(self.g_valid)
+        self.g_valid.fill_(0)      # the warm-up's rows count as padding (no EPLB load)
+        self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta_for(False))
+        self.g_valid.fill_(valid)
         torch.cuda.synchronize(self.device)
+        meta = meta_for(True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
         self.graphs[(b, context)] = (graph, hidden)
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
-                       tables: list[list[int]], lens: list[int], fixups=None, state_slots=None) -> torch.Tensor | None:
+                       tables: list[list[int]], lens: list[int], fixups=None, state_slots=None,
+                       min_batch: int = 0) -> torch.Tensor | None:
+        """Replay the graph of the smallest bucket holding max(len(ids), min_batch) rows (expert parallelism:
+        the bucket all ranks agreed on; an idle rank replays it with padding rows only)."""
         b = len(ids)
-        bucket = next((s for s in self.graph_sizes if s >= b), None)
+        bucket = next((s for s in self.graph_sizes if s >= max(b, min_batch)), None)
         if bucket is None:
             return None
+        if self.step_sync is not None:
+            self.g_valid.fill_(b)
         context = self.max_graph_context
         if self.context_buckets:
-            context = min(max(self.block_size, 1 << (max(lens) - 1).bit_length()), self.max_graph_context)
+            longest = max(lens) if lens else 1
+            context = min(max(self.block_size, 1 << (longest - 1).bit_length()), self.max_graph_context)
             if (bucket, context) not in self.graphs:
                 self._capture(bucket, context)
+        if b == 0:
+            graph, hidden = self.graphs[(bucket, context)]
+            graph.replay()
+            return hidden[:0]
         host_tables = _pad_tables(tables, fill=self.num_blocks)
         width = host_tables.shape[1]
         dev = self.device
@@ -299,12 +330,19 @@ class ModelRunner:
             fixups = (h2d(torch.tensor(fix_rows), dev), prev.sampled.token_ids[h2d(torch.tensor(fix_src), dev)])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
-        hidden = None
-        if not prefills and hasattr(self, "graph_sizes"):
-            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots)
+        hidden, plan = None, None
+        graphable = not prefills and hasattr(self, "graph_sizes") and len(ids) <= self.graph_sizes[-1]
+        if self.step_sync is not None:
+            plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
+            graphable = plan.graph_batch > 0
+        if graphable:
+            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
+                                         min_batch=plan.graph_batch if plan else 0)
         if hidden is None:
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
-                                         decode_state_slots)
+                                         decode_state_slots, moe_rows=plan.max_tokens if plan else None)
+        if self.eplb is not None:
+            self.eplb.after_forward()
 
         self._copy_states(sched.state_copies.saves, restore=False)
         if plp_spans:
@@ -321,11 +359,31 @@ class ModelRunner:
                                      "top_ids": smp.top_ids, "top_logprobs": smp.top_logprobs})
         return out
 
+    @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """Expert parallelism, a step with nothing scheduled here: join the other ranks' forward (their MoE
+        exchanges wait for this rank) with padding rows that touch only the scratch page; nothing if no
+        rank has work."""
+        plan = self.step_sync.exchange(0, 0)
+        if not plan.any_work:
+            return
+        if plan.graph_batch and hasattr(self, "graph_sizes"):
+            self._graph_forward([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
+                                min_batch=plan.graph_batch)
+        else:
+            self._eager_forward([0], torch.zeros(1, dtype=torch.long), torch.tensor([self.scratch_slot]),
+                                [[self.num_blocks]], [1], [], None, [self.num_state_slots],
+                                moe_rows=plan.max_tokens, moe_valid=torch.zeros((), dtype=torch.long,
+                                                                                device=self.device))
+        self.eplb.after_forward()
+
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
-                       decode_state_slots=None) -> torch.Tensor:
+                       decode_state_slots=None, moe_rows: int | None = None,
+                       moe_valid: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
-                                 num_decode_tokens=len(decode_tables), prefills=prefills)
+                                 num_decode_tokens=len(decode_tables), prefills=prefills,
+                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(_pad_tables(decode_tables, fill=0)), dev)
             meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)

@@ -1,4 +1,4 @@
-"""LLM: the offline entry point (vLLM-compatible in shape): generate() and chat() over one LLMEngine."""
+"""LLM: the offline entry point (vLLM-compatible in shape): generate() and chat() over one engine (one process, or a front end over one worker process per rank)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from openinfer.config import EngineConfig
-from openinfer.engine.llm_engine import LLMEngine
+from openinfer.distributed.executor import make_engine
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,7 +22,7 @@ class LLM:
         if model is not None:
             engine_options["model"] = model
         self.config = EngineConfig.from_kwargs(**engine_options)
-        self.engine = LLMEngine(self.config)
+        self.engine = make_engine(self.config)   # one process, or a front end over one worker per rank
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:

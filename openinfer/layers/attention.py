@@ -50,6 +50,12 @@ class AttentionMetadata:
     max_decode_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_state_slots: torch.Tensor | None = None    # [num_decodes] state slot per decode row
+    # expert parallelism (distributed/expert_parallel.py): rows every EP rank passes to the MoE exchange
+    # this step (the step's maximum), a device scalar: rows at or past it are padding, and False in the
+    # warm-up forward before a CUDA-graph capture (same shapes, no collective)
+    moe_rows_per_rank: int | None = None
+    moe_valid_rows: torch.Tensor | None = None
+    moe_communicate: bool = True
 
     @cached_property
     def decode_context_slots(self) -> torch.Tensor:

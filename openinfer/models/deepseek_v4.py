@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.eplb import ExpertPlacement, num_physical_experts
+from openinfer.distributed.expert_parallel import ExpertRouting, combine_tokens, exchange_tokens
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
@@ -574,9 +576,10 @@ class Experts(nn.Module):
     """Routed experts as stacked weights [E, 2I, H] / [E, H, I]: a grouped GEMM over expert-sorted rows on
     CUDA (no host sync), a loop over the experts hit elsewhere."""
 
-    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, num_slots: int | None = None):
+        """`num_slots`: expert slots this rank holds (expert parallelism); None: all routed experts."""
         super().__init__()
-        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.zeros(E, H, inter))
         self.limit, self.ops = cfg.swiglu_limit, ops
@@ -596,10 +599,13 @@ class Experts(nn.Module):
         return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
 
     def forward(self, x, experts, weights):
+        """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]."""
         if self.grouped:
             return self._grouped(x, experts, weights)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
+            if e < 0:
+                continue
             tok, k = torch.where(experts == e)
             h = self._act(self.expert_linear(x[tok], "gate_up_proj", e))
             out.index_add_(0, tok, (self.expert_linear(h, "down_proj", e) * weights[tok, k, None]).to(x.dtype))
@@ -607,14 +613,18 @@ class Experts(nn.Module):
 
     def _grouped(self, x, experts, weights):
         T, k = experts.shape
+        n = self.gate_up_proj.shape[0]
         flat = experts.flatten()
+        skip = flat < 0                      # other ranks' experts: sorted last, past the final offset
+        flat = torch.where(skip, n, flat)
         order = flat.argsort(stable=True)
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
-        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)[:n]
         rows = x[order // k]
         h = self._act(self.grouped_mm(rows, "gate_up_proj", offs))
         y = self.grouped_mm(h, "down_proj", offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
+        y = torch.where(skip[order, None], 0, y)    # rows past the last offset hold whatever memory held
         return torch.zeros_like(x).index_add_(0, order // k, y)
 
 
@@ -623,9 +633,10 @@ class QuantizedExperts(Experts):
     stored values and `<name>_scale` the E8M0 scales; GEMMs go through `LayerOps.grouped_gemm` (weights
     dequantized in registers on CUDA), the CPU loop dequantizes one expert at a time (the reference)."""
 
-    def __init__(self, cfg: DeepseekV4Config, fmt: str, block: int, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: DeepseekV4Config, fmt: str, block: int, ops: LayerOps = TORCH_OPS,
+                 num_slots: int | None = None):
         nn.Module.__init__(self)
-        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if fmt == "fp8" and inter % block:
             raise ValueError(f"block-FP8 experts need moe_intermediate_size ({inter}) divisible by the block "
                              f"size {block} (w1 and w3 are stacked)")
@@ -647,16 +658,33 @@ class QuantizedExperts(Experts):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, hashed: bool, ops: LayerOps = TORCH_OPS):
+    """Router -> routed experts (+ the shared expert). With expert parallelism this rank holds some of the
+    experts' slots: every rank's tokens are exchanged (distributed/expert_parallel.py), each rank computes
+    its slots' share and the shares are summed back onto each token's rank."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, ops: LayerOps = TORCH_OPS,
+                 parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
         self.gate = Router(cfg, hashed)
-        self.experts = Experts(cfg, ops)
+        slots = None
+        if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
+            slots, max_replicas = ep_layout
+            self.routing = ExpertRouting(cfg.n_routed_experts, max_replicas, slots, self.parallel.ep_rank)
+        self.experts = Experts(cfg, ops, slots)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                            cfg.swiglu_limit)
 
-    def forward(self, x, input_ids):
+    def forward(self, x, input_ids, meta: AttentionMetadata | None = None):
         experts, weights = self.gate(x, input_ids)
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        if self.parallel.ep_size == 1:
+            return self.experts(x, experts, weights) + self.shared_experts(x)
+        T = x.shape[0]
+        per_rank = meta.moe_rows_per_rank or T
+        xa, ea, wa = exchange_tokens(x, experts, weights, per_rank, meta.moe_valid_rows, self.parallel,
+                                     meta.moe_communicate)
+        partial = self.experts(xa, self.routing.local_slots(ea), wa)
+        return combine_tokens(partial, T, self.parallel, meta.moe_communicate) + self.shared_experts(x)
 
 
 # ---- mHC ----------------------------------------------------------------------------------------------
@@ -707,10 +735,11 @@ class HyperHead(nn.Module):
 
 # ---- decoder layer and model --------------------------------------------------------------------------
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS,
+                 **moe_kwargs):
         super().__init__()
         self.self_attn = DeepseekV4Attention(cfg, layer_type)
-        self.mlp = MoE(cfg, mlp_type == "hash_moe", ops)
+        self.mlp = MoE(cfg, mlp_type == "hash_moe", ops, **moe_kwargs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg, ops)
@@ -721,7 +750,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         streams = HyperConnection.merge(streams, self.self_attn(self.input_layernorm(h), positions, rope, state, meta),
                                         post, comb)
         post, comb, h = self.ffn_hc(streams)
-        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids), post, comb)
+        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
 
 
 class MTPLayer(nn.Module):
@@ -730,13 +759,13 @@ class MTPLayer(nn.Module):
     and norm; the embedding and lm_head are the main model's. Drafting with it comes with speculative
     decoding; here it is loaded and runnable."""
 
-    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, **moe_kwargs):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe", ops)
+        self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe", ops, **moe_kwargs)
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -766,12 +795,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
         self.ropes = nn.ModuleDict({"main": InterleavedRope(cfg.main_rope, rd, mp),
                                     "compress": InterleavedRope(cfg.compress_rope, rd, mp)})
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m, ops)
+        moe_kwargs = {"parallel": self.parallel}
+        self.expert_placement = None
+        if self.parallel.ep_size > 1:       # this rank's expert slots, first as a plain checkpoint split
+            num_moe = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+            physical = num_physical_experts(cfg.n_routed_experts, self.parallel.num_redundant_experts,
+                                            self.parallel.ep_size)
+            with torch.device("cpu"):       # a host-side table even while the model is built on "meta"
+                self.expert_placement = ExpertPlacement.initial(num_moe, cfg.n_routed_experts, physical,
+                                                                self.parallel.ep_size)
+            moe_kwargs["ep_layout"] = (self.expert_placement.slots_per_rank,
+                                       physical - cfg.n_routed_experts + 1)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m, ops, **moe_kwargs)
                                     for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, ops) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, ops, **moe_kwargs) for _ in range(cfg.num_nextn_predict_layers))
         # which index of each cache kind a layer uses
         self._state_index = []
         counts = {CSA: 0, HCA: 0}
@@ -854,7 +894,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             module = getattr(parent, child)
             if isinstance(module, Experts):
                 with torch.device(module.gate_up_proj.device):
-                    new = QuantizedExperts(self.config, fmt, block, self.ops)
+                    new = QuantizedExperts(self.config, fmt, block, self.ops, num_slots=module.gate_up_proj.shape[0])
             elif name == "lm_head" and self.config.tie_word_embeddings:
                 raise ValueError("the checkpoint stores lm_head quantized but the config ties it to the "
                                  "(bf16) embedding: tie_word_embeddings must be false for a quantized head")
@@ -875,6 +915,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         params.update({n: b for n, b in self.named_buffers() if n.endswith(("tid2eid", "e_score_correction_bias"))})
         n_experts = self.config.n_routed_experts
+        local_slots = None
+        if self.expert_placement is not None:    # expert e -> the slots of this rank that hold it
+            local_slots = {}
+            local_logical = self.expert_placement.local_logical(self.parallel.ep_rank)[0]
+            for slot, e in enumerate(local_logical.tolist()):
+                local_slots.setdefault(e, []).append(slot)
         loaded = set()
         for name, tensor in weights:
             name, part = native_to_hf(name)
@@ -884,26 +930,32 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM")
             dst = params[name].data
             key = name
+            dsts = [dst]
+            if (part is None and local_slots is not None and ".experts." in name and tensor.dim() == 3
+                    and tensor.shape[0] == n_experts):   # stacked experts (transformers' layout): this rank's
+                tensor = tensor[local_logical]
             if part is not None:            # one expert's w1 / w3 / w2 (or its scale) of a stacked parameter
                 e, w = part
                 if e >= n_experts:
                     raise ValueError(f"checkpoint expert {e} of {name!r} is beyond n_routed_experts={n_experts}")
                 half = dst.shape[1] // 2
-                dst = dst[e] if w == "w2" else dst[e, :half] if w == "w1" else dst[e, half:]
+                slots = [e] if local_slots is None else local_slots.get(e, [])   # EP: this rank's copies
+                dsts = [dst[i] if w == "w2" else dst[i, :half] if w == "w1" else dst[i, half:] for i in slots]
                 key = f"{name}#{e}.{w}"
             stored_raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
-            if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
-                raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but its place holds "
-                                 f"{dst.dtype}: quantized weights are never read as plain floats")
-            if dst.dtype.itemsize == 1 and not stored_raw:
-                raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but the other tensors of "
-                                 f"its module are quantized ({dst.dtype}): one module, one format")
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            if not dry_run:
-                dst.copy_(tensor.view(dst.dtype) if stored_raw and tensor.dtype.itemsize == 1 == dst.dtype.itemsize
-                          else tensor.to(dst.dtype))
+            for dst in dsts:
+                if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
+                    raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but its place holds "
+                                     f"{dst.dtype}: quantized weights are never read as plain floats")
+                if dst.dtype.itemsize == 1 and not stored_raw:
+                    raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but the other tensors "
+                                     f"of its module are quantized ({dst.dtype}): one module, one format")
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                if not dry_run:
+                    dst.copy_(tensor.view(dst.dtype) if stored_raw and tensor.dtype.itemsize == 1 == dst.dtype.itemsize
+                              else tensor.to(dst.dtype))
             loaded.add(key)
         if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
             self.mtp = nn.ModuleList()

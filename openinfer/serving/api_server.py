@@ -283,7 +283,7 @@ def run_server(engine: LLMEngine, config: ServerConfig, model_name: str) -> None
     import uvicorn
 
     app = build_app(engine, config, model_name)
-    engine.runner.touch_cache_pages()
+    engine.touch_cache_pages()
     # uvicorn re-raises a caught SIGTERM once its graceful shutdown is done; with this handler in place
     # (uvicorn restores it before re-raising) that ends as a clean exit 0 instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

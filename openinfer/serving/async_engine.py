@@ -62,7 +62,7 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._num_pending
+        return self.engine.stats()["num_waiting"] + self._num_pending
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"

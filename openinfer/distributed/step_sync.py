@@ -1,0 +1,45 @@
+"""The step protocol between ranks whose forwards exchange data (expert parallelism).
+
+Each EP rank schedules its own requests, yet MoE layers exchange tokens with every other rank, so all
+ranks must run a forward in the same steps with the same exchange sizes. Before each forward the ranks
+agree, in one all-reduce (MAX) of four host integers over the gloo group (no device sync):
+- whether any rank has work (if none, nobody runs);
+- the rows each rank passes to the MoE exchange: the step's largest token count;
+- whether every rank can replay a decode CUDA graph, and then the largest decode batch, so all replay
+  graphs of one batch bucket (a graph's exchange size is its bucket).
+A rank without requests runs a padding row (eager) or a graph of padding rows, so collectives line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from openinfer.distributed.parallel_state import ParallelContext
+
+
+@dataclass
+class StepPlan:
+    any_work: bool
+    max_tokens: int          # the largest token count of any rank this step
+    graph_batch: int         # > 0: every rank replays a decode graph covering this batch; 0: all run eager
+
+
+class StepSync:
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+        self._buf = torch.zeros(4, dtype=torch.long)
+
+    def exchange(self, num_tokens: int, graph_batch: int | None) -> StepPlan:
+        """`graph_batch`: this rank's decode batch if it could replay a graph (0 when idle), None if it must
+        run eager (prefill rows, or a batch beyond the graphs)."""
+        b = self._buf
+        b[0] = int(num_tokens > 0)
+        b[1] = num_tokens
+        b[2] = int(graph_batch is None)
+        b[3] = graph_batch or 0
+        dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        any_work, max_tokens, some_eager, batch = b.tolist()
+        return StepPlan(bool(any_work), max_tokens, 0 if some_eager else max(batch, 1))

@@ -1,0 +1,100 @@
+"""One rank's process: an `LLMEngine` for its rank, driven by commands from the front end
+(`executor.MultiprocEngine`) over a pipe.
+
+Commands are handled strictly in arrival order (adds and aborts apply before the next step), which is what
+keeps the TP ranks of a group scheduling identically. Every reply is `(kind, payload)`; an exception is
+reported as `("error", traceback)` and ends the worker (a rank that failed mid-step may have left its peers
+inside a collective, so the front end stops them all).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the front end dies, even by SIGKILL (no orphans holding
+    GPU memory). Elsewhere the closed pipe ends the command loop."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if os.getppid() == 1:   # the parent is already gone
+            os._exit(1)
+
+
+def worker_main(config, rank: int, init_method: str, conn) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front end's to handle
+    engine = None
+    try:
+        import torch
+
+        from openinfer.distributed.parallel_state import destroy_parallel, init_parallel
+        from openinfer.engine.llm_engine import LLMEngine
+
+        if config.device == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        ctx = init_parallel(config.data_parallel_size, config.tensor_parallel_size, config.enable_expert_parallel,
+                            rank, device, init_method, num_redundant_experts=config.num_redundant_experts)
+        engine = LLMEngine(config, parallel=ctx)
+        conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
+                             "num_blocks": engine.kv_manager.num_blocks, "stats": engine.stats()}))
+        _serve(engine, ctx, conn)
+    except (EOFError, KeyboardInterrupt):
+        pass                                        # the front end is gone
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {rank}: " + traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)     # skip process-group teardown: peers may be waiting in a collective
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    try:
+        destroy_parallel()
+    except Exception:
+        pass
+
+
+def _serve(engine, ctx, conn) -> None:
+    while True:
+        msg = conn.recv()
+        kind = msg[0]
+        if kind == "add":
+            _add(engine, msg[1])
+        elif kind == "abort":
+            engine.abort_request(msg[1])
+        elif kind == "step":
+            outputs = engine.step()
+            if not ctx.is_driver:
+                outputs = []
+            conn.send(("ok", (outputs, engine.has_unfinished_requests(), engine.stats())))
+        elif kind == "touch":
+            engine.runner.touch_cache_pages()
+            conn.send(("ok", None))
+        elif kind == "call":
+            conn.send(("ok", getattr(engine, msg[1])(*msg[2])))
+        elif kind == "shutdown":
+            return
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+def _add(engine, kwargs) -> None:
+    """Grammars compile before the request is queued, so TP ranks admit it at the same step (a request
+    whose grammar is still compiling would be scheduled when each rank's compiler is done)."""
+    spec = kwargs["params"].structured_outputs
+    if spec is not None:
+        engine.structured_output.pool.compile_blocking(spec)
+    engine.add_request(**kwargs)
