@@ -52,6 +52,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         raise ValueError(f"{model_dir}: quantized checkpoints (quantization_config "
                          f"{hf['quantization_config'].get('quant_method')!r}) are supported for DeepSeek-V4 only")
     cfg = LlamaConfig.from_hf(hf)
+    cfg.check_tensor_parallel(parallel.tp_size)   # whole heads, equal MLP and vocabulary slices per TP rank
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
@@ -61,6 +62,8 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if dummy:
+        # every rank draws its own shards; replicated parameters (norms, o_proj bias) come out the same on
+        # every rank because all ranks draw the same shapes in the same order from the same seed
         gen = torch.Generator(device=device).manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():

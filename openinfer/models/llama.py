@@ -17,7 +17,9 @@ from torch import nn
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata
-from openinfer.layers.basic import TORCH_OPS, GatedMLP, LayerOps, RMSNorm, RotaryEmbedding
+from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
+                                              ParallelLoadMixin, RowParallelLinear, VocabParallelEmbedding)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -72,14 +74,31 @@ class LlamaConfig:
             sliding_window=sliding,
         )
 
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ValueError naming the field if this model cannot be split over `tp_size` ranks (every rank
+        holds whole heads, an equal slice of the MLP and of the vocabulary)."""
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if value % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} must divide {name} ({value}) of this "
+                                 f"{self.model_type} model")
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps):
+    """This rank's heads: num_attention_heads / tp query heads and num_key_value_heads / tp KV heads (qkv_proj
+    column-parallel per q/k/v, o_proj row-parallel: one all-reduce)."""
+
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        tp = parallel.tp_size
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+        self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        full_q, full_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [full_q, full_kv, full_kv], cfg.qkv_bias, parallel,
+                                             names=["num_attention_heads", "num_key_value_heads",
+                                                    "num_key_value_heads"])
+        self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, cfg.o_bias, parallel, name="num_attention_heads")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -101,12 +120,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(cfg, backend, ops)
+        self.self_attn = LlamaAttention(cfg, backend, ops, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops)
+        self.mlp = ParallelGatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops, parallel=parallel)
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
         """(x, residual) -> (mlp output, residual before it); the caller adds them (fused into the next norm)."""
@@ -124,15 +143,16 @@ class LlamaForCausalLM(nn.Module):
                  parallel: ParallelContext | None = None):
         super().__init__()
         self.config = cfg
-        self.parallel = parallel or ParallelContext.single()
-        # weights come from a checkpoint: skip Embedding's random init (slow on the meta device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.parallel = parallel = parallel or ParallelContext.single()
+        cfg.check_tensor_parallel(parallel.tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       ops)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops, parallel)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # vocab-parallel; returns the full logits on every TP rank (see ParallelLMHead: no token broadcast)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -142,8 +162,10 @@ class LlamaForCausalLM(nn.Module):
         return self.config.sliding_window
 
     def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
+        """This rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole."""
         c = self.config
-        return [PagedCacheSpec("kv", c.num_hidden_layers, (2, c.num_key_value_heads, c.head_dim), dtype)]
+        kv_heads = c.num_key_value_heads // self.parallel.tp_size
+        return [PagedCacheSpec("kv", c.num_hidden_layers, (2, kv_heads, c.head_dim), dtype)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -162,10 +184,11 @@ class LlamaForCausalLM(nn.Module):
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered exactly once."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered exactly once.
+        With tensor parallelism each full checkpoint tensor is narrowed to this rank's shard (q, k, v, gate and
+        up each separately, before being placed in the fused parameter); replicated tensors are copied whole."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        attn = self.layers[0].self_attn if len(self.layers) else None
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
@@ -177,22 +200,23 @@ class LlamaForCausalLM(nn.Module):
             if fused is None:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                target = params[name]
-                dst = target.data
+                target_name, shard_id = name, None
             else:
-                target_name = ".".join(parts[:-2] + [fused[0], parts[-1]])
-                target = params[target_name]
-                if fused[0] == "qkv_proj":
-                    sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-                else:
-                    sizes = [self.config.intermediate_size] * 2
-                start = sum(sizes[:fused[1]])
-                dst = target.data.narrow(0, start, sizes[fused[1]])
-                name = f"{target_name}#{fused[1]}"
-            if tuple(dst.shape) != tuple(tensor.shape):
+                target_name, shard_id = ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
+                name = f"{target_name}#{shard_id}"
+            module_name, _, leaf = target_name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, ParallelLoadMixin):
+                expected = module.full_shape(leaf, shard_id)
+            else:
+                expected = tuple(params[target_name].shape)
+            if tuple(tensor.shape) != tuple(expected):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+                                 f"expected {tuple(expected)}")
+            if isinstance(module, ParallelLoadMixin):
+                module.weight_loader(leaf, tensor, shard_id)
+            else:
+                params[target_name].data.copy_(tensor)
             loaded.add(name)
         expected = set()
         for pname, p in self.named_parameters():
