@@ -76,6 +76,17 @@ def _tp_worker(rank: int, tp: int, init_method: str, paths: list[str], queue) ->
                 kv_heads = engine.runner.caches["kv"][0].shape[3]   # [blocks, block_size, 2, kv heads, head_dim]
                 queue.put((rank, path, dict(results=_run(engine), kv_heads=kv_heads)))
                 engine.shutdown()
+            # random shards (load_format="dummy"): replicated parameters must still agree across ranks
+            cfg = _engine_config(paths[0], tp)
+            cfg.load_format = "dummy"
+            engine = LLMEngine(cfg, parallel=ctx)
+            engine.add_request(list(range(1, 12)), SamplingParams(temperature=0.8, seed=7, max_tokens=4,
+                                                                   ignore_eos=True))
+            tokens = []
+            while engine.has_unfinished_requests():
+                tokens += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+            queue.put((rank, "dummy", dict(tokens=tokens)))
+            engine.shutdown()
         finally:
             destroy_parallel()
     except BaseException:
@@ -98,7 +109,7 @@ def _run_tp(paths: list[str], tp: int = 2, timeout_s: float = 120.0) -> dict[tup
         p.start()
     got: dict[tuple[int, str], dict] = {}
     try:
-        while len(got) < tp * len(paths):
+        while len(got) < tp * (len(paths) + 1):
             rank, path, payload = queue.get(timeout=timeout_s)
             if path is None:
                 pytest.fail(f"TP rank {rank} failed:\n{payload}")
@@ -146,6 +157,8 @@ def test_tp2_matches_one_process(tiny_paths):
                 assert all(math.isfinite(d) for d in diffs)
         # logits agree to ~1e-6, far below what would flip a seeded sample of this length
         assert sampled_matches == 1, variant
+    dummy0, dummy1 = got[(0, "dummy")]["tokens"], got[(1, "dummy")]["tokens"]
+    assert len(dummy0) == 1 and len(dummy0[0]) == 4 and dummy0 == dummy1
 
 
 @pytest.mark.parametrize("field, overrides", [
