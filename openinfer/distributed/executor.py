@@ -57,6 +57,7 @@ class MultiprocEngine:
 
         self.config = config
         self.requests: dict[str, int] = {}        # live request id -> DP group
+        self._prompts: dict[str, tuple] = {}        # live request id -> (prompt token ids, prompt text)
         self.model_dir = resolve_model_dir(config.model, config.cache_path)   # fetch/convert once, here
         check_layout(config, self.model_dir)          # before any worker starts loading
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -114,11 +115,13 @@ class MultiprocEngine:
         for rank in self._groups[group]:
             self._send(rank, msg)
         self.requests[request_id] = group
+        self._prompts[request_id] = (prompt_token_ids, prompt)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request on its ranks now (their blocks are freed before their next step)."""
         group = self.requests.pop(request_id, None)
+        self._prompts.pop(request_id, None)
         if group is not None:
             for rank in self._groups[group]:
                 self._send(rank, ("abort", request_id))
@@ -137,8 +140,12 @@ class MultiprocEngine:
         for rank, (outs, busy, stats) in enumerate(replies):
             self._rank_busy[rank], self._rank_stats[rank] = busy, stats
             for out in outs:
+                # workers leave the prompt out of their outputs (it would cross the pipe every step)
+                known = self._prompts.pop(out.request_id, None) if out.finished else self._prompts.get(out.request_id)
                 if out.finished:
                     self.requests.pop(out.request_id, None)
+                if known is not None:
+                    out.prompt_token_ids, out.prompt = known
                 outputs.append(out)
         return outputs
 
@@ -180,6 +187,7 @@ class MultiprocEngine:
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and free their GPUs. Idempotent."""
         self.requests.clear()
+        self._prompts.clear()
         self._finalizer()
 
     # ---- transport --------------------------------------------------------------------------------------

@@ -76,9 +76,9 @@ def _serve(engine, ctx, conn) -> None:
         elif kind == "abort":
             engine.abort_request(msg[1])
         elif kind == "step":
-            outputs = engine.step()
-            if not ctx.is_driver:
-                outputs = []
+            outputs = engine.step() if ctx.is_driver else (engine.step(), [])[1]
+            for out in outputs:            # the front end has the prompt; don't send it every step
+                out.prompt_token_ids, out.prompt = None, None
             conn.send(("ok", (outputs, engine.has_unfinished_requests(), engine.stats())))
         elif kind == "touch":
             engine.runner.touch_cache_pages()

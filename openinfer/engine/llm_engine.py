@@ -174,6 +174,20 @@ class LLMEngine:
             self._structured = None
         self.runner = None
 
+    def memory_stats(self) -> dict:
+        """Where this rank's memory goes: weights as stored, the KV pool, per-request state (bytes)."""
+        model, runner = self.runner.model, self.runner
+        seen, weights = set(), 0
+        for t in (*model.parameters(), *model.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        return {"weight_bytes": weights, "kv_blocks": runner.num_blocks, "block_size": self.config.block_size,
+                "kv_pool_bytes": runner.num_blocks * runner.bytes_per_block(), "state_bytes": runner.state_bytes(),
+                "kv_capacity_tokens": runner.num_blocks * self.config.block_size,
+                "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
+                else None}
+
     def touch_cache_pages(self) -> None:
         self.runner.touch_cache_pages()
 

@@ -29,6 +29,18 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                        help="dummy: random weights of the checkpoint's shape and formats"),
         g.add_argument("--no-quantize-activations", action="store_true",
                        help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="DP ranks, each with its own requests and KV pool (one process per rank)"),
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per DP group"),
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split the routed experts over all ranks (attention DP + EP)"),
+        g.add_argument("--enable-eplb", action="store_true", help="EP: rebalance experts by measured load"),
+        g.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB: extra expert slots (at least)"),
+        g.add_argument("--eplb-window-steps", type=int, default=1000, help="EPLB: steps of load statistics"),
+        g.add_argument("--eplb-rebalance-interval-steps", type=int, default=3000,
+                       help="EPLB: steps between rebalances"),
+        g.add_argument("--distributed-init-method", default=None,
+                       help="worker rendezvous: env:// (torchrun's variables) or tcp://host:port; default a local port"),
     ]
 
 
@@ -50,7 +62,12 @@ def _make_llm(args):
                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
                enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
-               load_format=args.load_format, quantize_activations=not args.no_quantize_activations)
+               load_format=args.load_format, quantize_activations=not args.no_quantize_activations,
+               data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
+               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
+               num_redundant_experts=args.num_redundant_experts, eplb_window_steps=args.eplb_window_steps,
+               eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
+               distributed_init_method=args.distributed_init_method)
 
 
 def cmd_generate(args) -> int:

@@ -19,15 +19,18 @@ class EngineMetrics:
     def __init__(self, model_name: str, engine: LLMEngine):
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
-        kv, sched = engine.kv_manager, engine.scheduler
-        for name, doc, read in (
-                ("openinfer:num_requests_running", "Requests in the running batch.", lambda: len(sched.running)),
-                ("openinfer:num_requests_waiting", "Requests waiting for a seat.", lambda: len(sched.waiting)),
-                ("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage),
-                ("openinfer:kv_cache_blocks_in_use", "KV blocks held by requests (0 when idle: else a leak).",
-                 lambda: kv.num_blocks - kv.num_free_blocks),
-                ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).",
-                 lambda: kv.prefix_stats.hit_rate)):
+        stat = engine.stats    # one process, or the multi-process front end (its last step's numbers)
+        gauges = [("openinfer:num_requests_running", "Requests in the running batch.", lambda: stat()["num_running"]),
+                  ("openinfer:num_requests_waiting", "Requests waiting for a seat.", lambda: stat()["num_waiting"]),
+                  ("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lambda: stat()["kv_usage"]),
+                  ("openinfer:kv_cache_blocks_in_use", "KV blocks held by requests (0 when idle: else a leak).",
+                   lambda: stat()["kv_blocks_total"] - stat()["kv_blocks_free"]),
+                  ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).",
+                   lambda: stat()["prefix_cache_hit_rate"])]
+        if "moe_lb" in stat():
+            gauges.append(("openinfer:moe_lb", "Expert parallelism: tokens on the busiest EP rank / the mean over "
+                           "the EPLB window (1 = balanced; NaN until measured).", lambda: stat()["moe_lb"]))
+        for name, doc, read in gauges:
             Gauge(name, doc, **label).labels(model_name).set_function(read)
         self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
         self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
@@ -52,10 +55,10 @@ class EngineMetrics:
         self.aborted.labels(self.model, reason).inc()
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        m, kv = self.model, engine.kv_manager
-        for key, counter, value in (("preemptions", self.preemptions, engine.scheduler.num_preemptions),
-                                    ("queries", self.prefix_queries, kv.prefix_stats.queried_tokens),
-                                    ("hits", self.prefix_hits, kv.prefix_stats.hit_tokens)):
+        m, st = self.model, engine.stats()
+        for key, counter, value in (("preemptions", self.preemptions, st["num_preemptions"]),
+                                    ("queries", self.prefix_queries, st["prefix_cache_queried_tokens"]),
+                                    ("hits", self.prefix_hits, st["prefix_cache_hit_tokens"])):
             counter.labels(m).inc(value - self._seen[key])
             self._seen[key] = value
         for out in outputs:
