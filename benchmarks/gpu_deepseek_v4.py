@@ -86,16 +86,19 @@ def weight_bytes(model, params: bool = False) -> dict:
     return {"experts": experts, "other": other, "embed": embed}
 
 
-def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) -> tuple[float, dict]:
+def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict, routed_tokens: int | None = None,
+             expert_share: float = 1.0) -> tuple[float, dict]:
     """max(bytes/BW, flops/peak) for one forward over sequences with `tokens_per_seq` new tokens ending at
-    `contexts` tokens."""
+    `contexts` tokens. Expert parallelism: `expert_share` of the experts live here and `routed_tokens` (all
+    ranks' tokens) route to them; the flops counted are this rank's tokens' (an upper bound for the
+    experts, which split across ranks)."""
     c = model.config
     wb = weight_bytes(model)
     T = sum(tokens_per_seq)
     E, k = c.n_routed_experts, c.num_experts_per_tok
     n_moe = c.num_hidden_layers
     per_expert = wb["experts"] / n_moe / E
-    touched = E * (1 - (1 - k / E) ** T)
+    touched = expert_share * E * (1 - (1 - k / E) ** (T if routed_tokens is None else routed_tokens))
     bytes_w = wb["other"] + n_moe * touched * per_expert
     bytes_kv = flops_attn = 0.0
     D, H, Di, Hi, W = c.head_dim, c.num_attention_heads, c.index_head_dim, c.index_n_heads, c.sliding_window

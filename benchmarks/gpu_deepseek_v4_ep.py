@@ -1,0 +1,176 @@
+"""The whole DeepSeek-V4-Flash on several GPUs: attention data parallelism + MoE expert parallelism.
+
+V4-Flash's shape (43 layers: 2 sliding-window, then CSA/HCA alternating; hash routing in the first 3; 256
+routed experts top-6; one MTP layer), published formats (FP8 128 x 128 dense weights, MXFP4 experts), random
+values (`load_format="dummy"`), DP = EP = number of GPUs, through `LLM` (one worker process per GPU).
+
+Measures, in one run: the copy-bandwidth / bf16-matmul ceilings; weights and KV capacity per GPU; start-up
+time; an InferenceX-style sweep (random prompts of --input-len tokens, --output-len tokens each, EOS ignored,
+all requests of a concurrency level submitted at once): output tok/s per GPU, TTFT and TPOT p50/p99,
+`moe_lb`, the steady decode step vs its floor (bytes each GPU must read per step: the replicated weights,
+the experts the step's tokens touch among this GPU's, its requests' KV / measured copy bandwidth) and the
+roofline output rate (tokens per step / floor). Writes JSON to $OUT (or benchmarks/results/).
+
+    python benchmarks/gpu_deepseek_v4_ep.py --tokenizer-json PATH [--gpus 2] [--layers 43]
+        [--concurrency 1,8,32,128] [--input-len 8192] [--output-len 1024] [--eplb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_deepseek_v4 import PUBLISHED, floor_ms, model_dir  # noqa: E402
+from gpu_llama8b import ceilings  # noqa: E402
+
+from openinfer import LLM, SamplingParams  # noqa: E402
+from openinfer.loader.weights import published_formats  # noqa: E402
+from openinfer.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
+from openinfer.quantization.checkpoint import QuantScheme  # noqa: E402
+from openinfer.sampling_params import RequestOutputKind  # noqa: E402
+
+
+def flash_layout(n: int) -> dict:
+    """V4-Flash's schedule: two sliding-window layers, then CSA / HCA alternating; hash routing first 3."""
+    types = [SLIDING] * min(2, n) + [CSA if i % 2 == 0 else HCA for i in range(max(0, n - 2))]
+    return dict(num_hidden_layers=n, layer_types=types,
+                mlp_layer_types=["hash_moe"] * min(3, n) + ["moe"] * max(0, n - 3))
+
+
+def meta_model(path: Path, mtp: bool = True) -> DeepseekV4ForCausalLM:
+    """The one-process model on the meta device in the published formats (byte counts for floors)."""
+    hf = json.loads((path / "config.json").read_text())
+    if not mtp:
+        hf["num_nextn_predict_layers"] = 0
+    with torch.device("meta"):
+        m = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf)).cast(torch.bfloat16)
+        m.quantize(published_formats(m, QuantScheme.from_hf(hf)), 128)
+    return m
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def sweep_point(llm: LLM, c: int, input_len: int, output_len: int, gpus: int, floor_model, ceil: dict,
+                seed: int) -> dict:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    t0 = time.perf_counter()
+    ids = [eng.add_request(torch.randint(100, 128000, (input_len,), generator=g).tolist(), params)
+           for _ in range(c)]
+    first, done, ntok = {}, {}, {rid: 0 for rid in ids}
+    decode_steps = []        # wall time of steps once every request has its first token
+    steps = 0
+    while len(done) < c:
+        ts = time.perf_counter()
+        outs = eng.step()
+        te = time.perf_counter()
+        steps += 1
+        all_started = len(first) == c
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n and o.request_id not in first:
+                first[o.request_id] = te
+            ntok[o.request_id] += n
+            if o.finished:
+                done[o.request_id] = te
+        if all_started and len(done) == 0:
+            decode_steps.append(te - ts)
+    wall = time.perf_counter() - t0
+    ttft = [first[r] - t0 for r in ids]
+    tpot = [(done[r] - first[r]) / max(1, ntok[r] - 1) for r in ids]
+    steady = decode_steps[16:] or decode_steps
+    step_ms = 1e3 * sum(steady) / max(1, len(steady))
+    # floor of one decode step on one GPU: its c/gpus requests at mid-generation context, all c tokens routed
+    per_gpu = max(1, c // gpus)
+    ctx = input_len + output_len // 2
+    fl, detail = floor_ms(floor_model, [1] * per_gpu, [ctx] * per_gpu, ceil, routed_tokens=c,
+                          expert_share=1.0 / gpus)
+    stats = eng.stats()
+    out_tokens = sum(ntok.values())
+    return {"concurrency": c, "requests": c, "input_len": input_len, "output_len": output_len, "wall_s": wall,
+            "steps": steps, "output_tok_s_per_gpu": out_tokens / wall / gpus,
+            "ttft_ms_p50": 1e3 * pct(ttft, 0.5), "ttft_ms_p99": 1e3 * pct(ttft, 0.99),
+            "tpot_ms_p50": 1e3 * pct(tpot, 0.5), "tpot_ms_p99": 1e3 * pct(tpot, 0.99),
+            "decode_step_ms": step_ms, "decode_floor_ms": fl, "decode_ratio_to_floor": step_ms / fl,
+            "roofline_output_tok_s_per_gpu": per_gpu / (fl / 1e3),
+            "decode_tok_s_per_gpu": per_gpu / (step_ms / 1e3),
+            "moe_lb": stats.get("moe_lb"), "eplb_rebalances": stats.get("eplb_rebalances"),
+            "floor_detail": detail}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer-json", required=True)
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--concurrency", default="1,8,32,128")
+    ap.add_argument("--input-len", type=int, default=8192)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--eplb", action="store_true", help="EPLB on (window and interval below)")
+    ap.add_argument("--eplb-interval", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "gpu_deepseek_v4_ep", "date": datetime.date.today().isoformat(),
+              "commit": os.environ.get("OPENINFER_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "device": f"{args.gpus} x {torch.cuda.get_device_name(0)}", "torch": torch.__version__,
+              "args": vars(args)}
+    name = f"gpu_deepseek_v4_ep{args.gpus}{args.tag}.json"
+
+    def save():
+        (out_dir / name).write_text(json.dumps(result, indent=1, default=str))
+
+    result["ceilings"] = ceil = ceilings()
+    torch.cuda.empty_cache()
+    print("ceilings", ceil, flush=True)
+    path = model_dir(args.tokenizer_json, **PUBLISHED, **flash_layout(args.layers), num_nextn_predict_layers=1,
+                     num_hash_layers=3)
+    floor_model = meta_model(path, mtp=False)
+    max_len = args.input_len + args.output_len + 128
+    max_c = max(int(c) for c in args.concurrency.split(","))
+    t0 = time.perf_counter()
+    llm = LLM(str(path), load_format="dummy", data_parallel_size=args.gpus, enable_expert_parallel=True,
+              enable_eplb=args.eplb, eplb_window_steps=args.eplb_interval,
+              eplb_rebalance_interval_steps=args.eplb_interval, max_model_len=max_len,
+              max_num_seqs=max(1, max_c // args.gpus), max_num_batched_tokens=args.max_num_batched_tokens)
+    result["startup_s"] = time.perf_counter() - t0
+    mem = llm.engine.call_ranks("memory_stats")
+    result["per_gpu"] = mem
+    print("startup", result["startup_s"], json.dumps(mem), flush=True)
+    save()
+    result["sweep"] = []
+    try:
+        for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
+            row = sweep_point(llm, c, args.input_len, args.output_len, args.gpus, floor_model, ceil, seed=i)
+            row["moe_lb_per_rank"] = [s.get("moe_lb") for s in llm.engine.stats()["per_rank"]]
+            result["sweep"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "floor_detail"}), flush=True)
+            save()
+    except Exception:
+        result["error"] = traceback.format_exc()
+        print(result["error"], flush=True)
+    finally:
+        llm.shutdown()
+        save()
+
+
+if __name__ == "__main__":
+    main()

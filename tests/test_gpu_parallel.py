@@ -1,0 +1,101 @@
+"""GPU tests (`pytest -m gpu`, 2 GPUs): the multi-process engine over NCCL.
+
+- DeepSeek-V4 (tiny, published FP8/MXFP4 formats) with attention DP2 + EP2 follows one process: CUDA-graph
+  decode (idle ranks replaying padding graphs) and eager steps, greedy tokens and logprobs within bf16 noise;
+- Llama (tiny) with TP2 follows one process the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openinfer import LLM, SamplingParams
+from tests.test_deepseek_v4 import V4_TOKENIZER_DIR
+from tests.test_quantization import TINY_PUBLISHED, write_published
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+PROMPTS = [[(i * 7919 + j * 104729) % 120000 + 100 for j in range(n)] for i, n in enumerate([150, 9, 300, 40, 77])]
+
+
+def _greedy(llm: LLM, prompts, n=24):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=n,
+                                                                                 logprobs=1), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def _agree(a, b):
+    """Fraction of tokens equal up to each sequence's first divergence, and the largest logprob gap there."""
+    same = total = 0
+    gap = 0.0
+    for (ta, la), (tb, lb) in zip(a, b):
+        total += len(ta)
+        for x, y, u, v in zip(ta, tb, la, lb):
+            if x != y:
+                break
+            same += 1
+            gap = max(gap, abs(u - v))
+    return same / total, gap
+
+
+@pytest.fixture(scope="module")
+def published_dir(tmp_path_factory):
+    return write_published(tmp_path_factory.mktemp("pub") / "ckpt", TINY_PUBLISHED, std=0.1)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager):
+    opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
+                max_num_batched_tokens=256)
+    one = LLM(str(published_dir), **opts)
+    ref = _greedy(one, PROMPTS)
+    single_prompt = _greedy(one, PROMPTS[:1])    # one request: the other rank idles (padding rows / graphs)
+    one.shutdown()
+    two = LLM(str(published_dir), data_parallel_size=2, enable_expert_parallel=True, **opts)
+    got = _greedy(two, PROMPTS)
+    got_single = _greedy(two, PROMPTS[:1])
+    stats = two.engine.stats()
+    two.shutdown()
+    frac, gap = _agree(ref, got)
+    frac1, gap1 = _agree(single_prompt, got_single)
+    print(f"EP2 vs one process (eager={enforce_eager}): {frac:.3f} tokens agree, logprob gap {gap:.4f}; "
+          f"one request {frac1:.3f}, {gap1:.4f}")
+    assert frac >= 0.9 and gap < 0.05
+    assert frac1 >= 0.9 and gap1 < 0.05
+    assert all(s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats["per_rank"])
+
+
+def _tiny_llama(path):
+    """A tiny Llama saved by transformers, with DeepSeek's tokenizer files (present on the device)."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=129280, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                   attention_bias=True, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(V4_TOKENIZER_DIR / f, path / f)
+    return path
+
+
+def test_tp2_llama_follows_one_process(tmp_path):
+    path = _tiny_llama(tmp_path / "llama")
+    opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, block_size=16)
+    one = LLM(str(path), **opts)
+    ref = _greedy(one, [[t % 49000 for t in p] for p in PROMPTS])
+    one.shutdown()
+    two = LLM(str(path), tensor_parallel_size=2, **opts)
+    got = _greedy(two, [[t % 49000 for t in p] for p in PROMPTS])
+    two.shutdown()
+    frac, gap = _agree(ref, got)
+    print(f"TP2 vs one process: {frac:.3f} tokens agree, logprob gap {gap:.4f}")
+    assert frac >= 0.9 and gap < 0.05
