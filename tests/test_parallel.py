@@ -1,0 +1,362 @@
+"""Multi-process engines on CPU (2 gloo ranks, real worker processes): attention DP + expert parallelism on
+DeepSeek-V4 (fp32 and the published FP8/MXFP4 format) and plain DP give the outputs of one process through
+chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; EPLB lowers moe_lb without
+changing outputs; workers never outlive their engine or server; bad layouts fail before any worker starts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from openinfer import LLM
+from openinfer.distributed.eplb import num_physical_experts
+from openinfer.distributed.eplb_controller import _MEASURE_EVERY
+from openinfer.distributed.executor import WorkerError
+from openinfer.sampling_params import SamplingParams
+from tests.live_server import _free_port
+from tests.test_deepseek_v4 import make_v4, prompts_of
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+# small chunks (chunked prefill), 32-token blocks (prefix hits on short prompts), an explicit small pool
+V4_OPTS = dict(device="cpu", dtype="float32", block_size=32, max_num_batched_tokens=16, max_num_seqs=4,
+               num_kv_blocks=64)
+EP2 = dict(data_parallel_size=2, enable_expert_parallel=True)
+LENGTHS = (5, 40, 77, 13, 100, 66)
+HOT_EXPERTS = (2, 3, 4)          # all on EP rank 0 in the initial placement (rank 0 holds slots 0..4 of 10)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+def params(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, logprobs=0, **GREEDY)
+
+
+def generate(llm: LLM, prompts, max_tokens: int = 12):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params(max_tokens), use_tqdm=False)
+
+
+def assert_same_outputs(outs, refs, tol: float = 1e-4) -> None:
+    """Same greedy tokens, and each chosen token's logprob within `tol`."""
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        tokens = r.outputs[0].token_ids
+        assert o.outputs[0].token_ids == tokens
+        assert len(o.outputs[0].logprobs) == len(tokens) > 0
+        for a, b, t in zip(o.outputs[0].logprobs, r.outputs[0].logprobs, tokens):
+            assert abs(a[t].logprob - b[t].logprob) < tol, (a[t].logprob, b[t].logprob)
+
+
+def shared_prefix_prompts():
+    """Two prompts sharing a 70-token prefix (two full 32-token blocks)."""
+    base = prompts_of(70, seed=11)[0]
+    return base + [5, 6, 7], base + [9, 10, 11, 12]
+
+
+def run_workload(llm: LLM):
+    """Six prompts of varied lengths together, then two prompts sharing a prefix one after the other (the
+    second hits the first's cached blocks: an idle engine sends a lone request to DP group 0 both times)."""
+    first, second = shared_prefix_prompts()
+    batch = generate(llm, prompts_of(*LENGTHS, seed=3), max_tokens=16)
+    a = generate(llm, [first])
+    b = generate(llm, [second])
+    return batch + a + b
+
+
+def rank_stats(llm: LLM) -> list[dict]:
+    """Each rank's stats, read from the workers now."""
+    return llm.engine.call_ranks("stats")
+
+
+def assert_ranks_idle(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    for s in rank_stats(llm):
+        assert s["num_running"] == 0 and s["num_waiting"] == 0
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine._procs]
+
+
+def assert_gone(pids, timeout: float = 30.0) -> None:
+    """Every pid has exited (zombies count as exited: nothing runs, nothing is held)."""
+    deadline = time.time() + timeout
+    alive = list(pids)
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if alive:
+            time.sleep(0.1)
+    assert not alive, f"processes still alive: {alive}"
+
+
+def make_skewed_v4(path: Path) -> None:
+    """The tiny V4 whose every routed token goes to HOT_EXPERTS: hash layers' token->experts tables point
+    there, learned layers' correction bias favours them by far."""
+    make_v4(path)
+    f = next(path.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    hot = torch.tensor(HOT_EXPERTS)
+    for name, t in tensors.items():
+        if name.endswith("gate.tid2eid"):
+            tok = torch.arange(t.shape[0])
+            t[:, 0] = hot[tok % 3]
+            t[:, 1] = hot[(tok + 1) % 3]
+        elif name.endswith("gate.bias"):
+            t.zero_()
+            t[hot] = 10.0
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4")
+    make_v4(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(v4_path):
+    """One process, synchronous, a pool big enough for everything: the outputs to equal."""
+    llm = LLM(str(v4_path), **V4_OPTS)
+    outs = run_workload(llm)
+    yield llm, outs
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ep_sync(v4_path):
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2, async_scheduling=False)
+    yield llm
+    llm.shutdown()
+
+
+# ---- 1. DP2 + EP2 equals one process -------------------------------------------------------------------------
+def test_dp_ep_equals_one_process_with_chunks_and_prefix_hits(ep_sync, reference):
+    _, ref = reference
+    outs = run_workload(ep_sync)
+    assert_same_outputs(outs, ref)
+    assert outs[-1].num_cached_tokens >= 64                 # the shared prefix's two blocks were reused
+    per_rank = ep_sync.engine.stats()["per_rank"]
+    assert all(s["prefix_cache_queried_tokens"] > 0 for s in per_rank)   # both DP ranks served requests
+    assert "moe_lb" in ep_sync.engine.stats()
+    assert_ranks_idle(ep_sync)
+
+
+def test_dp_ep_async_scheduling_and_preemption_equal_one_process(v4_path, reference):
+    _, ref = reference
+    llm = LLM(str(v4_path), **{**V4_OPTS, "num_kv_blocks": 6}, **EP2, async_scheduling=True)
+    try:
+        outs = run_workload(llm)
+        assert_same_outputs(outs, ref)
+        per_rank = llm.engine.stats()["per_rank"]
+        assert sum(s["num_preemptions"] for s in per_rank) > 0, per_rank
+        assert_ranks_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ---- 2. abort mid-run ------------------------------------------------------------------------------------------
+def test_abort_mid_run_leaves_others_unchanged_and_pools_idle(ep_sync, reference):
+    ref_llm, _ = reference
+    prompts = prompts_of(30, 50, 20, 45, seed=8)
+    expected = generate(ref_llm, prompts, max_tokens=20)
+    engine = ep_sync.engine
+    ids = [engine.add_request(p, params(20)) for p in prompts]
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+        if steps == 6:
+            assert ids[1] not in done
+            engine.abort_request(ids[1])
+    assert ids[1] not in done or len(done[ids[1]].outputs[0].token_ids) < 20
+    kept = [i for i in range(4) if i != 1]
+    assert_same_outputs([done[ids[i]] for i in kept], [expected[i] for i in kept])
+    assert_ranks_idle(ep_sync)
+    for s in engine.stats()["per_rank"]:
+        assert s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
+
+
+# ---- 3. plain data parallelism --------------------------------------------------------------------------------
+def test_dp_without_ep_equals_one_process_and_uses_both_ranks(v4_path, reference):
+    _, ref = reference
+    llm = LLM(str(v4_path), **V4_OPTS, data_parallel_size=2)
+    try:
+        outs = run_workload(llm)
+        assert_same_outputs(outs, ref)
+        per_rank = llm.engine.stats()["per_rank"]
+        assert len(per_rank) == 2
+        assert all(s["prefix_cache_queried_tokens"] > 0 for s in per_rank), per_rank
+        assert_ranks_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ---- 4. the published format ----------------------------------------------------------------------------------
+def test_published_fp8_mxfp4_checkpoint_with_dp_ep_equals_one_process(tmp_path_factory):
+    from tests.test_quantization import TINY_PUBLISHED, write_published
+
+    src = write_published(tmp_path_factory.mktemp("published") / "ckpt", TINY_PUBLISHED)
+    prompts = prompts_of(7, 33, 60, 21, seed=5)
+    one = LLM(str(src), **V4_OPTS)
+    try:
+        ref = generate(one, prompts)
+    finally:
+        one.shutdown()
+    llm = LLM(str(src), **V4_OPTS, **EP2)
+    try:
+        assert_same_outputs(generate(llm, prompts), ref)
+        assert_ranks_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ---- 5. EPLB ---------------------------------------------------------------------------------------------------
+def test_eplb_rebalances_a_skewed_load_without_changing_outputs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4skew")
+    make_skewed_v4(path)
+    assert num_physical_experts(8, 1, 2) == 10               # 1 redundant rounds up to 2: 10 slots, 5 per rank
+    fixed = prompts_of(6, 9, seed=12)
+    skew = [[7] * 12, [7, 8] * 5, [9] * 20, [8] * 3]
+    one = LLM(str(path), **V4_OPTS)
+    try:
+        ref_fixed = generate(one, fixed, max_tokens=6)
+        ref_skew = generate(one, skew, max_tokens=40)
+    finally:
+        one.shutdown()
+    interval = 2 * _MEASURE_EVERY      # moe_lb is read every _MEASURE_EVERY forwards: one reading before
+    llm = LLM(str(path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1, eplb_window_steps=8,
+              eplb_rebalance_interval_steps=interval)
+    try:
+        engine = llm.engine
+        before = generate(llm, fixed, max_tokens=6)
+        assert engine.stats()["eplb_rebalances"] == 0
+        assert_same_outputs(before, ref_fixed)
+        # keep skewed requests flowing until the rebalance (requests in flight continue across it)
+        ids, done, lb_before = [], {}, []
+        for rnd in range(10):
+            ids += [engine.add_request(p, params(40), request_id=f"skew{rnd}-{i}") for i, p in enumerate(skew)]
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                st = engine.stats()
+                if st["eplb_rebalances"] == 0 and st["moe_lb"] == st["moe_lb"]:   # measured, not NaN
+                    lb_before.append(st["moe_lb"])
+            if engine.stats()["eplb_rebalances"] >= 1:
+                break
+        stats = engine.stats()
+        assert stats["eplb_rebalances"] >= 1
+        assert lb_before and min(lb_before) > 1.9, lb_before    # everything on rank 0's experts: 2 = worst
+        per_rank = rank_stats(llm)
+        assert len({s["moe_lb"] for s in per_rank}) == 1          # every rank computed the same placement
+        assert stats["moe_lb"] < min(lb_before) - 0.5, (stats["moe_lb"], lb_before)
+        for k, rid in enumerate(ids):
+            assert_same_outputs([done[rid]], [ref_skew[k % len(skew)]])
+        after = generate(llm, fixed, max_tokens=6)
+        assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+        assert_same_outputs(after, ref_fixed)
+        assert_ranks_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ---- 6. lifecycle -----------------------------------------------------------------------------------------------
+def test_a_dead_worker_is_named_and_the_others_stop(v4_path):
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+    engine, procs = llm.engine, list(llm.engine._procs)
+    try:
+        engine.add_request(prompts_of(10, seed=2)[0], params(30))
+        engine.step()
+        procs[1].kill()
+        procs[1].join(timeout=10)
+        with pytest.raises(WorkerError, match="rank 1"):
+            while True:
+                engine.step()
+        assert not any(p.is_alive() for p in procs)
+        assert_gone([p.pid for p in procs])
+    finally:
+        llm.shutdown()
+
+
+def test_create_and_shutdown_twice_leaves_no_workers(v4_path):
+    for _ in range(2):
+        llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+        pids = worker_pids(llm)
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        generate(llm, prompts_of(9, seed=1), max_tokens=4)
+        llm.shutdown()
+        assert_gone(pids, timeout=5)
+        assert not set(pids) & {p.pid for p in multiprocessing.active_children()}
+        llm.shutdown()                                       # idempotent
+
+
+def test_bad_layouts_fail_before_any_worker_starts(v4_path, smollm_dir):
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match="no routed experts"):
+        LLM(str(smollm_dir), device="cpu", **EP2)
+    with pytest.raises(ValueError, match="tensor_parallel_size.*DeepSeek-V4"):
+        LLM(str(v4_path), **V4_OPTS, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
+        LLM(str(v4_path), **V4_OPTS, data_parallel_size=2, enable_eplb=True)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(str(v4_path), **V4_OPTS, data_parallel_size=0)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs more than one rank"):
+        LLM(str(v4_path), **V4_OPTS, enable_expert_parallel=True)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+
+
+# ---- 7. the server ----------------------------------------------------------------------------------------------
+def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path):
+    import openai
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", "--model", str(v4_path), "--device", "cpu",
+                             "--dtype", "float32", "--port", str(port), "--block-size", "32", "--max-num-seqs", "4",
+                             "--kv-cache-memory-bytes", str(32 << 20), "--data-parallel-size", "2",
+                             "--enable-expert-parallel"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "openinfer" in " ".join(c.cmdline()) or "multiprocessing" in " ".join(c.cmdline())]
+        descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(workers) >= 2, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=6, temperature=0,
+                                           extra_body={"thinking": {"type": "disabled"}})
+        assert r.model == "DeepSeek-V4-Pro"
+        assert r.choices[0].message.content
+        assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 6
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert "openinfer:moe_lb" in metrics
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert_gone(descendants)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
