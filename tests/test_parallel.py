@@ -320,15 +320,16 @@ def test_bad_layouts_fail_before_any_worker_starts(v4_path, smollm_dir):
 
 
 # ---- 7. the server ----------------------------------------------------------------------------------------------
-def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path):
+def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
     import openai
 
     port = _free_port()
+    log = open(tmp_path / "server.log", "wb")     # a file, not a pipe nobody drains
     proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", "--model", str(v4_path), "--device", "cpu",
                              "--dtype", "float32", "--port", str(port), "--block-size", "32", "--max-num-seqs", "4",
                              "--kv-cache-memory-bytes", str(32 << 20), "--data-parallel-size", "2",
                              "--enable-expert-parallel"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -338,7 +339,7 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert proc.poll() is None, (tmp_path / "server.log").read_text(errors="replace")[-3000:]
         workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
                    if "openinfer" in " ".join(c.cmdline()) or "multiprocessing" in " ".join(c.cmdline())]
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -360,3 +361,4 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
