@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,7 @@ class StepSync:
     def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
         self._buf = torch.zeros(4, dtype=torch.long)
+        self.wait_s = 0.0        # host time spent agreeing (includes waiting for slower ranks)
 
     def exchange(self, num_tokens: int, graph_batch: int | None) -> StepPlan:
         """`graph_batch`: this rank's decode batch if it could replay a graph (0 when idle), None if it must
@@ -40,6 +43,8 @@ class StepSync:
         b[1] = num_tokens
         b[2] = int(graph_batch is None)
         b[3] = graph_batch or 0
+        t = time.perf_counter()
         dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        self.wait_s += time.perf_counter() - t
         any_work, max_tokens, some_eager, batch = b.tolist()
         return StepPlan(bool(any_work), max_tokens, 0 if some_eager else max(batch, 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 
 
@@ -68,6 +69,7 @@ def worker_main(config, rank: int, init_method: str, conn) -> None:
 
 
 def _serve(engine, ctx, conn) -> None:
+    step_s = 0.0      # host time inside engine.step(), reported with the stats (where a step's time goes)
     while True:
         msg = conn.recv()
         kind = msg[0]
@@ -76,10 +78,16 @@ def _serve(engine, ctx, conn) -> None:
         elif kind == "abort":
             engine.abort_request(msg[1])
         elif kind == "step":
+            t = time.perf_counter()
             outputs = engine.step() if ctx.is_driver else (engine.step(), [])[1]
+            step_s += time.perf_counter() - t
             for out in outputs:            # the front end has the prompt; don't send it every step
                 out.prompt_token_ids, out.prompt = None, None
-            conn.send(("ok", (outputs, engine.has_unfinished_requests(), engine.stats())))
+            stats = engine.stats()
+            stats["worker_step_s"] = step_s
+            if engine.runner.step_sync is not None:
+                stats["step_sync_s"] = engine.runner.step_sync.wait_s
+            conn.send(("ok", (outputs, engine.has_unfinished_requests(), stats)))
         elif kind == "touch":
             engine.runner.touch_cache_pages()
             conn.send(("ok", None))
