@@ -212,6 +212,14 @@ class ModelRunner:
                                      moe_rows_per_rank=b if lockstep else None,
                                      moe_valid_rows=self.g_valid if lockstep else None, moe_communicate=communicate)
 
+        # Rows left from the last replay may address more context than this bucket covers: start every row
+        # as a padding row (scratch page, scratch state slot); the step's inputs are copied in after capture.
+        self.g_ids[:b].zero_()
+        self.g_pos[:b].zero_()
+        self.g_slots[:b].fill_(self.scratch_slot)
+        self.g_tables[:b].fill_(self.num_blocks)
+        self.g_lens[:b].fill_(1)
+        self.g_state_slots[:b].fill_(self.num_state_slots)
         valid = int(self.g_valid)
         self.g_valid.fill_(0)      # the warm-up's rows count as padding (no EPLB load)
         self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta_for(False))
