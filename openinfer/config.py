@@ -74,8 +74,8 @@ class EngineConfig:
     # counts per expert over a window of steps, a new placement every interval, weights moved between ranks
     enable_eplb: bool = False
     num_redundant_experts: int = 0
-    eplb_window_steps: int = 1000
-    eplb_rebalance_interval_steps: int = 3000
+    eplb_window_steps: int = 1000             # the spec's decode values (prefill: 100 / 1,000)
+    eplb_rebalance_interval_steps: int = 10000
     # rendezvous of the worker processes: None = a free local TCP port; "env://" = torchrun's variables
     # (MASTER_ADDR, MASTER_PORT) for several hosts; or "tcp://host:port"
     distributed_init_method: str | None = None

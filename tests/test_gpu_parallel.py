@@ -1,8 +1,10 @@
 """GPU tests (`pytest -m gpu`, 2 GPUs): the multi-process engine over NCCL.
 
-- DeepSeek-V4 (tiny, published FP8/MXFP4 formats) with attention DP2 + EP2 follows one process: CUDA-graph
-  decode (idle ranks replaying padding graphs) and eager steps, greedy tokens and logprobs within bf16 noise;
-- Llama (tiny) with TP2 follows one process the same way."""
+- DeepSeek-V4 (tiny, published FP8/MXFP4 formats) with attention DP2 + EP2 follows one process: one request
+  (the other rank idling on padding rows / graphs) gives identical greedy tokens and logprobs, CUDA graphs or
+  eager; a batch's teacher-forced prompt logprobs stay within bf16 batch noise (greedy tokens of a random
+  tiny model part at near-ties: measured 2026-11-30, 87% of 120 tokens before divergence);
+- Llama (tiny) with TP2 follows one process the same way (teacher-forced)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,17 @@ def _greedy(llm: LLM, prompts, n=24):
                                                                                  logprobs=1), use_tqdm=False)
     return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]
+
+
+def _prompt_logprobs(llm: LLM, prompts) -> list[list[float]]:
+    """Teacher-forced: each prompt position's logprob of the actual next prompt token (no divergence)."""
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, prompts)]
+
+
+def _max_gap(a, b) -> float:
+    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
 def _agree(a, b):
@@ -50,20 +63,22 @@ def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager):
     opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
                 max_num_batched_tokens=256)
     one = LLM(str(published_dir), **opts)
-    ref = _greedy(one, PROMPTS)
+    ref = _prompt_logprobs(one, PROMPTS)
+    one_bf16_noise = _max_gap(ref, _prompt_logprobs(one, PROMPTS[::-1])[::-1])   # same engine, other batch order
     single_prompt = _greedy(one, PROMPTS[:1])    # one request: the other rank idles (padding rows / graphs)
     one.shutdown()
     two = LLM(str(published_dir), data_parallel_size=2, enable_expert_parallel=True, **opts)
-    got = _greedy(two, PROMPTS)
+    got = _prompt_logprobs(two, PROMPTS)
     got_single = _greedy(two, PROMPTS[:1])
     stats = two.engine.stats()
     two.shutdown()
-    frac, gap = _agree(ref, got)
-    frac1, gap1 = _agree(single_prompt, got_single)
-    print(f"EP2 vs one process (eager={enforce_eager}): {frac:.3f} tokens agree, logprob gap {gap:.4f}; "
-          f"one request {frac1:.3f}, {gap1:.4f}")
-    assert frac >= 0.9 and gap < 0.05
-    assert frac1 >= 0.9 and gap1 < 0.05
+    gap = _max_gap(ref, got)
+    print(f"EP2 vs one process (eager={enforce_eager}): prompt logprob gap {gap:.4f} (one process, batch "
+          f"reordered: {one_bf16_noise:.4f}); one request identical: {single_prompt == got_single}")
+    # DP splits the batch, so bf16 GEMMs see other shapes: within a few times one process's own batch noise
+    assert gap < max(0.05, 4 * one_bf16_noise)
+    # one request: rank 0 runs exactly one process's batch, the idle rank adds zeros (measured: bit-identical)
+    assert single_prompt == got_single
     assert all(s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats["per_rank"])
 
 
@@ -90,12 +105,14 @@ def _tiny_llama(path):
 def test_tp2_llama_follows_one_process(tmp_path):
     path = _tiny_llama(tmp_path / "llama")
     opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, block_size=16)
+    prompts = [[t % 49000 for t in p] for p in PROMPTS]
     one = LLM(str(path), **opts)
-    ref = _greedy(one, [[t % 49000 for t in p] for p in PROMPTS])
+    ref = _prompt_logprobs(one, prompts)
+    noise = _max_gap(ref, _prompt_logprobs(one, prompts[::-1])[::-1])
     one.shutdown()
     two = LLM(str(path), tensor_parallel_size=2, **opts)
-    got = _greedy(two, [[t % 49000 for t in p] for p in PROMPTS])
+    got = _prompt_logprobs(two, prompts)
     two.shutdown()
-    frac, gap = _agree(ref, got)
-    print(f"TP2 vs one process: {frac:.3f} tokens agree, logprob gap {gap:.4f}")
-    assert frac >= 0.9 and gap < 0.05
+    gap = _max_gap(ref, got)
+    print(f"TP2 vs one process: prompt logprob gap {gap:.4f} (one process, batch reordered: {noise:.4f})")
+    assert gap < max(0.05, 4 * noise)

@@ -362,3 +362,54 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+# ---- 8. tensor parallelism through the front end, and a request one rank refuses -------------------------------
+def test_dp2_tp2_llama_through_the_front_end_equals_one_process(tmp_path, smollm_dir):
+    """Four worker processes (2 DP groups x 2 TP ranks): each group's TP ranks run the same schedule from
+    the same commands; chunked prefill, a prefix hit and an abort included."""
+    from tests.test_models_tiny import make_tiny
+
+    path, _ = make_tiny(tmp_path, smollm_dir, "llama3-rope-bias")
+    opts = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate((13, 3, 19, 9))]
+    prompts.append(prompts[2][:16] + [77, 78])               # shares four blocks with prompt 2
+    one = LLM(str(path), **opts)
+    expected = generate(one, prompts)
+    one.shutdown()
+    llm = LLM(str(path), data_parallel_size=2, tensor_parallel_size=2, **opts)
+    try:
+        assert_same_outputs(generate(llm, prompts[:4]), expected[:4])
+        assert_same_outputs(generate(llm, prompts[4:]), expected[4:])
+        assert llm.engine.stats()["prefix_cache_hit_tokens"] >= 16
+        engine = llm.engine
+        ids = [engine.add_request(p, params(12)) for p in prompts[:2]]
+        engine.step()
+        engine.abort_request(ids[0])
+        while engine.has_unfinished_requests():
+            engine.step()
+        per_rank = engine.call_ranks("stats")
+        assert len(per_rank) == 4
+        assert all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0 for s in per_rank)
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_a_rank_refuses_fails_alone(ep_sync, reference):
+    """A request that gets past the front end but fails on its rank (here: a request id that rank already
+    holds, sent straight to it) comes back aborted with the reason; the engine keeps serving."""
+    ref_llm, _ = reference
+    engine = ep_sync.engine
+    prompt = prompts_of(30, seed=3)[0]
+    rid = engine.add_request(prompt, params(8))
+    group = engine.requests[rid]
+    rank = engine._groups[group][0]
+    engine._send(rank, ("add", dict(prompt_token_ids=prompt, params=params(8), prompt=None, request_id=rid,
+                                    arrival_time=time.time())))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    refused = [o for o in outs if o.request_id == rid and o.outputs[0].finish_reason == "abort"]
+    assert refused and "already in use" in str(refused[0].outputs[0].stop_reason)
+    assert_same_outputs(generate(ep_sync, [prompt], 8), generate(ref_llm, [prompt], 8))
+    assert_ranks_idle(ep_sync)

@@ -70,17 +70,24 @@ def worker_main(config, rank: int, init_method: str, conn) -> None:
 
 def _serve(engine, ctx, conn) -> None:
     step_s = 0.0      # host time inside engine.step(), reported with the stats (where a step's time goes)
+    refused = []      # requests this rank could not take: reported (aborted, with the reason) at the next step
     while True:
         msg = conn.recv()
         kind = msg[0]
         if kind == "add":
-            _add(engine, msg[1])
+            try:
+                _add(engine, msg[1])
+            except (ValueError, TypeError) as e:     # fails alone; the engine keeps serving
+                refused.append(_refusal(msg[1], e))
         elif kind == "abort":
             engine.abort_request(msg[1])
         elif kind == "step":
             t = time.perf_counter()
             outputs = engine.step() if ctx.is_driver else (engine.step(), [])[1]
             step_s += time.perf_counter() - t
+            if ctx.is_driver:
+                outputs += refused
+            refused = []
             for out in outputs:            # the front end has the prompt; don't send it every step
                 out.prompt_token_ids, out.prompt = None, None
             stats = engine.stats()
@@ -97,6 +104,14 @@ def _serve(engine, ctx, conn) -> None:
             return
         else:
             raise ValueError(f"unknown command {kind!r}")
+
+
+def _refusal(kwargs, error: Exception):
+    from openinfer.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput(kwargs["request_id"], None, [], None,
+                         [CompletionOutput(0, "", [], None, None, finish_reason="abort", stop_reason=str(error))],
+                         finished=True)
 
 
 def _add(engine, kwargs) -> None:

@@ -37,7 +37,7 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--enable-eplb", action="store_true", help="EP: rebalance experts by measured load"),
         g.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB: extra expert slots (at least)"),
         g.add_argument("--eplb-window-steps", type=int, default=1000, help="EPLB: steps of load statistics"),
-        g.add_argument("--eplb-rebalance-interval-steps", type=int, default=3000,
+        g.add_argument("--eplb-rebalance-interval-steps", type=int, default=10000,
                        help="EPLB: steps between rebalances"),
         g.add_argument("--distributed-init-method", default=None,
                        help="worker rendezvous: env:// (torchrun's variables) or tcp://host:port; default a local port"),
