@@ -2,7 +2,7 @@
 
 Every option `LLM(...)`, the CLI and (later) the server accept is a field here. Unknown options are an
 error, never silently dropped. Environment variables are only documented aliases of fields
-(`OPENINFER_CACHE` -> `cache_dir`).
+(`OPENINFER_CACHE` -> `cache_dir`, `OPENINFER_WORKER_AUTHKEY` -> `worker_authkey`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ def default_cache_dir() -> Path:
     """`OPENINFER_CACHE` if set, else `~/.cache/openinfer`."""
     env = os.environ.get("OPENINFER_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "openinfer"
+
+
+def parse_host_port(address: str, name: str) -> tuple[str, int]:
+    """"host:port" (IPv6 as "[::1]:port") -> (host, port); a ValueError naming `name` otherwise."""
+    host, sep, port = str(address).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name} must be 'host:port' with a port in 1..65535, got {address!r}")
+    return host, int(port)
 
 
 @dataclass
@@ -79,6 +88,14 @@ class EngineConfig:
     # rendezvous of the worker processes: None = a free local TCP port; "env://" = torchrun's variables
     # (MASTER_ADDR, MASTER_PORT) for several hosts; or "tcp://host:port"
     distributed_init_method: str | None = None
+    # Several hosts (docs/parallelism.md): the front end spawns ranks 0..num_local_ranks-1 on its host (None:
+    # all of them); the others are `openinfer worker --connect` processes on other hosts, which connect to
+    # worker_listen_address ("host:port") and authenticate with worker_authkey (HMAC; alias:
+    # OPENINFER_WORKER_AUTHKEY). worker_start_timeout_s bounds the wait for every rank to connect and load.
+    num_local_ranks: int | None = None
+    worker_listen_address: str | None = None
+    worker_authkey: str | None = None
+    worker_start_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -129,10 +146,32 @@ class EngineConfig:
         if self.enable_expert_parallel and self.world_size == 1:
             raise ValueError("enable_expert_parallel needs more than one rank: set data_parallel_size "
                              "(attention DP + EP) or tensor_parallel_size")
+        if not self.worker_start_timeout_s > 0:
+            raise ValueError(f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
+        if self.num_local_ranks is not None and (not isinstance(self.num_local_ranks, int)
+                                                 or not 1 <= self.num_local_ranks <= self.world_size):
+            raise ValueError(f"num_local_ranks must be an integer in 1..{self.world_size} (the world size, "
+                             f"data_parallel_size x tensor_parallel_size), got {self.num_local_ranks!r}")
+        if self.local_ranks < self.world_size:
+            if self.worker_listen_address is None:
+                raise ValueError(f"num_local_ranks={self.num_local_ranks} < world size {self.world_size}: set "
+                                 f"worker_listen_address ('host:port' where the other hosts' workers connect)")
+            parse_host_port(self.worker_listen_address, "worker_listen_address")
+            if self.distributed_init_method is None:
+                raise ValueError("with ranks on other hosts, distributed_init_method must be given: 'env://' or "
+                                 "'tcp://host:port' reachable from every host (the default, a free port on "
+                                 "127.0.0.1, cannot be reached from other hosts)")
+            if not self.resolved_worker_authkey:
+                raise ValueError("ranks on other hosts need an authkey: set worker_authkey or the environment "
+                                 "variable OPENINFER_WORKER_AUTHKEY (the same on every host)")
+        elif self.worker_listen_address is not None:
+            raise ValueError("worker_listen_address is only used with ranks on other hosts "
+                             f"(num_local_ranks < world size {self.world_size})")
         if self.world_size > 1:
-            if self.device.startswith("cuda") and self.world_size > torch.cuda.device_count():
-                raise ValueError(f"data_parallel_size x tensor_parallel_size = {self.world_size} ranks need as "
-                                 f"many GPUs; torch sees {torch.cuda.device_count()}")
+            if self.device.startswith("cuda") and self.local_ranks > torch.cuda.device_count():
+                raise ValueError(f"{self.local_ranks} ranks on this host need as many GPUs; torch sees "
+                                 f"{torch.cuda.device_count()} (data_parallel_size x tensor_parallel_size = "
+                                 f"{self.world_size}, num_local_ranks = {self.num_local_ranks})")
             if self.device.startswith("cuda:"):
                 raise ValueError("with several ranks, device must be 'cuda' (rank r uses GPU r), not a single GPU")
             if self.quantization is not None:
@@ -151,6 +190,16 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks the front end spawns on its own host (ranks 0..local_ranks-1)."""
+        return self.world_size if self.num_local_ranks is None else self.num_local_ranks
+
+    @property
+    def resolved_worker_authkey(self) -> str | None:
+        """`worker_authkey`, else the environment variable `OPENINFER_WORKER_AUTHKEY`."""
+        return self.worker_authkey or os.environ.get("OPENINFER_WORKER_AUTHKEY") or None
 
     @property
     def torch_dtype(self) -> torch.dtype:

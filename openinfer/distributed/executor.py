@@ -12,6 +12,15 @@ Lifecycle: workers start before anything loads, report `ready` (or the error, na
 `shutdown()`, on the front end's exit (a finalizer) and on its death (the kernel's parent-death signal on
 Linux, and a closed pipe elsewhere), so no orphans are left after an exception, Ctrl-C or SIGTERM. A worker
 that dies is reported as an error naming its rank and exit code, never a hang.
+
+Several hosts: the front end spawns ranks 0..num_local_ranks-1; the other ranks run under `openinfer worker
+--connect HOST:PORT --ranks ...` on other hosts and connect to `worker_listen_address` with
+`multiprocessing.connection` (TCP, HMAC challenge with the shared authkey; the stdlib's Listener/Client
+protocol). A remote worker sends ("hello", rank) and receives ("config", config, init_method); from then on
+its connection is used exactly like a local pipe. Tensors go through torch.distributed as before (the
+rendezvous must then be env:// or tcp://host:port reachable from every host). A remote rank has no process
+here: its liveness is its connection (closed or reset: an error naming the rank); shutdown sends
+("shutdown",) and closes the connection, which ends the remote process.
 """
 
 from __future__ import annotations
@@ -19,18 +28,20 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import queue
+import select
 import socket
+import threading
 import time
 import weakref
 
-from openinfer.config import EngineConfig
+from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.loader.model_source import resolve_model_dir
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
 
-_START_TIMEOUT_S = 1800.0     # loading a 150 GB checkpoint takes minutes
 _STEP_TIMEOUT_S = 600.0
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
               "prefix_cache_queried_tokens", "num_preemptions")
@@ -63,21 +74,30 @@ class MultiprocEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
         ctx = mp.get_context("spawn")
-        self._procs, self._conns = [], []
-        for rank in range(config.world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
-                            name=f"openinfer-rank{rank}", daemon=True)
-            p.start()
-            child.close()
-            self._procs.append(p)
-            self._conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        # one entry per rank; a remote rank has no process here (None) and its connection arrives later
+        self._procs: list = [None] * config.world_size
+        self._conns: list = [None] * config.world_size
+        # until every rank is ready, a failure stops the others at once: they may be waiting in the rendezvous
+        # for a rank that will never come, not reading their commands
+        self._stop_opts = {"grace_s": 2.0}
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._stop_opts)
+        start_deadline = time.monotonic() + config.worker_start_timeout_s
         try:
-            infos = self._gather_replies(range(config.world_size), _START_TIMEOUT_S, "start")
+            for rank in range(config.local_ranks):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
+                                name=f"openinfer-rank{rank}", daemon=True)
+                p.start()
+                child.close()
+                self._procs[rank], self._conns[rank] = p, parent
+            if config.local_ranks < config.world_size:
+                self._accept_remote(config, init_method, start_deadline)
+            infos = self._gather_replies(range(config.world_size), max(0.0, start_deadline - time.monotonic()),
+                                         "start")
         except BaseException:
             self.shutdown()
             raise
+        self._stop_opts["grace_s"] = 30.0
         info = infos[0]
         self.model_config, self.max_model_len = info["model_config"], info["max_model_len"]
         self.kv_blocks_per_rank = info["num_blocks"]
@@ -175,7 +195,7 @@ class MultiprocEngine:
     def touch_cache_pages(self) -> None:
         for rank in range(self.config.world_size):
             self._send(rank, ("touch",))
-        self._gather_replies(range(self.config.world_size), _START_TIMEOUT_S, "touch")
+        self._gather_replies(range(self.config.world_size), self.config.worker_start_timeout_s, "touch")
 
     def call_ranks(self, method: str, *args) -> list:
         """Run `LLMEngine.<method>(*args)` on every rank (tests, benchmarks); returns each rank's result."""
@@ -190,16 +210,99 @@ class MultiprocEngine:
         self._prompts.clear()
         self._finalizer()
 
+    # ---- remote ranks -----------------------------------------------------------------------------------
+    def _accept_remote(self, config: EngineConfig, init_method: str, deadline: float) -> None:
+        """Accept the other hosts' workers on `worker_listen_address` until every remote rank has connected
+        (or the start timeout: an error naming the missing ranks). Each connection is authenticated with the
+        stdlib's HMAC challenge (both ways, as `multiprocessing.connection.Listener` does), in a thread of its
+        own so a silent or slow client holds up nobody; then it names its rank and gets the config."""
+        host, port = parse_host_port(config.worker_listen_address, "worker_listen_address")
+        authkey = config.resolved_worker_authkey.encode()
+        remote = set(range(config.local_ranks, config.world_size))
+        results: queue.Queue = queue.Queue()
+        handshaking: list[tuple[socket.socket, threading.Event]] = []   # to cut off unfinished handshakes
+        problems: list[str] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.create_server((host, port), family=family, backlog=64)
+        try:
+            while any(self._conns[r] is None for r in remote):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(r for r in remote if self._conns[r] is None)
+                    raise WorkerError(
+                        f"worker rank(s) {missing} did not connect to {host}:{port} within "
+                        f"{config.worker_start_timeout_s:g} s (start `openinfer worker --connect {host}:{port} "
+                        f"--ranks {','.join(map(str, missing))}` on their hosts, with the same "
+                        f"OPENINFER_WORKER_AUTHKEY)" + "".join(f"; {p}" for p in problems)
+                        + "; the engine was shut down")
+                if select.select([server], [], [], min(left, 0.05))[0]:
+                    sock, addr = server.accept()
+                    sock.setblocking(True)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)   # a vanished host shows
+                    done = threading.Event()
+                    handshaking.append((sock, done))
+                    threading.Thread(target=_handshake, args=(sock, addr, authkey, left, results, done),
+                                     daemon=True, name="openinfer-accept").start()
+                while True:
+                    try:
+                        addr, conn, rank, problem = results.get_nowait()
+                    except queue.Empty:
+                        break
+                    where = f"{addr[0]}:{addr[1]}"
+                    if problem is None and rank not in remote:
+                        problem = (f"the connection from {where} asked for rank {rank!r}, not one of the remote "
+                                   f"ranks {sorted(remote)}")
+                    elif problem is None and self._conns[rank] is not None:
+                        problem = f"the connection from {where} asked for rank {rank}, already connected"
+                    if problem is not None:
+                        problems.append(problem)
+                        if conn is not None:
+                            try:
+                                conn.send(("refused", problem))
+                            except OSError:
+                                pass
+                            conn.close()
+                        continue
+                    try:
+                        conn.send(("config", config, init_method))
+                    except OSError as e:
+                        problems.append(f"rank {rank} from {where}: the connection failed ({e})")
+                        conn.close()
+                        continue
+                    self._conns[rank] = conn
+        finally:
+            server.close()
+            for sock, done in handshaking:    # wake any handshake still waiting; close our copy of the socket
+                if not done.is_set():
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                sock.close()
+            while True:                       # connections that arrived after the last rank (duplicates)
+                try:
+                    _, conn, _, _ = results.get_nowait()
+                except queue.Empty:
+                    break
+                if conn is not None and conn not in self._conns:
+                    conn.close()
+
     # ---- transport --------------------------------------------------------------------------------------
     def _send(self, rank: int, msg) -> None:
         try:
             self._conns[rank].send(msg)
         except (BrokenPipeError, OSError, EOFError):
-            self._fail(rank, "its pipe closed")
+            self._fail(rank, "its connection closed" if self._procs[rank] is None else "its pipe closed")
+
+    def _died(self, rank: int, what: str) -> str:
+        p = self._procs[rank]
+        if p is None:
+            return f"(on another host) closed its connection during {what!r}"
+        return f"died (exit code {p.exitcode}) during {what!r}"
 
     def _gather_replies(self, ranks, timeout_s: float, what: str) -> list:
         pending = {self._conns[r]: r for r in ranks}
-        sentinels = {self._procs[r].sentinel: r for r in ranks}
+        sentinels = {self._procs[r].sentinel: r for r in ranks if self._procs[r] is not None}
         replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -212,22 +315,45 @@ class MultiprocEngine:
                 if conn not in pending:
                     continue                     # exited after replying (shutdown)
                 if ready is not conn and not conn.poll():
-                    self._fail(rank, f"died (exit code {self._procs[rank].exitcode}) during {what!r}")
+                    self._fail(rank, self._died(rank, what))
                 try:
                     kind, payload = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(rank, f"died (exit code {self._procs[rank].exitcode}) during {what!r}")
+                    self._fail(rank, self._died(rank, what))
                 if kind == "error":
+                    # a rank whose peer died often fails first (a reset collective): name the dead one instead
+                    dead = self._dead_peer([r for r in pending.values() if r != rank])
+                    if dead is not None:
+                        self._fail(dead, self._died(dead, what))
                     self._fail(rank, f"raised during {what!r}:\n{payload}")
                 replies[rank] = payload
                 del pending[conn]
         return [replies[r] for r in ranks]
 
+    def _dead_peer(self, ranks, wait_s: float = 1.0) -> int | None:
+        """The first of `ranks` found dead within `wait_s` (a local process that exited, a remote connection
+        that closed), or None. Replies read here are dropped: the engine is failing anyway."""
+        deadline = time.monotonic() + wait_s
+        watch = {(self._procs[r].sentinel if self._procs[r] is not None else self._conns[r]): r for r in ranks}
+        while watch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for ready in mpc.wait(list(watch), timeout=left):
+                rank = watch.pop(ready)
+                if self._procs[rank] is not None:
+                    return rank
+                try:
+                    self._conns[rank].recv()
+                except (EOFError, OSError):
+                    return rank
+        return None
+
     def _check_alive(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("this engine was shut down; create a new one")
         for rank, p in enumerate(self._procs):
-            if not p.is_alive():
+            if p is not None and not p.is_alive():
                 self._fail(rank, f"died (exit code {p.exitcode})")
 
     def _fail(self, rank: int, why: str):
@@ -235,16 +361,55 @@ class MultiprocEngine:
         raise WorkerError(f"worker rank {rank} {why}; the engine was shut down")
 
 
-def _stop_workers(procs, conns) -> None:
+def _handshake(sock: socket.socket, addr, authkey: bytes, timeout_s: float, results: queue.Queue,
+               done: threading.Event) -> None:
+    """One accepted connection: the HMAC challenge both ways (what `Listener.accept` does with an authkey),
+    then the worker's ("hello", rank). Reports (addr, conn, rank, None) or (addr, None, None, problem)."""
+    import os
+
+    conn = None
+    try:
+        conn = mpc.Connection(os.dup(sock.fileno()))    # our own descriptor; `sock` stays to cut it off
+        mpc.deliver_challenge(conn, authkey)
+        mpc.answer_challenge(conn, authkey)
+        if not conn.poll(timeout_s):
+            raise TimeoutError("no hello")
+        hello = conn.recv()
+        if not (isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello"):
+            raise ValueError(f"unexpected first message {hello!r}")
+        done.set()
+        results.put((addr, conn, hello[1], None))
+    except mpc.AuthenticationError as e:
+        results.put((addr, None, None, f"the connection from {addr[0]}:{addr[1]} failed authentication ({e}): "
+                                       f"is OPENINFER_WORKER_AUTHKEY the same on both hosts?"))
+    except Exception as e:
+        results.put((addr, None, None, f"the connection from {addr[0]}:{addr[1]} failed ({type(e).__name__}: {e})"))
+    finally:
+        if conn is not None and not done.is_set():
+            conn.close()
+
+
+def _stop_workers(procs, conns, opts) -> None:
     for conn in conns:
+        if conn is None:
+            continue
         try:
             conn.send(("shutdown",))
         except (BrokenPipeError, OSError, EOFError):
             pass
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + opts["grace_s"]
+    for p, conn in zip(procs, conns):
+        if p is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        elif conn is not None:    # a remote rank: its process has stopped when its end of the connection closes
+            try:
+                while conn.poll(max(0.0, deadline - time.monotonic())):
+                    conn.recv()
+            except (EOFError, OSError):
+                pass
     for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
+        if p is None:
+            continue
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
@@ -252,7 +417,8 @@ def _stop_workers(procs, conns) -> None:
             p.kill()
             p.join(timeout=5)
     for conn in conns:
-        conn.close()
+        if conn is not None:
+            conn.close()
 
 
 def make_engine(config: EngineConfig):

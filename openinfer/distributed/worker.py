@@ -1,5 +1,7 @@
 """One rank's process: an `LLMEngine` for its rank, driven by commands from the front end
-(`executor.MultiprocEngine`) over a pipe.
+(`executor.MultiprocEngine`) over a pipe (ranks the front end spawned) or a TCP connection
+(`multiprocessing.connection.Client`, HMAC-authenticated: ranks on other hosts, started by `openinfer worker`).
+Both have the same send/recv API, so one command loop serves both.
 
 Commands are handled strictly in arrival order (adds and aborts apply before the next step), which is what
 keeps the TP ranks of a group scheduling identically. Every reply is `(kind, payload)`; an exception is
@@ -31,8 +33,54 @@ def _die_with_parent() -> None:
 
 
 def worker_main(config, rank: int, init_method: str, conn) -> None:
+    """A rank the front end spawned on its own host: uses GPU `rank`."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front end's to handle
+    _run(config, rank, init_method, conn, local_index=rank, ranks_on_host=config.local_ranks)
+
+
+def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, local_index: int, ranks_on_host: int,
+                       device: str | None, connect_timeout_s: float = 1800.0) -> None:
+    """A rank on another host (`openinfer worker`): connect to the front end, say which rank this is, receive
+    the engine config and the rendezvous address, then serve commands exactly as a spawned rank does. Uses GPU
+    `local_index` (its position among this host's ranks); `device`, when given, must match the front end's.
+    The front end may not be listening yet: connecting is retried for `connect_timeout_s`."""
+    import multiprocessing.connection as mpc
+
+    _die_with_parent()                              # the `openinfer worker` command is the parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the command's to handle
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            conn = mpc.Client(address, family="AF_INET", authkey=authkey)
+            break
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"openinfer worker rank {rank}: no front end at {address[0]}:{address[1]} "
+                                 f"within {connect_timeout_s:g} s ({e})") from None
+            time.sleep(0.2)
+        except mpc.AuthenticationError as e:
+            raise SystemExit(f"openinfer worker rank {rank}: the front end at {address[0]}:{address[1]} "
+                             f"rejected the authkey ({e}): is OPENINFER_WORKER_AUTHKEY the same on both hosts?") \
+                from None
+    try:
+        conn.send(("hello", rank))
+        reply = conn.recv()
+        if reply[0] != "config":
+            raise SystemExit(f"openinfer worker rank {rank}: the front end at {address[0]}:{address[1]} refused "
+                             f"it: {reply[1]}")
+        config, init_method = reply[1], reply[2]
+        if device is not None and device.split(":")[0] != config.device.split(":")[0]:
+            conn.send(("error", f"rank {rank}: this host's --device {device} differs from the front end's "
+                                f"device {config.device!r} (all ranks use one device type and backend)"))
+            raise SystemExit(1)
+    except EOFError:
+        raise SystemExit(f"openinfer worker rank {rank}: the front end closed the connection") from None
+    _run(config, rank, init_method, conn, local_index=local_index, ranks_on_host=ranks_on_host)
+    conn.close()
+
+
+def _run(config, rank: int, init_method: str, conn, local_index: int, ranks_on_host: int) -> None:
     engine = None
     try:
         import torch
@@ -41,10 +89,10 @@ def worker_main(config, rank: int, init_method: str, conn) -> None:
         from openinfer.engine.llm_engine import LLMEngine
 
         if config.device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_on_host)))
             device = torch.device("cpu")
         else:
-            device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+            device = torch.device("cuda", local_index % max(1, torch.cuda.device_count()))
         ctx = init_parallel(config.data_parallel_size, config.tensor_parallel_size, config.enable_expert_parallel,
                             rank, device, init_method, num_redundant_experts=config.num_redundant_experts)
         engine = LLMEngine(config, parallel=ctx)

@@ -1,4 +1,4 @@
-"""`openinfer` command line (also `python -m openinfer`): generate, serve, bench offline / serve / soak."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench offline / serve / soak."""
 
 from __future__ import annotations
 
@@ -40,7 +40,16 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--eplb-rebalance-interval-steps", type=int, default=10000,
                        help="EPLB: steps between rebalances"),
         g.add_argument("--distributed-init-method", default=None,
-                       help="worker rendezvous: env:// (torchrun's variables) or tcp://host:port; default a local port"),
+                       help="worker rendezvous: env:// (torchrun's variables) or tcp://host:port; default a local port "
+                            "(with ranks on other hosts: required, reachable from every host)"),
+        g.add_argument("--num-local-ranks", type=int, default=None,
+                       help="several hosts: ranks this host runs (0..N-1; default all); the others connect from "
+                            "`openinfer worker` on other hosts"),
+        g.add_argument("--worker-listen-address", default=None, metavar="HOST:PORT",
+                       help="several hosts: where the other hosts' workers connect (authkey: the environment "
+                            "variable OPENINFER_WORKER_AUTHKEY, the same on every host)"),
+        g.add_argument("--worker-start-timeout", type=float, default=1800.0, metavar="SECONDS",
+                       help="how long to wait for every rank to connect and load"),
     ]
 
 
@@ -67,7 +76,8 @@ def _make_llm(args):
                enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
                num_redundant_experts=args.num_redundant_experts, eplb_window_steps=args.eplb_window_steps,
                eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
-               distributed_init_method=args.distributed_init_method)
+               distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
+               worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout)
 
 
 def cmd_generate(args) -> int:
@@ -114,6 +124,68 @@ def cmd_generate(args) -> int:
 
     if args.model in GENERATED:
         print(f"[{args.model} has random weights: the text above is noise; it exists for tests and demos]")
+    return 0
+
+
+def cmd_worker(args) -> int:
+    """Ranks of an engine whose front end runs on another host: one process per rank in --ranks, each
+    connected to the front end, which sends it the engine config. Runs until its workers exit (the front end's
+    shutdown ends them); SIGTERM or Ctrl-C stops them."""
+    import multiprocessing as mp
+    import multiprocessing.connection as mpc
+    import os
+    import signal
+
+    from openinfer.config import parse_host_port
+    from openinfer.distributed.worker import remote_worker_main
+
+    address = parse_host_port(args.connect, "--connect")
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--ranks must be comma-separated rank numbers, got {args.ranks!r}") from None
+    if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 1:
+        raise ValueError(f"--ranks must list distinct ranks >= 1 (rank 0 runs with the front end), got {args.ranks!r}")
+    authkey = args.authkey or os.environ.get("OPENINFER_WORKER_AUTHKEY")
+    if not authkey:
+        raise ValueError("an authkey is required: set OPENINFER_WORKER_AUTHKEY (or --authkey), the same as the "
+                         "front end's")
+    if args.device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=remote_worker_main,
+                         args=(address, authkey.encode(), rank, i, len(ranks), args.device, args.connect_timeout),
+                         name=f"openinfer-rank{rank}", daemon=True)
+             for i, rank in enumerate(ranks)]
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for p in procs:
+            p.start()
+        print(f"openinfer worker: ranks {ranks} connecting to {args.connect} (pids "
+              f"{[p.pid for p in procs]})", file=sys.stderr, flush=True)
+        alive = list(procs)
+        while alive:
+            mpc.wait([p.sentinel for p in alive])
+            alive = [p for p in alive if p.exitcode is None and p.is_alive()]
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        return 130
+    codes = [p.exitcode for p in procs]
+    bad = {r: c for r, c in zip(ranks, codes) if c != 0}
+    if bad:
+        print(f"openinfer worker: rank(s) exited with codes {bad}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -217,6 +289,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request still unfinished this long after it arrived (408)")
     serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser(
+        "worker", help="ranks of a multi-host engine, connected to its front end on another host",
+        description="Run ranks of an engine whose front end (openinfer serve / LLM(...) with --num-local-ranks "
+                    "and --worker-listen-address) is on another host. Each rank connects to the front end, "
+                    "authenticates with the shared key and receives the engine config, so no engine options are "
+                    "given here. The model path in that config must exist on this host too (the same path, e.g. "
+                    "a shared filesystem), and the --distributed-init-method address must be reachable from "
+                    "here. Rank i of --ranks uses GPU i of this host. The command exits when its ranks do (the "
+                    "front end's shutdown ends them); SIGTERM or Ctrl-C stops them.")
+    worker.add_argument("--connect", required=True, metavar="HOST:PORT",
+                        help="the front end's --worker-listen-address")
+    worker.add_argument("--ranks", required=True, metavar="R1,R2,...", help="the global ranks this host runs")
+    worker.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="must match the front end's device (default: the front end's)")
+    worker.add_argument("--authkey", default=None,
+                        help="shared key (default: the environment variable OPENINFER_WORKER_AUTHKEY)")
+    worker.add_argument("--connect-timeout", type=float, default=1800.0, metavar="SECONDS",
+                        help="how long to retry while the front end is not listening yet")
+    worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
