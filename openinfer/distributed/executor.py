@@ -235,6 +235,9 @@ class MultiprocEngine:
                         f"--ranks {','.join(map(str, missing))}` on their hosts, with the same "
                         f"OPENINFER_WORKER_AUTHKEY)" + "".join(f"; {p}" for p in problems)
                         + "; the engine was shut down")
+                for r in range(config.local_ranks):    # a local rank that fails while we wait: say so now
+                    if not self._procs[r].is_alive():
+                        self._gather_replies([r], 1.0, "start")
                 if select.select([server], [], [], min(left, 0.05))[0]:
                     sock, addr = server.accept()
                     sock.setblocking(True)

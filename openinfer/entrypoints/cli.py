@@ -158,7 +158,10 @@ def cmd_worker(args) -> int:
                          name=f"openinfer-rank{rank}", daemon=True)
              for i, rank in enumerate(ranks)]
 
+    stopped_by = [signal.SIGINT]
+
     def stop(signum, frame):
+        stopped_by[0] = signum
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
@@ -180,7 +183,7 @@ def cmd_worker(args) -> int:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        return 130
+        return 128 + stopped_by[0]
     codes = [p.exitcode for p in procs]
     bad = {r: c for r, c in zip(ranks, codes) if c != 0}
     if bad:
