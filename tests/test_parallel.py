@@ -308,8 +308,8 @@ def test_bad_layouts_fail_before_any_worker_starts(v4_path, smollm_dir):
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match="no routed experts"):
         LLM(str(smollm_dir), device="cpu", **EP2)
-    with pytest.raises(ValueError, match="tensor_parallel_size.*DeepSeek-V4"):
-        LLM(str(v4_path), **V4_OPTS, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="DeepSeek-V4 does not combine tensor_parallel_size"):
+        LLM(str(v4_path), **V4_OPTS, tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
         LLM(str(v4_path), **V4_OPTS, data_parallel_size=2, enable_eplb=True)
     with pytest.raises(ValueError, match="data_parallel_size"):

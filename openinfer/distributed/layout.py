@@ -14,12 +14,16 @@ def check_layout(config: EngineConfig, model_dir: Path) -> None:
     hf = read_hf_config(model_dir)
     tp, world = config.tensor_parallel_size, config.world_size
     if hf.get("model_type") == "deepseek_v4":
-        from openinfer.models.deepseek_v4 import DeepseekV4Config
+        from openinfer.models.deepseek_v4 import V4_TP_WITH_EP, DeepseekV4Config
+        from openinfer.quantization.checkpoint import QuantScheme
 
         cfg = DeepseekV4Config.from_hf(hf)
-        if tp > 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported for DeepSeek-V4 yet: use "
-                             "data_parallel_size with enable_expert_parallel (attention DP + expert parallelism)")
+        if tp > 1 and config.enable_expert_parallel:
+            raise ValueError(V4_TP_WITH_EP)
+        scheme = QuantScheme.from_hf(hf)
+        # heads, output groups, expert intermediate size, vocabulary; for a quantized checkpoint, whole
+        # scale blocks per rank
+        cfg.check_tensor_parallel(tp, scheme and scheme.block, scheme and scheme.expert_fmt)
         if config.enable_expert_parallel:
             from openinfer.distributed.eplb import num_physical_experts
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.layers.attention import AttentionBackend
 from openinfer.layers.basic import TORCH_OPS, LayerOps
-from openinfer.models.deepseek_v4 import (DeepseekV4Config, DeepseekV4ForCausalLM, Experts, hf_to_native,
-                                          native_to_hf, published_dtype)
+from openinfer.models.deepseek_v4 import (V4_TP_WITH_EP, DeepseekV4Config, DeepseekV4ForCausalLM, Experts,
+                                          hf_to_native, native_to_hf, published_dtype)
 from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
 from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
@@ -95,6 +95,9 @@ def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     config and the model's shapes on the meta device, and only then is memory allocated."""
     cfg = DeepseekV4Config.from_hf(hf)
     scheme = QuantScheme.from_hf(hf)
+    if parallel.tp_size > 1 and parallel.ep_size > 1:
+        raise ValueError(V4_TP_WITH_EP)
+    cfg.check_tensor_parallel(parallel.tp_size, scheme and scheme.block, scheme and scheme.expert_fmt)
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):

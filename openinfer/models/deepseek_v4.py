@@ -14,6 +14,14 @@ Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
 A prefill chunk runs per sequence (any start, any length: windows close wherever the chunk crosses a
 boundary); decode rows run batched. Both read the state a previous step left and write it back.
 
+Tensor parallelism (`parallel.tp_size` > 1, expert parallelism off): query heads, sinks and output groups
+split over the TP ranks (one all-reduce after o_b_proj), the routed and shared experts split along their
+intermediate dimension (one all-reduce per MoE for both), the embedding and LM head split by vocabulary
+(logits all-gathered, so every rank samples the same token); everything else — the shared KV head, the
+compressors, the indexer, the router, mHC, norms — and so every cache is replicated. MTP layers are
+decoder layers and are split the same way. `load_weights` cuts each checkpoint tensor (and a quantized
+weight's scales, at the same block boundary) to this rank's slice. With tp_size 1 nothing changes.
+
 Where the reference and causal semantics part (the lightning indexer's top-k on tied scores, see
 docs/deepseek_v4.md), this file is causal: ties go to the earlier entry.
 """
@@ -29,17 +37,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.collectives import tp_all_reduce
 from openinfer.distributed.eplb import ExpertPlacement, num_physical_experts
 from openinfer.distributed.expert_parallel import ExpertRouting, combine_tokens, exchange_tokens
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.quantization.linear import stored_parameters, to_fp8_linear
 from openinfer.quantization.reference import dequantize_weight
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+V4_TP_WITH_EP = ("DeepSeek-V4 does not combine tensor_parallel_size > 1 with enable_expert_parallel: use "
+                 "data_parallel_size with enable_expert_parallel, or tensor_parallel_size without it")
 
 
 # ---- config -------------------------------------------------------------------------------------------
@@ -134,6 +146,35 @@ class DeepseekV4Config:
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    def check_tensor_parallel(self, tp_size: int, block: int | None = None, expert_fmt: str | None = None) -> None:
+        """Raise ValueError naming the field if this model cannot be split over `tp_size` ranks (query heads,
+        output groups, the experts' intermediate dimension and the vocabulary in equal slices). `block` /
+        `expert_fmt`: a quantized checkpoint's FP8 block and routed-expert format ("fp8" | "mxfp4"); every
+        shard boundary must then fall on a scale block (FP8: `block` rows/columns; MXFP4: 32 values along K)."""
+        if tp_size == 1:
+            return
+        for name in ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if value % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} must divide {name} ({value}) of this DeepSeek-V4 "
+                                 f"model (every rank holds an equal slice)")
+        if block is None:
+            return
+        inter = self.moe_intermediate_size // tp_size
+        fp8 = f"FP8 block ({block})"
+        cuts = [("num_attention_heads * head_dim / tp (the rows of q_b_proj / wq_b per rank)",
+                 self.num_attention_heads * self.head_dim // tp_size, block, fp8),
+                ("o_groups * o_lora_rank / tp (the rows of o_a_proj / wo_a and columns of o_b_proj / wo_b per rank)",
+                 self.o_groups * self.o_lora_rank // tp_size, block, fp8),
+                ("moe_intermediate_size * n_shared_experts / tp (the shared expert's slice per rank)",
+                 inter * self.n_shared_experts, block, fp8),
+                ("moe_intermediate_size / tp (the routed experts' slice per rank)", inter,
+                 *((32, "MXFP4 scale group (32)") if expert_fmt == "mxfp4" else (block, fp8)))]
+        for what, size, unit, unit_name in cuts:
+            if size % unit:
+                raise ValueError(f"tensor_parallel_size={tp_size} cuts the quantized checkpoint's scale blocks: "
+                                 f"{what} is {size}, not a multiple of the {unit_name}")
 
 
 # ---- small ops ----------------------------------------------------------------------------------------
@@ -394,21 +435,32 @@ class DeepseekV4Attention(nn.Module):
     """Shared-KV MQA (one K=V head of head_dim) over the sliding window (the last W tokens, self included),
     the layer's compressed entries (HCA: every closed one; CSA: the indexer's top-k) and a per-head sink
     logit. The output's RoPE slice is rotated back by the query position; a grouped low-rank projection
-    follows. `state` maps this layer's cache names (swa, kv, rows, index, index_rows) to tensors."""
+    follows. `state` maps this layer's cache names (swa, kv, rows, index, index_rows) to tensors.
 
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str):
+    Tensor parallelism (`parallel.tp_size` > 1) splits the query heads: rank r holds heads
+    [r*H/tp, (r+1)*H/tp) of q_b_proj and the sinks, the output groups [r*G/tp, (r+1)*G/tp) of o_a_proj (whose
+    inputs are exactly those heads: a group is H/G consecutive heads) and the matching input columns of
+    o_b_proj, whose partial products are summed over the TP group (one all-reduce). q_a_proj, q_a_norm,
+    kv_proj, kv_norm, the compressor and the indexer stay replicated: the single shared KV head and the
+    compressed entries are the same for every head, so every rank computes them in full and the KV caches
+    (sliding window, compressed entries, indexer keys, compressor state) are replicated, not split."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, parallel: ParallelContext | None = None):
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        tp = self.parallel.tp_size
         self.cfg, self.layer_type = cfg, layer_type
-        self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.num_heads, self.head_dim, self.window = cfg.num_attention_heads // tp, cfg.head_dim, cfg.sliding_window
+        self.o_groups = cfg.o_groups // tp          # this rank's output groups (all of them without TP)
         self.scale = self.head_dim ** -0.5
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(self.num_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                                  bias=False)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.o_a_proj = nn.Linear(cfg.num_attention_heads * self.head_dim // cfg.o_groups,
+                                  self.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor = None
         if layer_type != SLIDING:
@@ -443,8 +495,8 @@ class DeepseekV4Attention(nn.Module):
                     positions[sl], rows[sl], None if index_rows is None else index_rows[sl],
                     None if index_q is None else (index_q[0][sl], index_q[1][sl]), rope, state, meta, p))
             out[sl] = self._attend(q[sl], groups, banded=p is not None)
-        o = apply_rope(out, cos[:, None], -sin[:, None]).reshape(T, self.cfg.o_groups, -1)
-        return self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1))
+        o = apply_rope(out, cos[:, None], -sin[:, None]).reshape(T, self.o_groups, -1)
+        return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
     def _attend(self, q, groups, banded: bool, query_block: int = 512):
         """q [T, H, D] over key groups (keys, mask [T, L], picks): keys [T, L, D] per query, or [L, D] shared
@@ -576,10 +628,12 @@ class Experts(nn.Module):
     """Routed experts as stacked weights [E, 2I, H] / [E, H, I]: a grouped GEMM over expert-sorted rows on
     CUDA (no host sync), a loop over the experts hit elsewhere."""
 
-    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, num_slots: int | None = None):
-        """`num_slots`: expert slots this rank holds (expert parallelism); None: all routed experts."""
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, num_slots: int | None = None,
+                 inter: int | None = None):
+        """`num_slots`: expert slots this rank holds (expert parallelism); None: all routed experts.
+        `inter`: this rank's slice of moe_intermediate_size (tensor parallelism); None: all of it."""
         super().__init__()
-        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, inter or cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.zeros(E, H, inter))
         self.limit, self.ops = cfg.swiglu_limit, ops
@@ -634,9 +688,9 @@ class QuantizedExperts(Experts):
     dequantized in registers on CUDA), the CPU loop dequantizes one expert at a time (the reference)."""
 
     def __init__(self, cfg: DeepseekV4Config, fmt: str, block: int, ops: LayerOps = TORCH_OPS,
-                 num_slots: int | None = None):
+                 num_slots: int | None = None, inter: int | None = None):
         nn.Module.__init__(self)
-        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, inter = num_slots or cfg.n_routed_experts, cfg.hidden_size, inter or cfg.moe_intermediate_size
         if fmt == "fp8" and inter % block:
             raise ValueError(f"block-FP8 experts need moe_intermediate_size ({inter}) divisible by the block "
                              f"size {block} (w1 and w3 are stacked)")
@@ -660,7 +714,12 @@ class QuantizedExperts(Experts):
 class MoE(nn.Module):
     """Router -> routed experts (+ the shared expert). With expert parallelism this rank holds some of the
     experts' slots: every rank's tokens are exchanged (distributed/expert_parallel.py), each rank computes
-    its slots' share and the shares are summed back onto each token's rank."""
+    its slots' share and the shares are summed back onto each token's rank.
+
+    With tensor parallelism instead (no expert parallelism), every rank holds every expert's slice
+    [r*I/tp, (r+1)*I/tp) of the intermediate dimension (w1 and w3 rows, w2 columns), and so of the shared
+    expert; the router is replicated (every rank routes the same tokens identically), each rank computes
+    its partial sums of routed and shared outputs and one all-reduce adds them."""
 
     def __init__(self, cfg: DeepseekV4Config, hashed: bool, ops: LayerOps = TORCH_OPS,
                  parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
@@ -671,14 +730,15 @@ class MoE(nn.Module):
         if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
             slots, max_replicas = ep_layout
             self.routing = ExpertRouting(cfg.n_routed_experts, max_replicas, slots, self.parallel.ep_rank)
-        self.experts = Experts(cfg, ops, slots)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+        tp = self.parallel.tp_size
+        self.experts = Experts(cfg, ops, slots, cfg.moe_intermediate_size // tp)
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp,
                                            cfg.swiglu_limit)
 
     def forward(self, x, input_ids, meta: AttentionMetadata | None = None):
         experts, weights = self.gate(x, input_ids)
-        if self.parallel.ep_size == 1:
-            return self.experts(x, experts, weights) + self.shared_experts(x)
+        if self.parallel.ep_size == 1:     # (tensor parallelism: partial sums, one all-reduce)
+            return tp_all_reduce(self.experts(x, experts, weights) + self.shared_experts(x), self.parallel)
         T = x.shape[0]
         per_rank = meta.moe_rows_per_rank or T
         xa, ea, wa = exchange_tokens(x, experts, weights, per_rank, meta.moe_valid_rows, self.parallel,
@@ -738,7 +798,7 @@ class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS,
                  **moe_kwargs):
         super().__init__()
-        self.self_attn = DeepseekV4Attention(cfg, layer_type)
+        self.self_attn = DeepseekV4Attention(cfg, layer_type, moe_kwargs.get("parallel"))
         self.mlp = MoE(cfg, mlp_type == "hash_moe", ops, **moe_kwargs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -790,8 +850,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.ops = cfg, ops
         self.parallel = parallel or ParallelContext.single()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # vocabulary-parallel with tensor parallelism (rows of this rank's shard; exactly nn.Embedding without)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.parallel)
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
         self.ropes = nn.ModuleDict({"main": InterleavedRope(cfg.main_rope, rd, mp),
                                     "compress": InterleavedRope(cfg.compress_rope, rd, mp)})
@@ -810,7 +870,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                                     for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # logits shards all-gathered: every TP rank samples from the same full logits (nn.Linear without TP)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.parallel)
         self.mtp = nn.ModuleList(MTPLayer(cfg, ops, **moe_kwargs) for _ in range(cfg.num_nextn_predict_layers))
         # which index of each cache kind a layer uses
         self._state_index = []
@@ -894,12 +955,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             module = getattr(parent, child)
             if isinstance(module, Experts):
                 with torch.device(module.gate_up_proj.device):
-                    new = QuantizedExperts(self.config, fmt, block, self.ops, num_slots=module.gate_up_proj.shape[0])
+                    new = QuantizedExperts(self.config, fmt, block, self.ops, num_slots=module.gate_up_proj.shape[0],
+                                           inter=module.down_proj.shape[-1])
             elif name == "lm_head" and self.config.tie_word_embeddings:
                 raise ValueError("the checkpoint stores lm_head quantized but the config ties it to the "
                                  "(bf16) embedding: tie_word_embeddings must be false for a quantized head")
+            elif name == "lm_head" and self.parallel.tp_size > 1:
+                raise ValueError("the checkpoint stores lm_head quantized: not supported with "
+                                 "tensor_parallel_size > 1 (the vocabulary-parallel head is bf16/float)")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
-                new = to_fp8_linear(module, block, self.ops, self.config.o_groups if child == "o_a_proj" else 1)
+                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1)
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")
             setattr(parent, child, new)
@@ -942,6 +1007,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 slots = [e] if local_slots is None else local_slots.get(e, [])   # EP: this rank's copies
                 dsts = [dst[i] if w == "w2" else dst[i, :half] if w == "w1" else dst[i, half:] for i in slots]
                 key = f"{name}#{e}.{w}"
+            if self.parallel.tp_size > 1:    # tensor parallelism: this rank's slice (weights and their scales)
+                tensor = self._tp_shard(name, part, tensor, dsts[0] if dsts else None, key)
             stored_raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
             for dst in dsts:
                 if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
@@ -974,6 +1041,50 @@ class DeepseekV4ForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+
+    def _tp_shard(self, name: str, part, tensor: torch.Tensor, dst: torch.Tensor | None, key: str) -> torch.Tensor:
+        """This TP rank's slice of full checkpoint tensor `tensor` (our name `name`, one expert's `part`),
+        for a parameter slice shaped `dst`. A quantized weight and its scale are cut along the same
+        dimension at the same fraction: FP8 scales hold one value per block x block tile, MXFP4 scales one
+        per 32 values along K and its bytes two values each, so slice i of the weight is slice i of its
+        bytes and of its scales when the cut falls on a block (checked at start-up, check_tensor_parallel;
+        a full size that is not tp x the local one is refused here)."""
+        if dst is None:
+            return tensor
+        if part is not None:
+            dim = 1 if part[1] == "w2" else 0
+        else:
+            dim = _tp_shard_dim(name)
+            if dim is None:
+                return tensor
+            if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):   # stacked [E, 2I, H]
+                gate, up = tensor.chunk(2, dim=1)
+                half = dst.shape[1] // 2
+                return torch.cat((self._tp_narrow(gate, 1, half, key), self._tp_narrow(up, 1, half, key)), dim=1)
+        return self._tp_narrow(tensor, dim, dst.shape[dim], key)
+
+    def _tp_narrow(self, tensor: torch.Tensor, dim: int, local: int, key: str) -> torch.Tensor:
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        if tensor.dim() <= dim or tensor.shape[dim] != local * tp:
+            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}: dimension {dim} should be "
+                             f"tensor_parallel_size ({tp}) x {local} (this rank's slice)")
+        return tensor.narrow(dim, rank * local, local)
+
+
+# tensor parallelism: which dimension of a (non-expert-slice) parameter is split over the TP ranks
+_TP_SPLIT = [(re.compile(a), d) for a, d in (
+    (r"^embed_tokens\.weight$", 0), (r"^lm_head\.weight$", 0),
+    (r"\.self_attn\.q_b_proj\.weight(_scale)?$", 0), (r"\.self_attn\.sinks$", 0),
+    (r"\.self_attn\.o_a_proj\.weight(_scale)?$", 0), (r"\.self_attn\.o_b_proj\.weight(_scale)?$", 1),
+    (r"\.shared_experts\.(gate|up)_proj\.weight(_scale)?$", 0), (r"\.shared_experts\.down_proj\.weight(_scale)?$", 1),
+    (r"\.experts\.gate_up_proj(_scale)?$", 1), (r"\.experts\.down_proj(_scale)?$", 2))]
+
+
+def _tp_shard_dim(name: str) -> int | None:
+    for pattern, dim in _TP_SPLIT:
+        if pattern.search(name):
+            return dim
+    return None
 
 
 # transformers' renaming of the upstream checkpoint (conversion_mapping.py, "deepseek_v4"), in its order
