@@ -2,8 +2,8 @@
 process runs rank 1 and connects to the front end over an HMAC-authenticated `multiprocessing.connection`;
 tensors go through torch.distributed's tcp:// rendezvous. DP2 + EP2 on the tiny DeepSeek-V4 gives the
 outputs of one process; shutdown ends the remote command; a wrong authkey is refused; a remote rank that
-dies is named; bad multi-host configs fail before anything starts. Each engine start imports torch in three processes (front end, local rank, remote rank): the time is mostly
-that, and grows with the machine's load."""
+dies is named; bad multi-host configs fail before anything starts. Each engine start imports torch in three
+processes (front end, local rank, remote rank): the time is mostly that, and grows with the machine's load."""
 
 from __future__ import annotations
 
