@@ -277,12 +277,17 @@ def test_hc_weights_kernel_matches_reference(n, T):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_v4_cuda_graph_decode_equals_eager():
+@pytest.mark.parametrize("staggered", [False, True])
+def test_v4_cuda_graph_decode_equals_eager(staggered):
     """deepseek-v4-tiny bf16: decode steps replayed from CUDA graphs (captured per batch and context bucket,
     padded rows on the scratch page and scratch state slot) give the eager step's logits, over contexts that
-    cross several buckets; tokens agree until the first bf16 near-tie."""
-    prompts = [[(i * 7919 + k) % 120000 + 100 for i in range(n)] for k, n in enumerate((20, 130, 300))]
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    cross several buckets; tokens agree until the first bf16 near-tie. `staggered`: requests finish one by
+    one, so the batch shrinks inside a bucket (rows that held a request must become padding rows, or they
+    write into the remaining requests' state)."""
+    lengths = (20, 130, 300, 60, 9, 210, 150) if staggered else (20, 130, 300)
+    prompts = [[(i * 7919 + k) % 120000 + 100 for i in range(n)] for k, n in enumerate(lengths)]
+    sp = ([SamplingParams(temperature=0, max_tokens=40 - 5 * k, ignore_eos=True) for k in range(len(prompts))]
+          if staggered else SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     runs = {}
     for eager in (False, True):
         llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=8,

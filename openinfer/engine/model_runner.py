@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
@@ -64,7 +65,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = Sampler(config.logprobs_mode)
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
+        # DP groups draw different noise (else the same prompt on two groups samples the same text); the TP
+        # ranks of a group share it, so they sample the same tokens from the same logits
+        self.generator.manual_seed(config.seed + self.parallel.dp_rank)
         self.cache_specs = model.cache_specs(self.dtype)
         # one state slot per running request when the model declares per-request state
         self.num_state_slots = config.max_num_seqs if any(
@@ -74,6 +77,12 @@ class ModelRunner:
             self.num_state_snapshots = (config.num_state_snapshots if config.num_state_snapshots is not None
                                         else 2 * config.max_num_seqs)
         self.num_blocks = self._num_blocks()
+        if self.parallel.is_distributed:
+            # every rank the same pool: TP ranks must make the same scheduling decisions (preemption, admission)
+            # and DP ranks the same max_model_len, whatever memory each GPU happened to have free
+            agreed = torch.tensor([self.num_blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
+            self.num_blocks = int(agreed)
         self.scratch_slot = self.num_blocks * self.block_size    # the spare page padded rows write to
         self.caches = self._allocate_caches()
         # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
@@ -179,6 +188,8 @@ class ModelRunner:
         self.graph_sizes, self.max_graph_context = sizes, max_model_len
         self.context_buckets = getattr(self.model, "decode_graph_context_buckets", False)
         self.g_valid = torch.zeros((), dtype=torch.long, device=dev)   # EP: rows of the bucket that are real
+        self._g_live = 0      # rows holding a real request since the last replay (the rest are padding)
+        self._g_width = 0     # table columns those rows used
         width = -(-max_model_len // bs)
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -214,12 +225,8 @@ class ModelRunner:
 
         # Rows left from the last replay may address more context than this bucket covers: start every row
         # as a padding row (scratch page, scratch state slot); the step's inputs are copied in after capture.
-        self.g_ids[:b].zero_()
-        self.g_pos[:b].zero_()
-        self.g_slots[:b].fill_(self.scratch_slot)
-        self.g_tables[:b].fill_(self.num_blocks)
-        self.g_lens[:b].fill_(1)
-        self.g_state_slots[:b].fill_(self.num_state_slots)
+        self._pad_rows(0, max(b, self._g_live))
+        self._g_live = self._g_width = 0
         valid = int(self.g_valid)
         self.g_valid.fill_(0)      # the warm-up's rows count as padding (no EPLB load)
         self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta_for(False))
@@ -230,6 +237,15 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self.graph_pool):
             hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
         self.graphs[(b, context)] = (graph, hidden)
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Make graph rows [start, end) padding rows: they read and write only the scratch page and slot."""
+        self.g_ids[start:end].zero_()
+        self.g_pos[start:end].zero_()
+        self.g_slots[start:end].fill_(self.scratch_slot)
+        self.g_tables[start:end].fill_(self.num_blocks)
+        self.g_lens[start:end].fill_(1)
+        self.g_state_slots[start:end].fill_(self.num_state_slots)
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
                        tables: list[list[int]], lens: list[int], fixups=None, state_slots=None,
@@ -248,13 +264,22 @@ class ModelRunner:
             context = min(max(self.block_size, 1 << (longest - 1).bit_length()), self.max_graph_context)
             if (bucket, context) not in self.graphs:
                 self._capture(bucket, context)
+        # Rows of the bucket past b must be padding rows (scratch page, scratch state slot, position 0): rows
+        # that held real requests in an earlier replay would otherwise write into those requests' slots
+        # and state (and address context the graph's tables may not cover).
+        if self._g_live > b:
+            self._pad_rows(b, self._g_live)
+        self._g_live = b
+        graph, hidden = self.graphs[(bucket, context)]
         if b == 0:
-            graph, hidden = self.graphs[(bucket, context)]
             graph.replay()
             return hidden[:0]
         host_tables = _pad_tables(tables, fill=self.num_blocks)
         width = host_tables.shape[1]
         dev = self.device
+        if self._g_width > width:
+            self.g_tables[:b, width:self._g_width].fill_(self.num_blocks)
+        self._g_width = width
         self.g_ids[:b].copy_(h2d(torch.tensor(ids, dtype=torch.long), dev))
         if fixups is not None:
             self.g_ids[fixups[0]] = fixups[1]
@@ -264,14 +289,7 @@ class ModelRunner:
         self.g_lens[:b].copy_(h2d(torch.tensor(lens, dtype=torch.long), dev))
         if state_slots is not None and self.num_state_slots:
             self.g_state_slots[:b].copy_(h2d(torch.tensor(state_slots, dtype=torch.long), dev))
-        graph, hidden = self.graphs[(bucket, context)]
         graph.replay()
-        # leave the padded rows pointing at the scratch page (and scratch state slot) for the next replay
-        self.g_slots[b:bucket].fill_(self.scratch_slot)
-        self.g_tables[b:bucket].fill_(self.num_blocks)
-        self.g_lens[b:bucket].fill_(1)
-        self.g_tables[:b, width:].fill_(self.num_blocks)
-        self.g_state_slots[b:bucket].fill_(self.num_state_slots)
         return hidden[:b]
 
     # ---- one step ---------------------------------------------------------------------------------------
