@@ -413,3 +413,42 @@ def test_a_request_a_rank_refuses_fails_alone(ep_sync, reference):
     assert refused and "already in use" in str(refused[0].outputs[0].stop_reason)
     assert_same_outputs(generate(ep_sync, [prompt], 8), generate(ref_llm, [prompt], 8))
     assert_ranks_idle(ep_sync)
+
+
+def test_an_engine_built_in_a_thread_outlives_the_thread(v4_path):
+    """Workers watch their parent process, not the thread that started them."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("llm", LLM(str(v4_path), **V4_OPTS, **EP2)))
+    t.start()
+    t.join()
+    llm = box["llm"]
+    try:
+        time.sleep(1.5)                        # past the watchdog's period
+        assert generate(llm, prompts_of(9, seed=5), 4)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+_KILLED_FRONT_END = """
+import sys
+from openinfer import LLM
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", block_size=32, num_kv_blocks=64,
+          data_parallel_size=2, enable_expert_parallel=True)
+print(" ".join(str(p.pid) for p in llm.engine._procs), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_die_with_a_killed_front_end(v4_path):
+    """SIGKILL on the front end (no finalizer runs): its workers exit by themselves."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_FRONT_END, str(v4_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_gone(pids, timeout=10.0)

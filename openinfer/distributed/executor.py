@@ -26,6 +26,7 @@ here: its liveness is its connection (closed or reset: an error naming the rank)
 from __future__ import annotations
 
 import itertools
+import os
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import queue
@@ -85,7 +86,7 @@ class MultiprocEngine:
         try:
             for rank in range(config.local_ranks):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
+                p = ctx.Process(target=worker_main, args=(config, rank, init_method, child, os.getpid()),
                                 name=f"openinfer-rank{rank}", daemon=True)
                 p.start()
                 child.close()
@@ -308,6 +309,17 @@ class MultiprocEngine:
         sentinels = {self._procs[r].sentinel: r for r in ranks if self._procs[r] is not None}
         replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
+        try:
+            return self._gather(ranks, pending, sentinels, replies, deadline, timeout_s, what)
+        except WorkerError:
+            raise
+        except BaseException:
+            # interrupted (Ctrl-C) with replies still in the pipes: later replies would be read one command
+            # late, so the engine cannot be used any more; stop it now rather than answer out of step
+            self.shutdown()
+            raise
+
+    def _gather(self, ranks, pending, sentinels, replies, deadline, timeout_s, what) -> list:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -315,8 +327,8 @@ class MultiprocEngine:
             for ready in mpc.wait([*pending, *sentinels], timeout=left):
                 rank = pending.get(ready, sentinels.get(ready))
                 conn = self._conns[rank]
-                if conn not in pending:
-                    continue                     # exited after replying (shutdown)
+                if conn not in pending:          # replied, then died (e.g. a collective watchdog): fail now
+                    self._fail(rank, self._died(rank, what))
                 if ready is not conn and not conn.poll():
                     self._fail(rank, self._died(rank, what))
                 try:

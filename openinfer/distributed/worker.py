@@ -14,27 +14,30 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the front end dies, even by SIGKILL (no orphans holding
-    GPU memory). Elsewhere the closed pipe ends the command loop."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _exit_with_parent(parent_pid: int | None = None) -> None:
+    """Exit as soon as the process that started this one is gone, even if it was killed by SIGKILL, so no worker
+    outlives its front end holding GPU memory: a daemon thread polls the parent pid. (Not PR_SET_PDEATHSIG: the
+    kernel sends that when the creating *thread* ends, which would kill the workers of an engine built in a
+    short-lived thread.) An idle worker also ends on its closed pipe."""
+    parent_pid = parent_pid or os.getppid()
 
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-        if os.getppid() == 1:   # the parent is already gone
-            os._exit(1)
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="openinfer-parent-watch", daemon=True).start()
 
 
-def worker_main(config, rank: int, init_method: str, conn) -> None:
+def worker_main(config, rank: int, init_method: str, conn, parent_pid: int | None = None) -> None:
     """A rank the front end spawned on its own host: uses GPU `rank`."""
-    _die_with_parent()
+    _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front end's to handle
     _run(config, rank, init_method, conn, local_index=rank, ranks_on_host=config.local_ranks)
 
@@ -47,7 +50,7 @@ def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, loca
     The front end may not be listening yet: connecting is retried for `connect_timeout_s`."""
     import multiprocessing.connection as mpc
 
-    _die_with_parent()                              # the `openinfer worker` command is the parent
+    _exit_with_parent()                             # the `openinfer worker` command is the parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the command's to handle
     deadline = time.monotonic() + connect_timeout_s
     while True:
@@ -126,6 +129,10 @@ def _serve(engine, ctx, conn) -> None:
             try:
                 _add(engine, msg[1])
             except (ValueError, TypeError) as e:     # fails alone; the engine keeps serving
+                if ctx.tp_size > 1:
+                    # the group's other TP ranks may have taken it: their schedules would part (and their
+                    # collectives with them), so this is fatal for the engine, named by rank
+                    raise
                 refused.append(_refusal(msg[1], e))
         elif kind == "abort":
             engine.abort_request(msg[1])
