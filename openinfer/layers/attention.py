@@ -7,6 +7,10 @@ faster kernel is tested against.
 Cache layout per layer: [num_blocks, block_size, 2, num_kv_heads, head_dim] (K at [:, :, 0], V at [:, :, 1]).
 Batch layout: decode rows (one query token per sequence) come first and run as one padded SDPA call; each
 prefill chunk then runs on its own with a causal mask offset by the tokens already in its context.
+
+Sliding windows (`window=W` in `forward`, per layer): a query at position p sees keys at positions
+p-W < j <= p (W keys counting itself), HF transformers' `sliding_window_overlay` convention. Keys before the
+window stay in the cache and are masked out; `window=None` is plain causal attention.
 """
 
 from __future__ import annotations
@@ -67,11 +71,21 @@ class AttentionMetadata:
         pos = torch.arange(self.max_decode_context_len, device=self.decode_context_lens.device)
         return pos < self.decode_context_lens[:, None]
 
+    def decode_window_valid(self, window: int) -> torch.Tensor:
+        """decode_valid restricted to each row's last `window` positions (made once per step and window)."""
+        masks = self.__dict__.setdefault("_decode_window_valid", {})
+        if window not in masks:
+            pos = torch.arange(self.max_decode_context_len, device=self.decode_context_lens.device)
+            masks[window] = self.decode_valid & (pos >= self.decode_context_lens[:, None] - window)
+        return masks[window]
+
 
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the new tokens; writes k/v into kv_cache; returns [T, H, D]."""
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the new tokens; writes k/v into kv_cache; returns [T, H, D].
+        `window`: sliding-window size of this layer (None: full causal attention). Backends whose class
+        attribute `supports_window` is False raise on a window."""
         ...
 
 
@@ -89,38 +103,43 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
 
 class TorchPagedAttention:
     """Reference backend (see module docstring). Faster backends override `write`, `decode_into`,
-    `prefill_into`."""
+    `prefill_into`. A window is passed on only when set, so a subclass without window support keeps its
+    signatures (and sets `supports_window = False`)."""
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    supports_window = True
+
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
         self.write(kv_cache, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
+        extra = {} if window is None else {"window": window}
         if meta.num_decode_tokens:
-            self.decode_into(q, kv_cache, meta, scale, out)
+            self.decode_into(q, kv_cache, meta, scale, out, **extra)
         if meta.prefills:
-            self.prefill_into(q, kv_cache, meta, scale, out)
+            self.prefill_into(q, kv_cache, meta, scale, out, **extra)
         return out
 
     def write(self, kv_cache, slot_mapping, k, v):
         write_kv(kv_cache, slot_mapping, k, v)
 
-    def decode_into(self, q, kv_cache, meta, scale, out):
+    def decode_into(self, q, kv_cache, meta, scale, out, window=None):
         nd = meta.num_decode_tokens
         keys, vals = gather_kv(kv_cache, meta.decode_context_slots)     # [B, L, KVH, D]
         kvh = keys.shape[2]
+        valid = meta.decode_valid if window is None else meta.decode_window_valid(window)
         # The H/KVH query heads sharing a KV head ride as that head's query rows: no K/V expansion.
         qg = q[:nd].view(nd, kvh, -1, q.shape[-1])                      # [B, KVH, G, D]
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=meta.decode_valid[:, None, None, :], scale=scale)
+                                           attn_mask=valid[:, None, None, :], scale=scale)
         out[:nd] = o.reshape(nd, *q.shape[1:])
 
-    def prefill_into(self, q, kv_cache, meta, scale, out):
+    def prefill_into(self, q, kv_cache, meta, scale, out, window=None):
         if q.is_cuda:
             # Not cuDNN: it plans a graph per new (query, context) shape, and prefill chunk shapes rarely repeat.
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                return self._prefill_into(q, kv_cache, meta, scale, out)
-        return self._prefill_into(q, kv_cache, meta, scale, out)
+                return self._prefill_into(q, kv_cache, meta, scale, out, window)
+        return self._prefill_into(q, kv_cache, meta, scale, out, window)
 
-    def _prefill_into(self, q, kv_cache, meta, scale, out):
+    def _prefill_into(self, q, kv_cache, meta, scale, out, window=None):
         for p in meta.prefills:
             keys, vals = gather_kv(kv_cache, p.context_slots)               # [L, KVH, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
@@ -133,10 +152,14 @@ class TorchPagedAttention:
                 group = qs.shape[0] // keys.shape[0]
                 keys, vals, gqa = keys.repeat_interleave(group, 0), vals.repeat_interleave(group, 0), {}
             qs, keys, vals = qs[None], keys[None], vals[None]   # 4-D: the fused CUDA kernels need a batch dim
-            if p.query_len == p.context_len:
+            windowed = window is not None and p.context_len > window   # else the window masks nothing
+            if p.query_len == p.context_len and not windowed:
                 o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, **gqa)
             else:
                 q_pos = torch.arange(p.context_len - p.query_len, p.context_len, device=q.device)
-                mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
+                k_pos = torch.arange(p.context_len, device=q.device)[None, :]
+                mask = k_pos <= q_pos[:, None]
+                if windowed:
+                    mask &= k_pos > q_pos[:, None] - window
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, **gqa)
             out[rows] = o[0].transpose(0, 1)

@@ -132,7 +132,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """KV write and decode rows through Triton kernels; prefill chunks through the reference (SDPA) path."""
+    """KV write and decode rows through Triton kernels; prefill chunks through the reference (SDPA) path.
+    No sliding windows yet (the decode kernel has no window bound): models with window layers refuse this
+    backend at build time and name attention_backend='torch' instead."""
+
+    supports_window = False
 
     def write(self, kv_cache, slot_mapping, k, v):
         triton_write_kv(kv_cache, slot_mapping, k, v)

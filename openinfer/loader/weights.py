@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +17,8 @@ from openinfer.models.deepseek_v4 import (V4_TP_WITH_EP, DeepseekV4Config, Deeps
                                           hf_to_native, native_to_hf, published_dtype)
 from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
 from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
+from openinfer.models.gemma3 import SUPPORTED_MODEL_TYPES as GEMMA3_MODEL_TYPES
+from openinfer.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -37,7 +40,8 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Itera
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                 ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
-                quantization: str | None = None, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+                quantization: str | None = None,
+                parallel: ParallelContext | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM | DeepseekV4ForCausalLM:
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
     is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process."""
@@ -48,6 +52,12 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")
         return _build_deepseek_v4(model_dir, hf, dtype, device, max_positions, dummy, ops, parallel)
+    if hf.get("model_type") in GEMMA3_MODEL_TYPES:
+        if quantization:
+            raise ValueError(f"quantization={quantization!r} is not supported for Gemma-3 models yet")
+        if hf.get("quantization_config") is not None:
+            raise ValueError(f"{model_dir}: quantized Gemma-3 checkpoints are not supported")
+        return _build_gemma3(model_dir, hf, dtype, device, backend, ops, max_positions, dummy, parallel)
     if hf.get("quantization_config") is not None:
         raise ValueError(f"{model_dir}: quantized checkpoints (quantization_config "
                          f"{hf['quantization_config'].get('quant_method')!r}) are supported for DeepSeek-V4 only")
@@ -79,6 +89,36 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         quantize_linears(model)
         model.to(final_dtype)
         model.rotary.reset_tables(device)
+    return model.eval()
+
+
+def _build_gemma3(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+                  ops: LayerOps, max_positions: int | None, dummy: bool,
+                  parallel: ParallelContext) -> Gemma3ForCausalLM:
+    """Gemma-3 text model; a multimodal `gemma3` checkpoint loads its text tower only (vision weights skipped)."""
+    cfg = Gemma3Config.from_hf(hf)
+    cfg.check_tensor_parallel(parallel.tp_size)
+    if hf.get("model_type") == "gemma3":
+        print(f"[openinfer] {model_dir.name}: multimodal Gemma-3 checkpoint, loading the text model only "
+              f"(vision tower skipped)", file=sys.stderr, flush=True)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(cfg, backend, ops, parallel)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rotary_tables(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if dummy:
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.zero_()              # Gemma norms scale by (1 + w)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        model.load_weights(iter_safetensors(model_dir, dtype))
     return model.eval()
 
 

@@ -1,0 +1,317 @@
+"""Gemma-3 decoder (text only), from an HF config.json (`gemma3_text`, or `gemma3` multimodal: text tower only).
+
+Read top to bottom like models/llama.py: config -> norm/MLP -> attention -> decoder layer -> model -> weights.
+What differs from Llama, all as in HF transformers' `Gemma3ForCausalLM`:
+- interleaved layers (`layer_types`, else `sliding_window_pattern`, default 5 sliding then 1 full): sliding
+  layers attend to the last `sliding_window` positions (keys p-W < j <= p) and rotate with the local RoPE base
+  (`rope_local_base_freq`, 10,000); full layers use `rope_theta` (and its scaling, if any);
+- Gemma RMSNorm `norm(x) * (1 + w)` computed in float32; q/k norms; sandwich norms around attention and MLP
+  (input, post_attention, pre_feedforward, post_feedforward), so no residual fusion into the next norm;
+- embeddings scaled by sqrt(hidden_size) (the scale cast to the model dtype first, as HF does);
+- GELU(tanh)-gated MLP, attention scale `query_pre_attn_scalar ** -0.5`, final logit softcapping when set.
+
+This first step keeps the full KV of every layer in one "kv" cache kind: sliding layers mask out keys before
+their window but do not free them, so memory is that of a full-attention model (memory-bounded window layers
+come next). Windows run on the torch reference attention backend (CPU or CUDA); the Triton backend does not
+support windows yet and is refused at build time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.kv_cache.spec import PagedCacheSpec
+from openinfer.layers.attention import AttentionBackend, AttentionMetadata
+from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
+from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
+                                              ParallelLoadMixin, RowParallelLinear, VocabParallelEmbedding)
+
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# Gemma3TextConfig defaults (multimodal configs' text_config often lists only what differs from them)
+_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                      final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False,
+                      use_bidirectional_attention=False)
+
+
+@dataclass
+class Gemma3Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    query_pre_attn_scalar: float
+    sliding_window: int
+    layer_types: list[str]
+    rope_theta: float               # full-attention layers
+    rope_scaling: dict | None
+    rope_local_theta: float         # sliding layers
+    rope_local_scaling: dict | None
+    final_logit_softcapping: float | None
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Gemma3Config":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not a Gemma-3 model (supported: {SUPPORTED_MODEL_TYPES})")
+        if model_type == "gemma3":   # multimodal checkpoint: the text tower only
+            hf = {**_TEXT_DEFAULTS, **hf.get("text_config", {})}
+        else:
+            hf = {**_TEXT_DEFAULTS, **hf}
+        if hf.get("attn_logit_softcapping") is not None:
+            raise NotImplementedError("attention logit softcapping (Gemma-2 style) is not supported; Gemma-3 "
+                                      "checkpoints set attn_logit_softcapping to None")
+        if hf.get("use_bidirectional_attention"):
+            raise NotImplementedError("bidirectional Gemma-3 attention (embedding models) is not supported")
+        if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported Gemma-3 hidden_activation {hf['hidden_activation']!r}")
+        n = hf["num_hidden_layers"]
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = hf.get("sliding_window_pattern", 6)
+            layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        if len(layer_types) != n or set(layer_types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types must list {n} of {SLIDING!r}/{FULL!r}, got {layer_types}")
+        full, local = _rope_params(hf)
+        return cls(
+            model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_hidden_layers=n,
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rms_norm_eps=hf["rms_norm_eps"], max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            query_pre_attn_scalar=hf["query_pre_attn_scalar"], sliding_window=hf["sliding_window"],
+            layer_types=list(layer_types),
+            rope_theta=full[0], rope_scaling=full[1], rope_local_theta=local[0], rope_local_scaling=local[1],
+            final_logit_softcapping=hf.get("final_logit_softcapping"), attention_bias=bool(hf["attention_bias"]))
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if value % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} must divide {name} ({value}) of this "
+                                 f"{self.model_type} model")
+
+
+def _rope_params(hf: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+    """((theta, scaling) of full layers, (theta, scaling) of sliding layers) from either config format:
+    `rope_parameters` keyed by layer type (newer transformers), or rope_theta / rope_scaling /
+    rope_local_base_freq (checkpoints on the Hub)."""
+    params = hf.get("rope_parameters") or {}
+    if SLIDING in params or FULL in params:
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+    else:
+        full = dict(hf.get("rope_scaling") or params or {})
+        local = {}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+
+    def split(p: dict) -> tuple[float, dict | None]:
+        kind = p.get("rope_type", p.get("type", "default"))
+        return float(p["rope_theta"]), (p if kind != "default" else None)
+
+    return split(full), split(local)
+
+
+class GemmaRMSNorm(nn.Module):
+    """HF Gemma3RMSNorm: (norm(x.float()) * (1 + w.float())).to(x.dtype). The weight is stored as in HF
+    (zero-centred; llama.cpp's +1 is undone when a GGUF is converted)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeluGatedMLP(ParallelGatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)); same parameters and sharding as the SiLU one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer_type: str, backend: AttentionBackend, parallel: ParallelContext):
+        super().__init__()
+        tp = parallel.tp_size
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        full_q, full_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [full_q, full_kv, full_kv], cfg.attention_bias,
+                                             parallel, names=["num_attention_heads", "num_key_value_heads",
+                                                              "num_key_value_heads"])
+        self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, cfg.attention_bias, parallel,
+                                        name="num_attention_heads")
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.window = cfg.sliding_window if layer_type == SLIDING else None
+        self.backend = backend
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        if self.window is None:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer_type: str, backend: AttentionBackend, ops: LayerOps,
+                 parallel: ParallelContext):
+        super().__init__()
+        self.layer_type = layer_type
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Gemma3Attention(cfg, layer_type, backend, parallel)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = GeluGatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops, parallel=parallel)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: Gemma3Config, backend: AttentionBackend, ops: LayerOps = TORCH_OPS,
+                 parallel: ParallelContext | None = None):
+        super().__init__()
+        if SLIDING in cfg.layer_types and not getattr(backend, "supports_window", False):
+            raise NotImplementedError(
+                f"Gemma-3 has sliding-window layers and the {type(backend).__name__} attention backend does not "
+                f"support sliding windows yet; use attention_backend='torch' (works on CPU and CUDA)")
+        self.config = cfg
+        self.parallel = parallel = parallel or ParallelContext.single()
+        cfg.check_tensor_parallel(parallel.tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      ops)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta,
+                                            cfg.rope_local_scaling, ops)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, t, backend, ops, parallel) for t in cfg.layer_types)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # the engine accepts any max_model_len: sliding layers are computed exactly (not refused like Mistral's)
+    unsupported_window = None
+
+    def reset_rotary_tables(self, device: torch.device) -> None:
+        self.rotary.reset_tables(device)
+        self.rotary_local.reset_tables(device)
+
+    def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
+        """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only."""
+        c = self.config
+        kv_heads = c.num_key_value_heads // self.parallel.tp_size
+        return [PagedCacheSpec("kv", c.num_hidden_layers, (2, kv_heads, c.head_dim), dtype)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)   # HF: the scale in the model dtype
+        for layer, kv_cache in zip(self.layers, caches["kv"]):
+            rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
+            x = layer(x, positions, rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # multimodal checkpoints: the text tower's prefixes (older and newer transformers layouts)
+    _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+    _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors in (q/k/v and gate/up fused, TP shards narrowed); vision-tower tensors of a
+        multimodal checkpoint are skipped; every parameter must be covered exactly once."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith(self._SKIPPED) or "rotary_emb" in name:
+                continue
+            for prefix in self._TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+                    break
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is None:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                target_name, shard_id = name, None
+            else:
+                target_name, shard_id = ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
+                name = f"{target_name}#{shard_id}"
+            if name in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} appears twice")
+            module_name, _, leaf = target_name.rpartition(".")
+            module = self.get_submodule(module_name)
+            parallel_module = isinstance(module, ParallelLoadMixin)
+            expected = module.full_shape(leaf, shard_id) if parallel_module else tuple(params[target_name].shape)
+            if tuple(tensor.shape) != tuple(expected):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(expected)}")
+            if parallel_module:
+                module.weight_loader(leaf, tensor, shard_id)
+            else:
+                params[target_name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for pname, _ in self.named_parameters():
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected |= {f"{pname}#{i}" for i in range(3)}
+            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                expected |= {f"{pname}#{i}" for i in range(2)}
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
