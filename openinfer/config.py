@@ -73,6 +73,10 @@ class EngineConfig:
     structured_output_compile_timeout_s: float = 30.0
     structured_output_cache_size: int = 256
     structured_output_any_whitespace: bool = False
+    # Time-budgeted chunked prefill (engine/cost_model.py): each step's prefill chunks are sized so the step's
+    # predicted time (decodes first) stays within this many ms, from a step cost fitted on this model and
+    # device (`openinfer calibrate`; calibrated at start if missing). None: the token budget only.
+    prefill_step_budget_ms: float | None = None
     # Parallelism (docs/parallelism.md; vLLM's names). One worker process per rank, world = DP x TP ranks:
     # DP ranks own their requests and KV pools, TP ranks split each matrix; with expert parallelism the
     # routed experts of MoE models are split over all ranks (attention DP + EP, DeepInfer's layout).
@@ -133,6 +137,8 @@ class EngineConfig:
         if not self.structured_output_compile_timeout_s > 0:
             raise ValueError(f"structured_output_compile_timeout_s must be > 0, got "
                              f"{self.structured_output_compile_timeout_s}")
+        if self.prefill_step_budget_ms is not None and not self.prefill_step_budget_ms > 0:
+            raise ValueError(f"prefill_step_budget_ms must be > 0, got {self.prefill_step_budget_ms}")
         for name in ("data_parallel_size", "tensor_parallel_size", "eplb_window_steps",
                      "eplb_rebalance_interval_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -74,6 +74,12 @@ class LLMEngine:
         self._structured = None  # StructuredOutputManager, made with the first constrained request
         self._structured_lock = threading.Lock()   # servers reach the compiler pool from their own thread
         self._compiling: dict[str, Request] = {}   # requests whose grammar was not compiled when they arrived
+        self.cost_model_path = None
+        if config.prefill_step_budget_ms is not None:   # calibrated with the token budget, then time-budgeted
+            from openinfer.engine.cost_model import load_or_calibrate
+
+            self.scheduler.cost_model, self.cost_model_path = load_or_calibrate(self)
+            self.scheduler.step_budget_ms = config.prefill_step_budget_ms
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from openinfer.engine.cost_model import StepCostModel
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager, StateCopies
 
@@ -51,8 +52,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, cost_model: StepCostModel | None = None,
+                 step_budget_ms: float | None = None):
+        """`cost_model` + `step_budget_ms`: a time budget per step on top of the token budget (cost_model.py):
+        decodes are charged first, then each prefill chunk is the largest that fits what is left."""
         self.kv = kv_manager
+        self.cost_model, self.step_budget_ms = cost_model, step_budget_ms
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,6 +75,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.time()
+        self._time_left = None
+        if self.cost_model is not None:
+            decodes = [r.num_computed_tokens for r in self.running
+                       if r.num_tokens_with_pending - r.num_computed_tokens == 1]
+            self._time_left = self.step_budget_ms - self.cost_model.step_cost([(1, c) for c in decodes])
+            self._prefill_scheduled = False
 
         # 1) Running requests, oldest first; preempt from the back when the pool is dry.
         i = 0
@@ -79,7 +90,11 @@ class Scheduler:
                 i += 1           # its last token is on the device: nothing to extend, it finishes on read-back
                 continue
             n = self._snapshot_aligned(req, req.num_computed_tokens,
-                                       min(req.num_tokens_with_pending - req.num_computed_tokens, budget))
+                                       self._chunk(req.num_computed_tokens,
+                                                   min(req.num_tokens_with_pending - req.num_computed_tokens, budget)))
+            if n == 0:
+                i += 1           # no time left for its prefill chunk this step
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,7 +120,10 @@ class Scheduler:
             if req.num_pending:      # preempted with a token still on the device: admit once it is read back
                 break
             hits, num_cached = self.kv.get_computed_blocks(req)
-            n = self._snapshot_aligned(req, num_cached, min(req.num_tokens - num_cached, budget))
+            n = self._snapshot_aligned(req, num_cached, self._chunk(num_cached, min(req.num_tokens - num_cached,
+                                                                                    budget)))
+            if n == 0:
+                break
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
@@ -122,6 +140,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(not_ready))
         out.state_copies = self.kv.take_state_copies()
         return out
+
+    def _chunk(self, start: int, n: int) -> int:
+        """Tokens to run for a sequence wanting n from `start`: all of them without a time budget; with one,
+        a decode (already charged) or the largest prefill chunk whose cost fits the time left. The step's
+        first prefill chunk gets at least one token, so a budget smaller than a decode batch cannot starve
+        prompts."""
+        if self._time_left is None or n == 1:
+            return n
+        q = min(n, self.cost_model.max_tokens(self._time_left, start))
+        if q == 0 and not self._prefill_scheduled:
+            q = 1
+        if q:
+            self._time_left -= self.cost_model.seq_cost(q, start)
+            self._prefill_scheduled = True
+        return q
 
     def _snapshot_aligned(self, req: Request, start: int, n: int) -> int:
         """With state snapshots, a prompt's chunk stops at the prompt's last block boundary so the state

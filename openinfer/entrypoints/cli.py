@@ -29,6 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                        help="dummy: random weights of the checkpoint's shape and formats"),
         g.add_argument("--no-quantize-activations", action="store_true",
                        help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
+        g.add_argument("--prefill-step-budget-ms", type=float, default=None, metavar="MS",
+                       help="size prefill chunks so each step's predicted time stays within MS (step cost fitted by "
+                            "`openinfer calibrate`, or at start if missing)"),
         g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="DP ranks, each with its own requests and KV pool (one process per rank)"),
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per DP group"),
@@ -77,7 +80,8 @@ def _make_llm(args):
                num_redundant_experts=args.num_redundant_experts, eplb_window_steps=args.eplb_window_steps,
                eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
                distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
-               worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout)
+               worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
+               prefill_step_budget_ms=args.prefill_step_budget_ms)
 
 
 def cmd_generate(args) -> int:
@@ -192,6 +196,24 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Fit (or refit) the step cost model of this model, device and dtype; print it and where it is saved."""
+    import json
+
+    from openinfer import LLM
+    from openinfer.engine.cost_model import load_or_calibrate
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              load_format=args.load_format)
+    model, path = load_or_calibrate(llm.engine, refit=True)
+    saved = json.loads(path.read_text())
+    print(json.dumps({"path": str(path), "coefficients_ms": saved["coefficients_ms"],
+                      "rel_rms_error": saved["rel_rms_error"], "num_samples": saved["num_samples"]}, indent=1))
+    llm.shutdown()
+    return 0
+
+
 def cmd_bench_offline(args) -> int:
     from openinfer.benchmarks.offline import OfflineWorkload, parse_range, run_offline
 
@@ -292,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request still unfinished this long after it arrived (408)")
     serve.set_defaults(func=cmd_serve)
+
+    cal = sub.add_parser("calibrate", help="fit the step cost model used by --prefill-step-budget-ms (saved in the cache)")
+    for flag, kw in (("--model", dict(default=DEFAULT_MODEL)), ("--device", dict(default=None)),
+                     ("--dtype", dict(default="auto")), ("--max-model-len", dict(type=int, default=None)),
+                     ("--max-num-batched-tokens", dict(type=int, default=2048)),
+                     ("--block-size", dict(type=int, default=128)),
+                     ("--load-format", dict(choices=["auto", "dummy"], default="auto"))):
+        cal.add_argument(flag, **kw)
+    cal.set_defaults(func=cmd_calibrate)
 
     worker = sub.add_parser(
         "worker", help="ranks of a multi-host engine, connected to its front end on another host",
