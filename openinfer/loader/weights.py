@@ -41,7 +41,8 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Itera
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                 ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
                 quantization: str | None = None,
-                parallel: ParallelContext | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM | DeepseekV4ForCausalLM:
+                parallel: ParallelContext | None = None
+                ) -> LlamaForCausalLM | Gemma3ForCausalLM | DeepseekV4ForCausalLM:
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
     is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process."""
