@@ -85,7 +85,7 @@ def fit(samples: list[tuple[list[tuple[int, int]], float]]) -> tuple[StepCostMod
     return model, float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
 
 
-def calibrate(engine, prompt_lengths=(16, 64, 256, 1024), contexts=(0, 256, 1024), repeats: int = 3) -> dict:
+def calibrate(engine, prompt_lengths=(16, 128, 512), contexts=(0, 512), repeats: int = 2) -> dict:
     """Time single-sequence prefill steps of q new tokens over c cached ones (the cached context comes from a
     prefix-cache hit on a first request) and decode steps, on the engine's real model; fit the model.
     Returns {"model": StepCostModel, "rel_rms_error": float, "samples": [...]}."""
