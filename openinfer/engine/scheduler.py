@@ -91,7 +91,8 @@ class Scheduler:
                 continue
             n = self._snapshot_aligned(req, req.num_computed_tokens,
                                        self._chunk(req.num_computed_tokens,
-                                                   min(req.num_tokens_with_pending - req.num_computed_tokens, budget)))
+                                                   min(req.num_tokens_with_pending - req.num_computed_tokens, budget),
+                                                   share=0.5 if self.waiting else 1.0))
             if n == 0:
                 i += 1           # no time left for its prefill chunk this step
                 continue
@@ -141,14 +142,15 @@ class Scheduler:
         out.state_copies = self.kv.take_state_copies()
         return out
 
-    def _chunk(self, start: int, n: int) -> int:
+    def _chunk(self, start: int, n: int, share: float = 1.0) -> int:
         """Tokens to run for a sequence wanting n from `start`: all of them without a time budget; with one,
-        a decode (already charged) or the largest prefill chunk whose cost fits the time left. The step's
-        first prefill chunk gets at least one token, so a budget smaller than a decode batch cannot starve
-        prompts."""
+        a decode (already charged) or the largest prefill chunk whose cost fits `share` of the time left (a
+        running prompt leaves half to requests waiting behind it, so a long prompt does not hold short ones
+        back for its whole prefill). The step's first prefill chunk gets at least one token, so a budget
+        smaller than a decode batch cannot starve prompts."""
         if self._time_left is None or n == 1:
             return n
-        q = min(n, self.cost_model.max_tokens(self._time_left, start))
+        q = min(n, self.cost_model.max_tokens(self._time_left * share, start))
         if q == 0 and not self._prefill_scheduled:
             q = 1
         if q:
