@@ -20,6 +20,8 @@ nn.Embedding subclass), and each class knows how to cut its slice from a full ch
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -169,3 +171,55 @@ class ParallelGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+
+
+# HF checkpoint name -> (our fused parameter, its sub-matrix)
+FUSED_HF_NAMES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_fused_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                          rename: Callable[[str], str | None]) -> None:
+    """HF-named tensors into a model whose q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`), each full
+    tensor narrowed to this rank's shard by its module (`ParallelLoadMixin`). `rename(hf_name)` gives our name,
+    or None for a tensor the model does not hold (rotary tables, a tied head, a vision tower). Every parameter
+    must be covered exactly once; shapes are checked against the full (unsharded) size."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name = rename(hf_name)
+        if name is None:
+            continue
+        parts = name.split(".")
+        fused = FUSED_HF_NAMES.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            target_name, shard_id = name, None
+        else:
+            target_name, shard_id = ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
+            name = f"{target_name}#{shard_id}"
+        if name in loaded:
+            raise ValueError(f"checkpoint tensor {name!r} appears twice")
+        module_name, _, leaf = target_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        sharded = isinstance(module, ParallelLoadMixin)
+        expected = module.full_shape(leaf, shard_id) if sharded else tuple(params[target_name].shape)
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+        if sharded:
+            module.weight_loader(leaf, tensor, shard_id)
+        else:
+            params[target_name].data.copy_(tensor)
+        loaded.add(name)
+    expected_names = set()
+    for pname, _ in model.named_parameters():
+        if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            expected_names |= {f"{pname}#{i}" for i in range(3)}
+        elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            expected_names |= {f"{pname}#{i}" for i in range(2)}
+        else:
+            expected_names.add(pname)
+    missing = sorted(expected_names - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")

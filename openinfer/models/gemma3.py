@@ -31,7 +31,7 @@ from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
-                                              ParallelLoadMixin, RowParallelLinear, VocabParallelEmbedding)
+                                              RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -261,8 +261,6 @@ class Gemma3ForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # multimodal checkpoints: the text tower's prefixes (older and newer transformers layouts)
     _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
     _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -270,48 +268,15 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors in (q/k/v and gate/up fused, TP shards narrowed); vision-tower tensors of a
         multimodal checkpoint are skipped; every parameter must be covered exactly once."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+        tied = self.config.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
             if name.startswith(self._SKIPPED) or "rotary_emb" in name:
-                continue
+                return None
             for prefix in self._TEXT_PREFIXES:
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is None:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                target_name, shard_id = name, None
-            else:
-                target_name, shard_id = ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
-                name = f"{target_name}#{shard_id}"
-            if name in loaded:
-                raise ValueError(f"checkpoint tensor {name!r} appears twice")
-            module_name, _, leaf = target_name.rpartition(".")
-            module = self.get_submodule(module_name)
-            parallel_module = isinstance(module, ParallelLoadMixin)
-            expected = module.full_shape(leaf, shard_id) if parallel_module else tuple(params[target_name].shape)
-            if tuple(tensor.shape) != tuple(expected):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(expected)}")
-            if parallel_module:
-                module.weight_loader(leaf, tensor, shard_id)
-            else:
-                params[target_name].data.copy_(tensor)
-            loaded.add(name)
-        expected = set()
-        for pname, _ in self.named_parameters():
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                expected |= {f"{pname}#{i}" for i in range(2)}
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+            return None if name == "lm_head.weight" and tied else name
+
+        load_fused_hf_weights(self, weights, rename)

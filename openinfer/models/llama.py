@@ -19,7 +19,7 @@ from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
-                                              ParallelLoadMixin, RowParallelLinear, VocabParallelEmbedding)
+                                              RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -179,53 +179,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    # HF checkpoint name -> (our parameter, shard index in a fused parameter or None)
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered exactly once.
         With tensor parallelism each full checkpoint tensor is narrowed to this rank's shard (q, k, v, gate and
         up each separately, before being placed in the fused parameter); replicated tensors are copied whole."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+        tied = self.config.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is None:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                target_name, shard_id = name, None
-            else:
-                target_name, shard_id = ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
-                name = f"{target_name}#{shard_id}"
-            module_name, _, leaf = target_name.rpartition(".")
-            module = self.get_submodule(module_name)
-            if isinstance(module, ParallelLoadMixin):
-                expected = module.full_shape(leaf, shard_id)
-            else:
-                expected = tuple(params[target_name].shape)
-            if tuple(tensor.shape) != tuple(expected):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(expected)}")
-            if isinstance(module, ParallelLoadMixin):
-                module.weight_loader(leaf, tensor, shard_id)
-            else:
-                params[target_name].data.copy_(tensor)
-            loaded.add(name)
-        expected = set()
-        for pname, p in self.named_parameters():
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                expected |= {f"{pname}#{i}" for i in range(2)}
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
+                return None
+            return name
+
+        load_fused_hf_weights(self, weights, rename)
