@@ -93,7 +93,7 @@ class Scheduler:
                                        self._chunk(req.num_computed_tokens,
                                                    min(req.num_tokens_with_pending - req.num_computed_tokens, budget),
                                                    share=0.5 if self.waiting else 1.0))
-            if n == 0:
+            if n == 0 and self._time_left is not None:
                 i += 1           # no time left for its prefill chunk this step
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -123,8 +123,8 @@ class Scheduler:
             hits, num_cached = self.kv.get_computed_blocks(req)
             n = self._snapshot_aligned(req, num_cached, self._chunk(num_cached, min(req.num_tokens - num_cached,
                                                                                     budget)))
-            if n == 0:
-                break
+            if n == 0 and self._time_left is not None:
+                break            # no time left for a new prompt this step
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
