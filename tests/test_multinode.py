@@ -21,18 +21,11 @@ import pytest
 from openinfer import LLM, EngineConfig
 from openinfer.distributed.executor import WorkerError
 from tests.live_server import _free_port
-from tests.test_deepseek_v4 import make_v4, prompts_of
-from tests.test_parallel import EP2, V4_OPTS, assert_gone, assert_same_outputs, generate, params
+from tests.test_deepseek_v4 import prompts_of
+from tests.test_parallel import EP2, V4_OPTS, assert_gone, assert_same_outputs, generate, params, v4_path  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = dict(lengths=(5, 40, 77, 13), seed=3)
-
-
-@pytest.fixture(scope="module")
-def v4_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v4")
-    make_v4(path)
-    return path
 
 
 @pytest.fixture(scope="module")
