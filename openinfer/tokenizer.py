@@ -34,9 +34,17 @@ def _read_json(path: Path) -> dict:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, extra_eos_ids: list[int] = (), deepseek_encoding_path: str | None = None):
+                 eos_token: str | None, extra_eos_ids: list[int] = (), deepseek_encoding_path: str | None = None,
+                 deepseek_model: str = "DeepSeek-V4-Pro"):
         self.hf = tokenizer
         self.hf_plain = HFTokenizer.from_str(tokenizer.to_str())   # encodes special-token spellings as text
+        if deepseek_encoding_path is not None:
+            # DeepSeek's control tokens (<｜User｜>, <think>, V4.1's <｜System｜>) are added tokens not flagged
+            # special; as deepseek-recipe does for plain text, no added token may come out of user text
+            plain = json.loads(tokenizer.to_str())
+            for t in plain["added_tokens"]:
+                t["special"] = True
+            self.hf_plain = HFTokenizer.from_str(json.dumps(plain, ensure_ascii=False))
         self.hf_plain.encode_special_tokens = True
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -48,6 +56,8 @@ class Tokenizer:
         self._template = None
         # DeepSeek-V4 models: conversations are encoded by deepseek-recipe (made on first use), not Jinja
         self.deepseek_tokenizer_path = deepseek_encoding_path
+        # the recipe's model name, which picks its encoding and output parsing: DEEPSEEK_V4 or DEEPSEEK_V41
+        self.deepseek_model = deepseek_model
         self._deepseek_encoding = None
 
     @property
@@ -69,10 +79,26 @@ class Tokenizer:
         for src in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             e = src.get("eos_token_id")
             eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
-        deepseek = _read_json(path / "config.json").get("model_type") == "deepseek_v4"
-        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), template,
-                   _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids,
-                   str(path / "tokenizer.json") if deepseek else None)
+        from openinfer.loader.deepseek_v41 import is_deepseek_v41
+
+        config = _read_json(path / "config.json")
+        v41 = is_deepseek_v41(config)
+        deepseek = v41 or config.get("model_type") == "deepseek_v4"
+        if v41:   # the V4 tokenizer.json, with the ids V4.1's encoding needs (see deepseek_v41_vocabulary)
+            hf = HFTokenizer.from_str(deepseek_v41_vocabulary((path / "tokenizer.json").read_text()))
+        else:
+            hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        return cls(hf, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids,
+                   str(path / "tokenizer.json") if deepseek else None, DEEPSEEK_V41 if v41 else DEEPSEEK_V4)
+
+    def recipe_tokenizer(self):
+        """deepseek-recipe's tokenizer over this vocabulary: the directory's tokenizer.json as it is for V4, the
+        one with V4.1's added tokens for V4.1 (the recipe maps special-token spellings to ids through it)."""
+        import deepseek_recipe as dr
+
+        if self.deepseek_model == DEEPSEEK_V41:
+            return dr.Tokenizer.from_str(self.hf.to_str())
+        return dr.Tokenizer.from_file(self.deepseek_tokenizer_path)
 
     @property
     def vocab_size(self) -> int:
@@ -100,8 +126,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of a conversation, with user-supplied strings (in messages and kwargs such as tools)
-        encoded as plain text; see the module docstring. DeepSeek-V4 models: deepseek-recipe's V4 encoding
-        of an OpenAI-style request (kwargs are request fields, e.g. tools, thinking)."""
+        encoded as plain text; see the module docstring. DeepSeek models: deepseek-recipe's encoding for the
+        model's version (V4 or V4.1) of an OpenAI-style request (kwargs are request fields, e.g. tools, thinking)."""
         if self.is_deepseek:
             return self._encode_deepseek(messages, add_generation_prompt, **kwargs)
         user_strings: list[str] = []
@@ -132,13 +158,13 @@ class Tokenizer:
             raise ValueError("DeepSeek-V4 conversations are always encoded with the assistant turn opened "
                              "(add_generation_prompt=False is not supported)")
         try:
-            conv = dr.ChatCompletionRequest({"model": "DeepSeek-V4-Pro", "messages": messages, **kwargs}).convert(
+            conv = dr.ChatCompletionRequest({"model": self.deepseek_model, "messages": messages, **kwargs}).convert(
                 dr.ConversionOptions())
         except dr.ConversionError as e:
             raise ValueError(f"invalid conversation: {e}") from None
         if self._deepseek_encoding is None:
-            self._deepseek_encoding = dr.DeepseekV4Encoding().with_tokenizer(
-                dr.Tokenizer.from_file(self.deepseek_tokenizer_path))
+            encoding = dr.DeepseekV41Encoding() if self.deepseek_model == DEEPSEEK_V41 else dr.DeepseekV4Encoding()
+            self._deepseek_encoding = encoding.with_tokenizer(self.recipe_tokenizer())
         return list(self._deepseek_encoding.encode(conv.conversation))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
@@ -160,6 +186,43 @@ class Tokenizer:
 
 
 _SENTINEL = re.compile("\x00(\\d+)\x00")
+
+# deepseek-recipe's model names; each selects that version's prompt encoding and output parsing
+DEEPSEEK_V4 = "DeepSeek-V4-Pro"
+DEEPSEEK_V41 = "DeepSeek-V4.1-Flash"
+
+# DeepSeek-V4.1's tokenizer.json differs from V4's (the one deepseek-tokenizer ships) only in added-token
+# contents at fixed ids; BPE vocabulary, merges and pre-tokenizer are the same. The V4.1 encoding emits
+# <｜System｜> (absent from V4's file) and the image placeholder <｜image｜>, which V4.1 has at id 129264 (its
+# config's image_token_id, deepseek-recipe's IMAGE_SPECIAL_TOKEN_ID) where V4 has it at 129279. Each entry:
+# id -> (the contents this id may hold before: V4's, or V4.1's released one), the V4.1 added token.
+# docs/deepseek_v41_chat.md gives the evidence for every id.
+_V41_ADDED_TOKENS = {
+    128799: (("<｜place▁holder▁no▁799｜>",),
+             {"content": "<｜System｜>", "normalized": True, "special": False}),
+    129264: (("<｜image2｜>", "<｜deepseek_image｜>"),
+             {"content": "<｜image｜>", "normalized": False, "special": False}),
+    129279: (("<｜image｜>",),
+             {"content": "<|place_holder_mm_span_0442|>", "normalized": False, "special": True}),
+}
+
+
+def deepseek_v41_vocabulary(tokenizer_json: str) -> str:
+    """A DeepSeek tokenizer.json with V4.1's added tokens at V4.1's ids: the V4 file gets the reserved
+    placeholder at 128799 renamed <｜System｜>, and the image placeholder moved to 129264 (see _V41_ADDED_TOKENS).
+    A file that already has them is returned unchanged; one that holds anything else at those ids is refused
+    rather than guessed at (its ids would not be the ones V4.1 was trained with)."""
+    doc = json.loads(tokenizer_json)
+    by_id = {t["id"]: t for t in doc.get("added_tokens", [])}
+    if all(by_id.get(i, {}).get("content") == new["content"] for i, (_, new) in _V41_ADDED_TOKENS.items()):
+        return tokenizer_json
+    for i, (before, new) in _V41_ADDED_TOKENS.items():
+        t = by_id.get(i)
+        if t is None or t["content"] not in (*before, new["content"]):
+            raise ValueError(f"not a DeepSeek-V4/V4.1 tokenizer.json: added token {i} is "
+                             f"{t and t['content']!r}, expected one of {[*before, new['content']]}")
+        t.update(new)
+    return json.dumps(doc, ensure_ascii=False)
 
 
 def _raise(message: str):

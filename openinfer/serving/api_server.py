@@ -78,13 +78,13 @@ async def _json_body(request: Request) -> dict:
 def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
     served = config.served_model_name or model_name
     if engine.tokenizer.is_deepseek:
-        # the recipe's protocols only take DeepSeek's own model names
-        from openinfer.serving.chat import DEEPSEEK_MODEL_NAMES
-
+        # the recipe's protocols only take DeepSeek's own model names, and the name picks the version's prompt
+        # encoding and output parsing: a model is served under its own version's name
+        own = engine.tokenizer.deepseek_model
         if config.served_model_name is None:
-            served = DEEPSEEK_MODEL_NAMES[0]
-        elif served not in DEEPSEEK_MODEL_NAMES:
-            raise ValueError(f"a DeepSeek-V4 model is served as one of {DEEPSEEK_MODEL_NAMES}, "
+            served = own
+        elif served != own:
+            raise ValueError(f"this DeepSeek model is served as {own!r} (deepseek-recipe's name for its version), "
                              f"not {served!r} (--served-model-name)")
     metrics = EngineMetrics(served, engine)
     async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=metrics.observe_step,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 import deepseek_recipe as dr
@@ -27,9 +28,9 @@ from openinfer.structured_output.compiler import wait_compiled
 from openinfer.structured_output.params import StructuredOutputsParams, check_schema_keywords
 from openinfer.structured_output.tool_calls import (dsml_strict_tools_tag, dsml_tool_grammar, json_call_to_dsml,
                                                     tool_call_schema, tool_system_prompt)
-from openinfer.tokenizer import Tokenizer
+from openinfer.tokenizer import DEEPSEEK_V4, DEEPSEEK_V41, Tokenizer, deepseek_v41_vocabulary
 
-DEEPSEEK_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
+DEEPSEEK_MODEL_NAMES = (DEEPSEEK_V4, DEEPSEEK_V41)
 
 # protocol -> (request class, response accumulator class, id prefix)
 PROTOCOLS = {
@@ -88,7 +89,12 @@ class ChatFrontend:
         self.tokenizer = tokenizer
         self.served_name = served_name
         self.deepseek = served_name in DEEPSEEK_MODEL_NAMES
-        self.recipe_tokenizer = dr.Tokenizer.from_file(tokenizer_path)
+        if served_name == DEEPSEEK_V41:
+            # V4.1's encoding emits tokens V4's tokenizer.json lacks (<｜System｜>): V4.1's ids, as the engine's
+            # tokenizer has them (Tokenizer.from_dir), for encoding prompts and decoding output alike
+            self.recipe_tokenizer = dr.Tokenizer.from_str(deepseek_v41_vocabulary(Path(tokenizer_path).read_text()))
+        else:
+            self.recipe_tokenizer = dr.Tokenizer.from_file(tokenizer_path)
         if self.deepseek:
             self.options = dr.ConversionOptions()
             self.encodings = {dr.ModelVersion.DeepseekV4Pro: dr.DeepseekV4Encoding().with_tokenizer(self.recipe_tokenizer),
