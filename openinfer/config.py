@@ -66,6 +66,10 @@ class EngineConfig:
     # groups of the weight block (E4M3, power-of-two scales), as DeepSeek's inference code does (W8A8);
     # False: dequantize the weights only (W8A16), exactly "dequantize, then multiply" (docs/quantization.md)
     quantize_activations: bool = True
+    # how KV caches store their entries: "auto" = the model's own format (DeepSeek-V4.1: FP8 window keys, FP4
+    # compressed entries and indexer keys, as DeepSeek stores them; other models: the model dtype); a dtype name
+    # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md)
+    kv_cache_dtype: str = "auto"
     # Structured output (docs/structured_output.md): worker threads compiling grammars, the longest a request
     # waits for its grammar before it fails, compiled grammars kept, whether JSON may hold free whitespace
     # (off: compact separators, which keeps small models from padding with spaces)
@@ -123,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ValueError("attention_backend='triton' needs device='cuda'")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.quantization not in (None, "int4"):

@@ -11,6 +11,7 @@ recognized and each user string as plain text (a user typing `<|im_start|>` gets
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -207,6 +208,7 @@ _V41_ADDED_TOKENS = {
 }
 
 
+@functools.lru_cache(maxsize=4)
 def deepseek_v41_vocabulary(tokenizer_json: str) -> str:
     """A DeepSeek tokenizer.json with V4.1's added tokens at V4.1's ids: the V4 file gets the reserved
     placeholder at 128799 renamed <｜System｜>, and the image placeholder moved to 129264 (see _V41_ADDED_TOKENS).

@@ -41,7 +41,7 @@ def make_kernels(config: EngineConfig):
     else:
         backend, ops = TorchPagedAttention(), TORCH_OPS
     if not config.quantize_activations:
-        ops = dataclasses.replace(ops, fp8_linear=weight_only_fp8_linear(ops.grouped_gemm))
+        ops = dataclasses.replace(ops, fp8_linear=weight_only_fp8_linear(ops.grouped_gemm), quantize_activations=False)
     return backend, ops
 
 
@@ -56,7 +56,8 @@ class LLMEngine:
         backend, ops = make_kernels(config)
         model = build_model(self.model_dir, config.torch_dtype, self.parallel.device, backend, ops,
                             max_positions=config.max_model_len, dummy=config.load_format == "dummy",
-                            quantization=config.quantization, parallel=self.parallel)
+                            quantization=config.quantization, parallel=self.parallel,
+                            kv_cache_dtype=config.kv_cache_dtype)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()

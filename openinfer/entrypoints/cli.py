@@ -29,6 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                        help="dummy: random weights of the checkpoint's shape and formats"),
         g.add_argument("--no-quantize-activations", action="store_true",
                        help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
+        g.add_argument("--kv-cache-dtype", default="auto",
+                       help="auto: the model's own cache format (DeepSeek-V4.1: FP8/FP4 as DeepSeek stores them); "
+                            "the model dtype: unquantized caches"),
         g.add_argument("--prefill-step-budget-ms", type=float, default=None, metavar="MS",
                        help="size prefill chunks so each step's predicted time stays within MS (step cost fitted by "
                             "`openinfer calibrate`, or at start if missing)"),
@@ -81,7 +84,7 @@ def _make_llm(args):
                eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
                distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
                worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
-               prefill_step_budget_ms=args.prefill_step_budget_ms)
+               prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args) -> int:

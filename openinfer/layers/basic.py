@@ -71,6 +71,9 @@ class LayerOps:
     # (expert-sorted rows, offs, weight, scale, fmt, block) -> y
     fp8_linear: Callable = quant_reference.fp8_linear
     grouped_gemm: Callable = quant_reference.grouped_gemm
+    # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
+    # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
+    quantize_activations: bool = True
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

@@ -304,7 +304,8 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(hc_mult, dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.embed.lookup(hash_ids, streams.device)                   # [T, n_hash_cols, head_dim]
+        # [T, n_hash_cols, head_dim]; FP8 x E8M0 values are exact in bf16 and in wider float types alike
+        rows = self.embed.lookup(hash_ids, streams.device).to(streams.dtype)
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))            # [T, hc, dim]

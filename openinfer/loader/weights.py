@@ -41,14 +41,27 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Itera
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                 ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
                 quantization: str | None = None,
-                parallel: ParallelContext | None = None
+                parallel: ParallelContext | None = None, kv_cache_dtype: str = "auto"
                 ) -> LlamaForCausalLM | Gemma3ForCausalLM | DeepseekV4ForCausalLM:
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
-    is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process."""
+    is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process.
+    `kv_cache_dtype`: "auto" (the model's own cache format) or a dtype name: caches unquantized in that dtype,
+    which must be the model's (only DeepSeek-V4.1's native caches are quantized)."""
     parallel = parallel or ParallelContext.single(device)
     final_dtype, dtype = dtype, (torch.float32 if quantization else dtype)
     hf = read_hf_config(model_dir)
+    from openinfer.loader.deepseek_v41 import build_deepseek_v41, is_deepseek_v41
+
+    if kv_cache_dtype != "auto" and getattr(torch, kv_cache_dtype, None) != final_dtype:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: caches store entries either in the model's own format "
+                         f"('auto') or unquantized in the model dtype ({str(final_dtype).removeprefix('torch.')})")
+    if is_deepseek_v41(hf):
+        if quantization:
+            raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4.1 models (their "
+                             f"published FP8/MXFP4 formats load as they are)")
+        return build_deepseek_v41(model_dir, hf, dtype, device, max_positions, dummy, ops, parallel,
+                                  quantized_caches=kv_cache_dtype == "auto")
     if hf.get("model_type") == "deepseek_v4":
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")

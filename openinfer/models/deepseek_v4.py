@@ -46,7 +46,7 @@ from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.quantization.linear import stored_parameters, to_fp8_linear
-from openinfer.quantization.reference import dequantize_weight
+from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
@@ -703,8 +703,9 @@ class QuantizedExperts(Experts):
         return self.gate_up_proj.is_cuda
 
     def expert_linear(self, x, name: str, e: int):
-        w = dequantize_weight(getattr(self, name)[e], getattr(self, name + "_scale")[e], self.fmt, self.block)
-        return (x.float() @ w.T).to(x.dtype)
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32)
+        w, s = getattr(self, name), getattr(self, name + "_scale")
+        return reference_grouped_gemm(x, offs, w[e:e + 1], s[e:e + 1], self.fmt, self.block)
 
     def grouped_mm(self, rows, name: str, offs):
         return self.ops.grouped_gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt,

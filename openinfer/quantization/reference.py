@@ -1,5 +1,7 @@
-"""Reference (CPU) kernels for the quantized layers: dequantize, then multiply in float32. They define what
-the fast kernels (`triton_kernels.py`) must compute and are what the CPU engine runs.
+"""Reference (CPU) kernels for the quantized layers, in float32 with DeepSeek's kernels' accumulation order:
+each K block's product of stored values is scaled by its (power-of-two) scales and added in K order, so the CPU
+engine equals DeepSeek's inference code (its CPU ports accumulate exactly so) and not only approximately. They
+define what the fast kernels (`triton_kernels.py`) must compute and are what the CPU engine runs.
 
 The two entry points have the signatures every backend implements (`LayerOps.fp8_linear`,
 `LayerOps.grouped_gemm`):
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from openinfer.quantization.formats import (dequantize_activations, dequantize_fp8, dequantize_mxfp4,
-                                            quantize_activations)
+from openinfer.quantization.formats import (MXFP4_GROUP, dequantize_activations, dequantize_fp8, dequantize_mxfp4,
+                                            e8m0_to_float, quantize_activations, unpack_e2m1)
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
@@ -28,12 +30,36 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block
     raise ValueError(f"unknown quantized weight format {fmt!r} (fp8, mxfp4)")
 
 
+def _scales(scale: torch.Tensor) -> torch.Tensor:
+    return e8m0_to_float(scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale.float()
+
+
+def block_scaled_matmul(a: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor, block: int) -> torch.Tensor:
+    """a [M, K] float32 @ (values [N, K] float32, the stored weight unscaled; row_scales [N, K/block]).T, one K block
+    at a time, each block's partial product scaled and accumulated in K order (powers of two scale exactly, so an
+    FP8-quantized `a` may come in already multiplied by its scales)."""
+    acc = torch.zeros(a.shape[0], values.shape[0], dtype=torch.float32, device=a.device)
+    for k in range(0, a.shape[1], block):
+        acc += (a[:, k:k + block] @ values[:, k:k + block].T) * row_scales[:, k // block]
+    return acc
+
+
+def _stored_values(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: int):
+    """(values [N, K] unscaled float32, per-row scales [N, K/group], group) of one stored weight."""
+    if fmt == "mxfp4":
+        return unpack_e2m1(weight), _scales(scale), MXFP4_GROUP
+    if fmt == "fp8":
+        n = weight.shape[0]
+        return weight.float(), _scales(scale).repeat_interleave(block, dim=0)[:n], block
+    raise ValueError(f"unknown quantized weight format {fmt!r} (fp8, mxfp4)")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
                quantize_input: bool = True) -> torch.Tensor:
     a = x.float()
     if quantize_input:
         a = dequantize_activations(*quantize_activations(a, block), block)
-    return (a @ dequantize_fp8(weight, scale, block).T).to(x.dtype)
+    return block_scaled_matmul(a, *_stored_values(weight, scale, "fp8", block)).to(x.dtype)
 
 
 def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
@@ -42,8 +68,8 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            w = dequantize_weight(weight[e], scale[e], fmt, block)
-            out[start:end] = (rows[start:end].float() @ w.T).to(rows.dtype)
+            out[start:end] = block_scaled_matmul(rows[start:end].float(),
+                                                 *_stored_values(weight[e], scale[e], fmt, block)).to(rows.dtype)
         start = end
     return out
 

@@ -1,0 +1,278 @@
+"""Build a DeepSeek-V4.1 model from a directory in DeepSeek's published layout: `config.json` (inference form,
+or HF release form with `model_type: deepseek_v41`), safetensors under the reference's own tensor names (FP8
+32x32 E8M0 dense weights with `<name>.scale`, MXFP4 routed experts as int8/uint8 bytes, FP8 Engram tables with a
+per-32 E8M0 scale per row; bf16 checkpoints too), and `tokenizer.json`, whose compressed token map feeds Engram.
+
+Also the inverse (`published_state_dict`): a model's tensors under the published names and dtypes, which is how
+`deepseek-v41-tiny` and the tests write checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.layers.basic import LayerOps
+from openinfer.layers.engram import EngramLayout, NgramHasher, compressed_token_map
+from openinfer.models.deepseek_v4 import Experts
+from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from openinfer.models.deepseek_v41_config import INFERENCE_FORM_KEYS, DeepseekV41Config
+from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
+from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
+
+V41_BLOCK = 32            # the released V4.1 weights: 32x32 FP8 blocks (inference form has no quantization_config)
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
+_ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
+_SHARED_WITH_BACKBONE = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")     # DSpark stages' copies
+
+
+def is_deepseek_v41(hf: dict) -> bool:
+    return hf.get("model_type") == "deepseek_v41" or all(k in hf for k in INFERENCE_FORM_KEYS)
+
+
+def quant_scheme(hf: dict, cfg: DeepseekV41Config) -> QuantScheme | None:
+    if hf.get("quantization_config") is not None:
+        return QuantScheme.from_hf(hf)
+    if cfg.dtype == "fp8" or cfg.expert_dtype is not None:
+        return QuantScheme(V41_BLOCK, {"fp4": "mxfp4", "fp8": "fp8", None: "fp8"}[cfg.expert_dtype])
+    return None
+
+
+def engram_hasher(cfg: DeepseekV41Config, model_dir: Path) -> tuple[EngramLayout, NgramHasher] | None:
+    """Engram's layout and n-gram hasher; the hasher's compressed token map comes from the directory's tokenizer
+    and must have the size the config was trained with (every hash multiplier derives from it)."""
+    if not cfg.engram_layer_ids:
+        return None
+    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                cfg.engram_head_dim, cfg.engram_vocab_size, cfg.engram_num_embeddings)
+    tok_file = model_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{model_dir}: DeepSeek-V4.1 Engram layers hash the tokenizer's compressed token map, but "
+                         f"there is no tokenizer.json")
+    stat = tok_file.stat()
+    token_map, size = _token_map(str(tok_file.resolve()), stat.st_mtime_ns, stat.st_size)
+    if size != cfg.engram_compressed_vocab_size:
+        raise ValueError(f"{model_dir}: the tokenizer's compressed vocabulary has {size} entries but the config's "
+                         f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size} (a different tokenizer: "
+                         f"every Engram hash would change)")
+    return layout, NgramHasher(layout, token_map, size, cfg.engram_pad_id)
+
+
+@functools.lru_cache(maxsize=4)
+def _token_map(path: str, mtime_ns: int, size: int) -> tuple[torch.Tensor, int]:
+    """The compressed token map of a tokenizer file (about a second for 129K tokens; kept per file version, so
+    engines of one process share it)."""
+    from tokenizers import Tokenizer
+
+    return compressed_token_map(Tokenizer.from_file(path))
+
+
+def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
+                       max_positions: int | None, dummy: bool, ops: LayerOps,
+                       parallel: ParallelContext, quantized_caches: bool = True) -> DeepseekV41ForCausalLM:
+    if parallel.tp_size > 1 or parallel.ep_size > 1:
+        raise ValueError("DeepSeek-V4.1 runs with data_parallel_size only for now (tensor and expert "
+                         "parallelism are not wired for it yet)")
+    cfg = DeepseekV41Config.from_dict(hf)
+    if cfg.vision_n_layers > 0:
+        print(f"[openinfer] {model_dir.name}: DeepSeek-V4.1 loads text-only (the {cfg.vision_n_layers}-layer vision "
+              f"tower is not loaded; requests with images are refused)", file=sys.stderr, flush=True)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
+    scheme = quant_scheme(hf, cfg)
+    engram = engram_hasher(cfg, model_dir)
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(cfg, ops, engram and engram[0], quantized_caches).cast(dtype)
+    if dummy:
+        fp8, experts = published_modules(model, scheme)
+        headers = None
+    else:
+        headers = read_headers(model_dir)
+        fp8, experts = stored_modules(headers, scheme)
+    if fp8 or experts:
+        model.quantize(fp8, scheme.block, experts)
+    if headers is not None:
+        from openinfer.loader.weights import _stored_dtype
+
+        load_weights(model, ((n, torch.empty(t.shape, dtype=_stored_dtype(t), device="meta"))
+                             for n, t in headers.items()), dry_run=True)
+    model = model.to_empty(device=device)
+    for rope in model.ropes.values():
+        rope.reset(device)
+    if dummy:
+        init_deepseek_v41_random(model, seed=0)
+    else:
+        from openinfer.loader.weights import iter_safetensors
+
+        load_weights(model, iter_safetensors(model_dir))
+    if engram is not None:
+        model.attach_hasher(engram[1].to(device))
+    return model.eval()
+
+
+def stored_modules(headers: dict, scheme: QuantScheme | None) -> tuple[list[str], dict[str, str]]:
+    """(FP8 linears, expert stacks -> format) as the checkpoint stores them (Engram tables are FP8 by design,
+    read as tables, not as linears)."""
+    linears = {n: t for n, t in headers.items() if not _ENGRAM_TABLE.search(n)}
+    pairs = pair_quantized(linears, scheme, is_expert=lambda n: _EXPERT.match(n) is not None)
+    fp8, experts = [], {}
+    for name, q in pairs.items():
+        m = _EXPERT.match(name)
+        if m:
+            stack = m.group(1)
+            if experts.setdefault(stack, q.fmt) != q.fmt:
+                raise ValueError(f"{stack} mixes {experts[stack]} and {q.fmt} experts ({name!r})")
+        else:
+            fp8.append(name.removesuffix(".weight"))
+    return fp8, experts
+
+
+def published_modules(model: DeepseekV41ForCausalLM, scheme: QuantScheme | None) -> tuple[list[str], dict[str, str]]:
+    """What DeepSeek publishes quantized under `scheme`: every linear the reference builds in the default dtype
+    (attention projections, the indexer's wq_b, shared experts, Engram's wkv, DSpark's main_proj) in FP8, the
+    routed experts in the expert format; bf16: wo_a, the compressors, weights_proj, wk, the router, heads."""
+    if scheme is None:
+        return [], {}
+    fp8_names = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_b)|\.indexer\.wq_b|\.shared_experts\.w[123]|\.engram\.wkv"
+                           r"|^mtp\.0\.main_proj)$")
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and fp8_names.search(n)]
+    experts = {n: scheme.expert_fmt for n, m in model.named_modules() if isinstance(m, Experts)}
+    return fp8, experts
+
+
+def checkpoint_to_param(name: str) -> tuple[str, tuple[int, str] | None]:
+    """Our parameter for a checkpoint tensor (and (expert, w1|w2|w3) for one expert's slice of a stack)."""
+    m = _EXPERT.match(name)
+    if m:
+        stack = m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj")
+        return stack + ("_scale" if m.group(4) == "scale" else ""), (int(m.group(2)), m.group(3))
+    if name.endswith(".scale") and not _ENGRAM_TABLE.search(name):
+        return name[:-len(".scale")] + ".weight_scale", None
+    return name, None
+
+
+def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
+                 dry_run: bool = False) -> None:
+    """Every parameter covered exactly once, shapes and stored formats checked (quantized tensors are copied as
+    bytes, never read as floats). The DSpark stages' `embed`/`head` copies must equal the backbone's."""
+    params = dict(model.named_parameters())
+    loaded, shared = set(), []
+    for ckpt_name, tensor in weights:
+        if _SHARED_WITH_BACKBONE.match(ckpt_name):
+            shared.append((ckpt_name, tensor))
+            continue
+        name, part = checkpoint_to_param(ckpt_name)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in DeepseekV41ForCausalLM")
+        dst = params[name].data
+        key = name
+        if part is not None:
+            e, w = part
+            if e >= dst.shape[0]:
+                raise ValueError(f"checkpoint expert {e} of {ckpt_name!r} is beyond the layer's {dst.shape[0]} experts")
+            half = dst.shape[1] // 2
+            dst = dst[e] if w == "w2" else dst[e, :half] if w == "w1" else dst[e, half:]
+            key = f"{name}#{e}.{w}"
+        raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
+        if raw != (dst.dtype.itemsize == 1):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored {tensor.dtype} but its place holds "
+                             f"{dst.dtype}: one module, one format, and quantized weights are never read as floats")
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(dst.shape)}")
+        if key in loaded:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored twice")
+        if not dry_run:
+            dst.copy_(tensor.view(dst.dtype) if raw else tensor.to(dst.dtype))
+        loaded.add(key)
+    expected = set()
+    for n, p in params.items():
+        if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):
+            expected |= {f"{n}#{e}.{w}" for e in range(p.shape[0]) for w in ("w1", "w3")}
+        elif n.endswith(("experts.down_proj", "experts.down_proj_scale")):
+            expected |= {f"{n}#{e}.w2" for e in range(p.shape[0])}
+        else:
+            expected.add(n)
+    missing = sorted(expected - loaded)
+    if missing:
+        engram = [m for m in missing if ".engram.embed." in m]
+        if engram:
+            raise ValueError(f"checkpoint lacks the Engram tables {engram[:4]} (one FP8 table + scale per Engram "
+                             f"layer, {model.config.engram_num_embeddings} rows)")
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+    for ckpt_name, tensor in shared:
+        own = params["embed.weight" if ckpt_name.endswith("embed.weight") else "head.weight"]
+        if tuple(tensor.shape) != tuple(own.shape):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, but the backbone's "
+                             f"is {tuple(own.shape)} (DSpark stages share the backbone's embedding and head)")
+        if not dry_run and not torch.equal(tensor.to(own.device, own.dtype), own.data):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} differs from the backbone's: DSpark stages share the "
+                             f"backbone's embedding and head, separate copies are not supported")
+
+
+def published_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under DeepSeek's names and published dtypes: `.scale` for quantized weights, one
+    entry per routed expert (MXFP4 as uint8 bytes), bf16 for what the reference promotes to float32 on load
+    (head, compressors, confidence head), float32 for mHC, sinks and the router bias."""
+    out = {}
+    keep_fp32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.gate\.bias)$")
+    for name, p in model.named_parameters():
+        t = p.detach()
+        m = re.match(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)(_scale)?$", name)
+        if m:
+            suffix = "scale" if m.group(3) else "weight"
+            for e in range(t.shape[0]):
+                if m.group(2) == "down_proj":
+                    out[f"{m.group(1)}.{e}.w2.{suffix}"] = t[e].contiguous()
+                else:
+                    half = t.shape[1] // 2
+                    out[f"{m.group(1)}.{e}.w1.{suffix}"] = t[e, :half].contiguous()
+                    out[f"{m.group(1)}.{e}.w3.{suffix}"] = t[e, half:].contiguous()
+            continue
+        if name.endswith(".weight_scale"):
+            name = name[:-len(".weight_scale")] + ".scale"
+        if t.dtype == torch.float32 and not keep_fp32.search(name):
+            t = t.to(torch.bfloat16)
+        out[name] = t.contiguous()
+    return out
+
+
+def init_deepseek_v41_random(model: DeepseekV41ForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights of a working shape (for `load_format="dummy"` and the tiny model): normal(std) matrices,
+    norms and mHC scales at one, small random sinks / mHC biases / router bias; quantized weights get random
+    stored values (FP8 values, E2M1 nibbles) with one power-of-two scale giving about the same std; Engram tables
+    random FP8 rows."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    fp8_std, e2m1_std = 16.0, 2.93     # of randn*16 cast to E4M3, and of uniformly random E2M1 codes
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype == torch.float8_e8m0fnu:
+                owner = model.get_submodule(name.rsplit(".", 1)[0])
+                fmt = "mxfp4" if getattr(owner, "fmt", "fp8") == "mxfp4" else "fp8"
+                table = name.endswith("engram.embed.scale")
+                target = 0.5 if table else std
+                byte = float_to_e8m0(pow2_ceil(torch.tensor(target / (e2m1_std if fmt == "mxfp4" else fp8_std))))
+                p.view(torch.uint8).fill_(int(byte.view(torch.uint8)))
+            elif p.dtype == torch.uint8:
+                p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=dev, dtype=torch.uint8))
+            elif p.dtype == torch.float8_e4m3fn:
+                step = max(1, (64 << 20) // max(p[0].numel(), 1))
+                for i in range(0, p.shape[0], step):
+                    part = p[i:i + step]
+                    part.copy_((torch.randn(part.shape, generator=gen, device=dev, dtype=torch.bfloat16) * fp8_std)
+                               .clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+            elif name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
+                p.fill_(1.0)
+            elif name.endswith(("attn_sink", "_base")):
+                p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.5)
+            elif name.endswith("gate.bias"):
+                p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.01)
+            else:
+                p.normal_(0.0, std, generator=gen)

@@ -1,0 +1,709 @@
+"""DeepSeek-V4.1 (the spec's own model: `inference/config.json` form, DeepSeek's tensor names) over openinfer's
+paged caches. Semantics are those of DeepSeek's reference inference code (vendored read-only in
+`../shared/reference/deepseek_v41/`, the test oracle); docs/deepseek_v41.md explains the layout.
+
+Read top to bottom: numerics shared with V4 (norms, interleaved RoPE) -> the compressor -> the lightning indexer
+with the two-level top-k -> attention (sliding window + picked compressed entries + sinks) -> MoE -> the block
+with lagged hyper-connections and Engram -> the model -> DSpark stages (loaded; drafting is spec decoding's).
+
+What V4.1 changes from V4 (deepseek_v4.py), as this file implements it:
+- cross-layer compressed KV: only KV-source layers compress (ratio 2 or 1, no overlapping windows, no position
+  bias); the layers after a source read its entries. Only index sources run the indexer; the layers after reuse
+  its picks. Index keys come from the source's compressed latent (`wk` + `k_norm`), not from a compressor of
+  their own. From the candidate source on, indexers score inside its candidate blocks only;
+- the caches hold what DeepSeek stores: window keys FP8 (E8M0 scale per 32), compressed entries FP4 (E4M3 scale
+  per 16), index keys FP4 (E8M0 per 32); indexer queries are FP4-rounded too; FP8 weights quantize their
+  activations per 32 (`act_quant`), MXFP4 experts too;
+- hyper-connections are lagged: the pre-mix a sublayer computes collapses the streams for the next sublayer, and
+  the last FFN's mix collapses them before the head (no separate hc head); no per-head query norm;
+- Engram layers add gated n-gram table lookups to the streams (openinfer/layers/engram.py).
+
+Per-forward data the reference keeps in a module-level runtime (the latest source's picks and candidate blocks)
+lives in a `StepShared` made per forward; the caches are per layer kind:
+- `swa` (request state): each layer's ring of the last W window keys (position p at row p % W);
+- `ckv{r}` / `cidx{r}` (paged, one entry per r tokens): compressed entries and index keys of the ratio-r sources;
+- `crows{r}` (request state, r > 1): the source compressors' projected rows of the open group;
+- `ngram` (request state): the compressed ids of the last max_ngram-1 tokens (Engram's look-back).
+Prefill chunks run per sequence (any start and length); decode rows run batched; both read what the previous
+step left in the state and write it back.
+
+Where the reference is not causal (top-k on tied scores) this file is: ties go to the earlier entry.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
+from openinfer.layers.attention import AttentionMetadata
+from openinfer.layers.basic import TORCH_OPS, LayerOps, torch_hc_weights
+from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
+from openinfer.models.deepseek_v4 import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
+                                          entry_index)
+from openinfer.models.deepseek_v41_config import DeepseekV41Config
+from openinfer.quantization.formats import dequantize_activations, quantize_activations
+from openinfer.quantization.kv_formats import fp4_block_qdq, fp8_block_qdq
+from openinfer.quantization.linear import to_fp8_linear
+
+ACT_BLOCK = 32          # FP8 activation group of V4.1's quantized GEMMs (= its weight block)
+
+
+def act_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Activations as an FP8 GEMM sees them (`act_quant`, per-32 power-of-two scales), in x's dtype."""
+    shape = x.shape
+    q, s = quantize_activations(x.reshape(-1, shape[-1]), ACT_BLOCK)
+    return dequantize_activations(q, s, ACT_BLOCK).to(x.dtype).view(shape)
+
+
+# ---- the compressor -----------------------------------------------------------------------------------
+class Compressor(nn.Module):
+    """A KV source's compressed entries: group g pools tokens [g*r, (g+1)*r) with a per-channel softmax gate
+    (float32, weights kept float32), then RMS-norms; ratio 1 is a plain projection + norm. Returns latents
+    before RoPE (the indexer keys need them so). State (r > 1): the projected rows of the open group, [r, 2*D]
+    float32 (kv | score), row p % r."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        self.wkv = nn.Linear(dim, head_dim, bias=False)
+        if ratio > 1:
+            self.wgate = nn.Linear(dim, head_dim, bias=False)
+        self.norm = RMSNorm(head_dim, eps)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ratio == 1:
+            return self.wkv(x)
+        xf = x.float()
+        return torch.cat((F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())), -1)
+
+    def _pool(self, groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """groups [G, r, 2D] float32 -> latents [G, D]."""
+        D = self.head_dim
+        kv, score = groups[..., :D], groups[..., D:]
+        return self.norm((kv * score.softmax(dim=-2)).sum(dim=-2).to(dtype))
+
+    def chunk(self, rows: torch.Tensor, start: int, state: torch.Tensor | None, dtype: torch.dtype):
+        """One sequence's chunk of rows for positions [start, start + n): (latents [G, D], first group id) of the
+        groups it closes; keeps the open group's rows in `state`."""
+        r, n = self.ratio, rows.shape[0]
+        if r == 1:
+            return self.norm(rows), start
+        end = start + n
+        first, last = start // r, end // r             # groups [first, last) close in this chunk
+        lead = start - first * r                        # rows of group `first` from earlier steps
+        rows_all = torch.cat((state[:lead], rows)) if lead else rows      # positions [first * r, end)
+        closed = (last - first) * r
+        latents = self._pool(rows_all[:closed].view(-1, r, rows.shape[-1]), dtype) if last > first else None
+        tail = end % r
+        if tail:                                        # the open group's rows, at slots p % r = 0 .. tail-1
+            state[:tail] = rows_all[rows_all.shape[0] - tail:]
+        return latents, first
+
+    def decode(self, rows: torch.Tensor, positions: torch.Tensor, state: torch.Tensor | None,
+               slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows (one token each): (latents [B, D] — meaningful where the token closes its group —,
+        closes [B] bool)."""
+        r = self.ratio
+        if r == 1:
+            return self.norm(rows), torch.ones_like(positions, dtype=torch.bool)
+        state[slots, positions % r] = rows
+        return self._pool(state[slots], dtype), (positions + 1) % r == 0
+
+
+# ---- the lightning indexer and the two-level top-k ----------------------------------------------------
+def select_candidate_blocks(scores: torch.Tensor, num_closed: torch.Tensor, topk_blocks: int,
+                            block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: scores [T, N] (unreachable entries -inf) -> bool [T, N], True inside
+    the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry). The block holding a
+    query's newest entry is always kept (partly filled, it could otherwise lose to older full blocks)."""
+    T, N = scores.shape
+    blocks = F.pad(scores, (0, -N % block_size), value=float("-inf")).view(T, -1, block_size).amax(-1)
+    nb = blocks.shape[1]
+    newest = ((num_closed - 1) // block_size)[:, None]
+    blocks = blocks.masked_fill((torch.arange(nb, device=scores.device)[None, :] == newest) & (newest >= 0),
+                                float("inf"))
+    order = torch.sort(blocks, dim=-1, descending=True, stable=True)
+    k = min(topk_blocks, nb)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, order.indices[:, :k],
+                                                               order.values[:, :k] > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[:, :N]
+
+
+class Indexer(nn.Module):
+    """Scores sum_h w_h * relu(q_h . k) over a KV source's index keys and keeps the top `index_topk` entries per
+    query. Queries and keys are FP4-rounded (groups of 32, E8M0) as DeepSeek stores/computes them; scores are
+    rounded to the model dtype where the reference's bf16 einsum rounds them, so its choice is ours on
+    tie-free inputs. `owns_keys`: this source also makes the keys (from its compressor's latent)."""
+
+    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def keys(self, latents, cos, sin, quantize: bool) -> torch.Tensor:
+        k = apply_rope(self.k_norm(self.wk(latents)), cos, sin)
+        return fp4_block_qdq(k, 32, "e8m0") if quantize else k
+
+    def queries(self, x, qr, cos, sin, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = fp4_block_qdq(q, 32, "e8m0") if quantize else q
+        return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+
+    @staticmethod
+    def scores(q, weights, keys, num_closed) -> torch.Tensor:
+        """q [T, H, d], weights [T, H], keys [N, d] (shared) or [T, N, d] -> float32 [T, N], -inf where closed
+        entries end."""
+        dt = q.dtype
+        eq = "thd,nd->thn" if keys.dim() == 2 else "thd,tnd->thn"
+        s = torch.einsum(eq, q.float(), keys.float()).to(dt)
+        s = (F.relu(s) * weights[..., None]).float().sum(1).to(dt).float()
+        closed = torch.arange(s.shape[-1], device=s.device)[None, :] < num_closed[:, None]
+        return s.masked_fill(~closed, float("-inf"))
+
+    def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top `index_topk` entries of scores [T, N] (ties: the earlier) -> (entries [T, k], valid [T, k])."""
+        k = min(self.topk, scores.shape[-1])
+        top = torch.sort(scores, dim=-1, descending=True, stable=True)
+        picks, order = top.indices[:, :k].sort(dim=-1)          # in position order, as the reference attends
+        return picks, top.values[:, :k].gather(-1, order) > float("-inf")
+
+
+class StepShared:
+    """What a forward hands down its layers (the reference's `shared_attn`, made per forward): per span (the
+    decode rows, then each prefill chunk), the latest index source's picks and the candidate blocks."""
+
+    def __init__(self):
+        self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.candidates: dict[int, torch.Tensor] = {}
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A paged cache [blocks, entries_per_block, D] as rows [blocks * entries_per_block, D]."""
+    return cache.view(-1, cache.shape[-1])
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA (one K=V head) over the sliding window plus, on compressed layers, the index source's
+    picked compressed entries, with a per-head sink logit; the output's RoPE slice is rotated back and a
+    grouped low-rank projection (`wo_a`, bf16 as published) follows."""
+
+    quantized_caches = True     # window keys FP8, compressed entries and indexer keys/queries FP4 (DeepSeek's)
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        H, D = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window, self.rd = H, D, cfg.window_size, cfg.rope_head_dim
+        self.scale = D ** -0.5
+        self.ratio = cfg.ratio(layer)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.wkv = nn.Linear(cfg.dim, D, bias=False)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False)
+        backbone = layer < cfg.n_layers
+        self.is_kv_source = backbone and layer in cfg.kv_source_layers
+        self.is_index_source = backbone and layer in cfg.index_source_layers
+        self.is_candidate_source = backbone and layer == cfg.candidate_source_layer
+        self.uses_candidates = backbone and cfg.uses_candidates(layer)
+        if self.is_kv_source:
+            self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps)
+        if self.is_index_source:
+            self.indexer = Indexer(cfg, cfg.owns_index_keys(layer))
+
+    # -- forward over the step's spans
+    def forward(self, x, positions, ropes, state: dict, meta: AttentionMetadata, shared: StepShared):
+        T = x.shape[0]
+        rope = ropes["compress" if self.ratio else "main"]
+        cos, sin = rope.cos_sin(positions, torch.float32)
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = fp8_block_qdq(kv, 32) if self.quantized_caches else kv
+        rows = self.compressor.rows(x) if self.is_kv_source else None
+        iq = self.indexer.queries(x, qr, cos, sin, self.quantized_caches) if self.is_index_source else None
+        out = torch.empty_like(q)
+        for span, (sl, p) in enumerate(spans_of(meta)):
+            sub = (lambda t: None if t is None else t[sl])
+            win = self._window(kv[sl], positions[sl], state["swa"], meta, p)
+            comp = None
+            if self.ratio:
+                comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][sl], iq[1][sl]),
+                                        x[sl], rope, state, meta, p, shared, span)
+            out[sl] = self._attend(q[sl], win, comp)
+        o = apply_rope(out, cos[:, None], -sin[:, None]).view(T, self.cfg.o_groups, -1)
+        wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
+
+    def _window(self, kv, positions, ring, meta, p):
+        """The window keys each query attends to, in the reference's column order (so the softmax sums run as
+        its kernel's do): (keys, index, valid). Decode rows: keys [B, W, D] of positions P-W+1 .. P (invalid
+        below 0), index None. A chunk: keys [W + n, D] of positions start-W .. end-1 and index [n, Wc] into them,
+        Wc = min(context, W) columns from max(P-W+1, 0) (invalid past P). Stores the new keys in the ring (after
+        reading what a chunk needs)."""
+        W, dev = self.window, kv.device
+        if p is None:
+            slots = meta.decode_state_slots
+            ring[slots, positions % W] = kv.to(ring.dtype)
+            kpos = positions[:, None] - W + 1 + torch.arange(W, device=dev)
+            return ring[slots[:, None], kpos % W].to(kv.dtype), None, kpos >= 0
+        ring = ring[p.state_slot]
+        start = p.context_len - p.query_len
+        hist = torch.arange(start - W, start, device=dev)
+        keys = torch.cat((ring[hist % W].to(kv.dtype), kv))
+        wc = min(p.context_len, W)
+        kpos = (positions[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
+        keep = min(len(kv), W)
+        ring[positions[-keep:] % W] = kv[-keep:].to(ring.dtype)
+        return keys, kpos - (start - W), kpos <= positions[:, None]
+
+    def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int):
+        """(keys, valid, picks) of the compressed entries this span's queries attend to: the KV source first
+        closes the groups its new tokens complete (entries + index keys into the paged caches), then the index
+        source scores (or the picks of the latest one are reused)."""
+        r = self.ratio
+        ckv, cidx = cache_rows(state["ckv"]), state.get("cidx")
+        num_closed = (positions + 1) // r
+        if p is None:
+            tables = meta.decode_block_tables
+            n = max(meta.max_decode_context_len // r, 1)
+            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1),
+                               state["ckv"].shape[1])
+        else:
+            n = max(p.context_len // r, 1)
+            flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
+        if self.is_kv_source:
+            self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
+        if self.is_index_source:
+            ikeys = cache_rows(cidx)[flat]
+            scores = self.indexer.scores(iq[0], iq[1], ikeys, num_closed)
+            if self.is_candidate_source:
+                shared.candidates[span] = select_candidate_blocks(
+                    scores, num_closed, self.cfg.candidate_topk_blocks, self.cfg.candidate_block_size)
+            elif self.uses_candidates:
+                scores = scores.masked_fill(~shared.candidates[span], float("-inf"))
+            shared.picks[span] = self.indexer.pick(scores)
+        picks, valid = shared.picks[span]
+        if p is None:
+            return ckv[flat.gather(1, picks)].to(x.dtype), valid, None
+        return ckv[flat].to(x.dtype), valid, picks
+
+    def _close_groups(self, positions, rows, rope, state, meta, p, dtype) -> None:
+        comp, r = self.compressor, self.ratio
+        epb = state["ckv"].shape[1]
+        if p is None:
+            latents, closes = comp.decode(rows, positions, state.get("crows"), meta.decode_state_slots, dtype)
+            group = ((positions + 1) // r - 1).clamp(min=0)
+            scratch = (state["ckv"].shape[0] - 1) * epb           # the runner's spare block
+            dst = torch.where(closes, entry_index(meta.decode_block_tables, group[:, None], epb)[:, 0], scratch)
+        else:
+            start = p.context_len - p.query_len
+            crows = state["crows"][p.state_slot] if r > 1 else None
+            latents, first = comp.chunk(rows, start, crows, dtype)
+            if latents is None:
+                return
+            group = torch.arange(first, first + latents.shape[0], device=positions.device)
+            dst = entry_index(p.block_ids, group, epb)
+        cos, sin = rope.cos_sin(group * r, torch.float32)
+        if "cidx" in state:
+            keys = self.indexer.keys(latents, cos, sin, self.quantized_caches)
+            cache_rows(state["cidx"])[dst] = keys.to(state["cidx"].dtype)
+        entries = apply_rope(latents, cos, sin)
+        entries = fp4_block_qdq(entries, 16, "e4m3") if self.quantized_caches else entries
+        cache_rows(state["ckv"])[dst] = entries.to(state["ckv"].dtype)
+
+    def _attend(self, q, win, comp, query_block: int = 256):
+        """Softmax over each query's window keys, its picked compressed entries and the sink, K = V, laid out as
+        the reference's sparse_attn (window columns, then the picks in position order; an invalid column gives
+        nothing). `win` from `_window`; `comp`: (keys, valid, picks): picked rows [T, k, D] (decode, picks None)
+        or all entries [N, D] with picks [T, k]. Probabilities are rounded to the value dtype before PV and the
+        max is the keys' only, as in the reference kernel; a row with no valid key gives zeros."""
+        out = torch.empty_like(q)
+        sink = self.attn_sink.float()[None, :, None]
+        wkeys, windex, wvalid = win
+        for i0 in range(0, q.shape[0], query_block):
+            i1 = min(i0 + query_block, q.shape[0])
+            keys = [wkeys[windex[i0:i1]] if windex is not None else wkeys[i0:i1]]
+            valid = [wvalid[i0:i1]]
+            if comp is not None:
+                ck, cvalid, picks = comp
+                keys.append(ck[picks[i0:i1]] if picks is not None else ck[i0:i1])
+                valid.append(cvalid[i0:i1])
+            kv = torch.cat(keys, dim=1).float()
+            ok = torch.cat(valid, dim=1)
+            kv = kv * ok[..., None]
+            s = torch.einsum("thd,tld->thl", q[i0:i1].float(), kv).mul(self.scale)
+            s = s.masked_fill(~ok[:, None, :], float("-inf"))
+            m = s.amax(-1, keepdim=True).clamp(min=-1e30)
+            e = torch.exp(s - m)
+            denom = e.sum(-1, keepdim=True) + torch.exp(sink - m)
+            pv = torch.einsum("thl,tld->thd", e.to(q.dtype).float(), kv)
+            out[i0:i1] = (pv / denom).to(q.dtype)
+        return out
+
+
+def spans_of(meta: AttentionMetadata) -> list[tuple[slice, object]]:
+    """The step's spans: the decode rows (batched) first, then each prefill chunk."""
+    spans = [(slice(0, meta.num_decode_tokens), None)] if meta.num_decode_tokens else []
+    return spans + [(slice(p.query_start, p.query_start + p.query_len), p) for p in meta.prefills]
+
+
+# ---- MoE ----------------------------------------------------------------------------------------------
+class Gate(nn.Module):
+    """sqrt(softplus) scores in float32; experts = top-k of scores + the selection bias; weights = the chosen
+    unbiased scores, renormalized, times route_scale."""
+
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
+        super().__init__()
+        self.topk, self.route_scale = topk, route_scale
+        self.weight = nn.Parameter(torch.zeros(n_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(n_experts))
+
+    def forward(self, x):
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        experts = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.topk > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * self.route_scale
+
+
+class Expert(nn.Module):
+    """The shared expert: clamped SwiGLU in float32 between the model-dtype projections."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x):
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.w2((F.silu(gate) * up).to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked; MXFP4 as published or bf16) + the shared expert, summed in float32. The routing
+    weight scales the intermediate activation before `w2` (the reference's order, which matters once that
+    activation is FP8-quantized for the quantized GEMM)."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
+        super().__init__()
+        n_experts, topk = cfg.moe_shape(layer)
+        self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale)
+        shape = _ExpertShape(n_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.ops = ops
+        self.experts = Experts(shape, ops)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.limit = cfg.swiglu_limit
+
+    def _act(self, gate_up: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (F.silu(gate) * up * weights[:, None]).to(dtype)
+
+    def forward(self, x):
+        experts, weights = self.gate(x)
+        ex = self.experts
+        quantized = isinstance(ex, QuantizedExperts) and self.ops.quantize_activations
+        xin = act_qdq(x) if quantized else x
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if ex.grouped:
+            T, k = experts.shape
+            flat = experts.flatten()
+            order = flat.argsort(stable=True)
+            n = ex.gate_up_proj.shape[0]
+            offs = torch.bincount(flat, minlength=n).cumsum(0).to(torch.int32)
+            h = self._act(ex.grouped_mm(xin[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
+            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
+            y.index_add_(0, order // k, out.float())
+        else:
+            for e in experts.unique().tolist():
+                tok, j = torch.where(experts == e)
+                h = self._act(ex.expert_linear(xin[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
+                y.index_add_(0, tok, ex.expert_linear(act_qdq(h) if quantized else h, "down_proj", e).float())
+        return (y + self.shared_experts(x).float()).to(x.dtype)
+
+
+class _ExpertShape:
+    """The fields `Experts` / `QuantizedExperts` (deepseek_v4.py) read from a config."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float):
+        self.n_routed_experts, self.hidden_size, self.moe_intermediate_size = n_experts, dim, inter
+        self.swiglu_limit = limit
+
+
+# ---- block: lagged hyper-connections, Engram ----------------------------------------------------------
+def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
+    """`torch_hc_weights` (layers/basic.py) with the row softmax spelled exp(x - max) / sum as DeepSeek's V4.1
+    kernel does, so the CPU path is bit-equal to the reference (torch.softmax differs in the last float32 ulp)."""
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = (comb_w * scale[2] + comb_b).unflatten(-1, (n, n))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class Block(nn.Module):
+    """Attention and MoE between hyper-connections over `hc_mult` residual streams. Each sublayer's mixes come
+    from its own input streams, but its `pre` collapses the streams for the *next* sublayer: attention uses the
+    previous block's FFN pre-mix, the FFN uses this attention's."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
+        super().__init__()
+        self.layer, self.ops = layer, ops
+        self.hc, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer, ops)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        for kind in ("attn", "ffn"):
+            setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, width)))
+            setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix)))
+            setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3)))
+        self.engram: Engram | None = None
+
+    def mixes(self, streams, kind: str):
+        xf = streams.flatten(1).float()
+        rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        m = F.linear(xf, getattr(self, f"hc_{kind}_fn").float()) * rs
+        weights = hc_weights if self.ops.hc_weights is torch_hc_weights else self.ops.hc_weights
+        return weights(m, getattr(self, f"hc_{kind}_base"), getattr(self, f"hc_{kind}_scale"), self.hc, self.iters,
+                       self.hc_eps)
+
+    @staticmethod
+    def collapse(streams, pre):
+        return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+    @staticmethod
+    def expand(out, streams, post, comb):
+        """post * sublayer output + comb^T @ streams (comb mixes over its first axis), in float32."""
+        sf = streams.float()
+        mixed = comb[:, 0, :, None] * sf[:, 0, None, :]
+        for i in range(1, sf.shape[1]):         # in stream order, as the reference sums (bit-equal on CPU)
+            mixed = mixed + comb[:, i, :, None] * sf[:, i, None, :]
+        return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+    def forward(self, streams, pre_mix, positions, ropes, state, meta, shared):
+        pre, post, comb = self.mixes(streams, "attn")
+        h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared)
+        streams = self.expand(h, streams, post, comb)
+        ffn_pre, post, comb = self.mixes(streams, "ffn")
+        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)))
+        return self.expand(h, streams, post, comb), ffn_pre
+
+
+class DSparkStage(Block):
+    """A DSpark draft stage (`mtp.{i}`): a window-only block; stage 0 also projects the target layers' hidden
+    states (`main_proj`, `main_norm`), the last one holds the head side (`norm`, the Markov head, the confidence
+    head). Loaded with the model; drafting with them is speculative decoding's (spec_decode/)."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
+        super().__init__(cfg, layer, ops)
+        stage = layer - cfg.n_layers
+        if stage == 0:
+            self.main_proj = nn.Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim, bias=False)
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if stage == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(cfg.vocab_size, cfg.dspark_markov_rank)
+            self.markov_head.head = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(cfg.dim + cfg.dspark_markov_rank, 1, bias=False)
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+# parameters DeepSeek keeps (or its reference computes) in float32 whatever the model dtype
+_FP32_SUFFIXES = ("attn_sink", "_fn", "_base", "_scale", "gate.bias", "norm.weight", "q_weight", "k_weight",
+                  "confidence_head.proj.weight")
+_FP32_EXACT = ("head.weight",)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    decode_graph_context_buckets = True
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return False        # TODO(graphs): host-sync-free decode path (experts' unique(), Engram on host)
+
+    def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
+                 quantized_caches: bool = True):
+        """`engram_layout`: the Engram tables' bucket layout (required when the config has Engram layers); the
+        n-gram hasher, which needs the tokenizer's compressed token map, is attached once the weights live
+        where they run (`attach_hasher`). `quantized_caches`: False keeps window keys, compressed entries and
+        indexer keys/queries unrounded (EngineConfig.kv_cache_dtype set to the model dtype)."""
+        super().__init__()
+        self.config, self.ops = cfg, ops
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
+        yarn = {"rope_type": "yarn", "rope_theta": cfg.compress_rope_theta, "factor": cfg.rope_factor,
+                "original_max_position_embeddings": cfg.original_seq_len, "beta_fast": cfg.beta_fast,
+                "beta_slow": cfg.beta_slow, "attention_factor": 1.0}
+        self.ropes = nn.ModuleDict({
+            "main": InterleavedRope({"rope_type": "default", "rope_theta": cfg.rope_theta}, rd, mp),
+            "compress": InterleavedRope(yarn if cfg.original_seq_len > 0 else
+                                        {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}, rd, mp)})
+        self.layers = nn.ModuleList(Block(cfg, i, ops) for i in range(cfg.n_layers))
+        for layer in self.layers:
+            layer.attn.quantized_caches = quantized_caches
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.n_layers + k, ops) for k in range(cfg.n_mtp_layers)) \
+            if cfg.dspark_block_size else nn.ModuleList()
+        self.hasher: NgramHasher | None = None
+        if cfg.engram_layer_ids:
+            if engram_layout is None:
+                raise ValueError("this DeepSeek-V4.1 config has Engram layers: the model needs their layout")
+            layout = engram_layout
+            for k, i in enumerate(cfg.engram_layer_ids):
+                self.layers[i].engram = Engram(cfg.dim, cfg.hc_mult, cfg.norm_eps, layout.n_hash_cols,
+                                               layout.head_dim, layout.num_embeddings[k])
+        # which index of its cache kind each KV source / index-key owner uses
+        self._ckv_index = {}
+        for r in cfg.source_ratios:
+            for j, s in enumerate(x for x in cfg.kv_source_layers if cfg.ratio(x) == r):
+                self._ckv_index[s] = j
+        self._cidx_index = {}
+        for r in cfg.source_ratios:
+            owners = [x for x in cfg.kv_source_layers if cfg.ratio(x) == r and cfg.owns_index_keys(x)]
+            for j, s in enumerate(owners):
+                self._cidx_index[s] = j
+
+    def cast(self, dtype: torch.dtype) -> "DeepseekV41ForCausalLM":
+        """Cast to `dtype`, keeping what the reference keeps in float32 (mHC, sinks, norms, the router bias, the
+        ratio>1 compressors, the head — its logits come out float32) in float32."""
+        for name, p in self.named_parameters():
+            if p.dtype.itemsize == 1:       # stored formats (the Engram tables) stay as they are
+                continue
+            if name.endswith(_FP32_SUFFIXES) or name in _FP32_EXACT or (
+                    ".compressor.w" in name and self._layer_ratio(name) > 1):
+                p.data = p.data.float()
+            else:
+                p.data = p.data.to(dtype)
+        for name, b in self.named_buffers():
+            if name.endswith("inv_freq"):
+                b.data = b.data.float()
+        return self
+
+    def _layer_ratio(self, name: str) -> int:
+        parts = name.split(".")
+        return self.config.ratio(int(parts[1])) if parts[0] == "layers" else 0
+
+    def quantize(self, modules: list[str], block: int, expert_modules: dict[str, str]) -> None:
+        """Give the named linears FP8 block-scaled weights and the named expert stacks `fmt` weights, on the meta
+        model before allocation (memory is only taken in the published formats)."""
+        for name in modules:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.get_submodule(parent_name)
+            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops))
+        for name, fmt in expert_modules.items():
+            parent = self.get_submodule(name.rpartition(".")[0])
+            old = parent.experts
+            with torch.device(old.gate_up_proj.device):
+                shape = _ExpertShape(old.gate_up_proj.shape[0], old.down_proj.shape[1], old.down_proj.shape[2],
+                                     old.limit)
+                parent.experts = QuantizedExperts(shape, fmt, block, self.ops)
+
+    # -- caches
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        c = self.config
+        D, Di = c.head_dim, c.index_head_dim
+        specs: list[CacheSpec] = [RequestStateSpec("swa", c.n_layers, (c.window_size, D), dtype)]
+        for r in c.source_ratios:
+            sources = [s for s in c.kv_source_layers if c.ratio(s) == r]
+            specs.append(PagedCacheSpec(f"ckv{r}", len(sources), (D,), dtype, r))
+            owners = [s for s in sources if c.owns_index_keys(s)]
+            if owners:
+                specs.append(PagedCacheSpec(f"cidx{r}", len(owners), (Di,), dtype, r))
+            if r > 1:
+                specs.append(RequestStateSpec(f"crows{r}", len(sources), (r, 2 * D), torch.float32,
+                                              needed_at_block_boundary=False))
+        if c.engram_layer_ids:
+            specs.append(RequestStateSpec("ngram", 1, (c.engram_max_ngram_size - 1,), torch.int64))
+        return specs
+
+    def layer_state(self, caches: dict, i: int) -> dict:
+        c = self.config
+        state = {"swa": caches["swa"][i]}
+        src = c.kv_source(i)
+        if src is not None:
+            r = c.ratio(i)
+            state["ckv"] = caches[f"ckv{r}"][self._ckv_index[src]]
+            if r > 1 and i == src:
+                state["crows"] = caches[f"crows{r}"][self._ckv_index[src]]
+            if i in c.index_source_layers:
+                state["cidx"] = caches[f"cidx{r}"][self._cidx_index[c.index_key_source(i)]]
+        return state
+
+    def attach_hasher(self, hasher: NgramHasher) -> None:
+        if hasher.layout.layer_ids != tuple(self.config.engram_layer_ids):
+            raise ValueError(f"the n-gram hasher hashes for layers {hasher.layout.layer_ids}, the model's Engram "
+                             f"layers are {self.config.engram_layer_ids}")
+        self.hasher = hasher
+
+    # -- forward
+    def _engram_hashes(self, input_ids, positions, caches, meta) -> torch.Tensor:
+        """Global table rows [T, n_engram_layers, cols] for the step's tokens; advances each request's look-back."""
+        h = self.hasher
+        hist_state = caches["ngram"][0]
+        n1 = hist_state.shape[1]
+        comp = h.compress(input_ids)
+        back = torch.arange(1, n1 + 1, device=positions.device)
+        windows = torch.empty((len(input_ids), n1 + 1), dtype=torch.long, device=input_ids.device)
+        for sl, p in spans_of(meta):
+            if p is None:
+                slots = meta.decode_state_slots
+                hist = hist_state[slots].masked_fill(positions[sl, None] - back < 0, -1)
+                windows[sl] = h.windows(comp[sl], hist)
+                hist_state[slots] = torch.cat((comp[sl, None], hist[:, :-1]), dim=1)
+            else:
+                start = p.context_len - p.query_len
+                hist = hist_state[p.state_slot].masked_fill(start - back < 0, -1)
+                windows[sl] = h.chunk_windows(comp[sl], hist)
+                hist_state[p.state_slot] = h.next_history(comp[sl], hist)
+        return h(windows)
+
+    def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
+        c = self.config
+        hashes = None
+        if c.engram_layer_ids:
+            if self.hasher is None:
+                raise RuntimeError("DeepSeek-V4.1 Engram layers need the n-gram hasher (attach_hasher)")
+            hashes = self._engram_hashes(input_ids, positions, caches, meta)
+        streams = self.embed(input_ids).unsqueeze(1).repeat(1, c.hc_mult, 1)
+        pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=streams.device)
+        pre_mix[:, 0] = 1.0
+        shared = StepShared()
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                streams = layer.engram(streams, hashes[:, c.engram_layer_ids.index(i)])
+            streams, pre_mix = layer(streams, pre_mix, positions, self.ropes, self.layer_state(caches, i), meta,
+                                     shared)
+        return self.norm(Block.collapse(streams, pre_mix))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.head.weight.float())
