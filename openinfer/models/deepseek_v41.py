@@ -44,7 +44,7 @@ from openinfer.models.deepseek_v4 import (Experts, InterleavedRope, QuantizedExp
                                           entry_index)
 from openinfer.models.deepseek_v41_config import DeepseekV41Config
 from openinfer.quantization.formats import dequantize_activations, quantize_activations
-from openinfer.quantization.kv_formats import fp4_block_qdq, fp8_block_qdq
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
 from openinfer.quantization.linear import to_fp8_linear
 
 ACT_BLOCK = 32          # FP8 activation group of V4.1's quantized GEMMs (= its weight block)
@@ -146,9 +146,9 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def keys(self, latents, cos, sin, quantize: bool) -> torch.Tensor:
-        k = apply_rope(self.k_norm(self.wk(latents)), cos, sin)
-        return fp4_block_qdq(k, 32, "e8m0") if quantize else k
+    def keys(self, latents, cos, sin) -> torch.Tensor:
+        """Index keys before their cache's rounding (FP4, groups of 32, E8M0: the cache codec's)."""
+        return apply_rope(self.k_norm(self.wk(latents)), cos, sin)
 
     def queries(self, x, qr, cos, sin, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
@@ -228,14 +228,14 @@ class Attention(nn.Module):
         cos, sin = rope.cos_sin(positions, torch.float32)
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        kv = fp8_block_qdq(kv, 32) if self.quantized_caches else kv
+        kv_stored = state["codecs"]["swa"].encode(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        kv = state["codecs"]["swa"].decode(kv_stored, x.dtype)      # as every later step reads them
         rows = self.compressor.rows(x) if self.is_kv_source else None
         iq = self.indexer.queries(x, qr, cos, sin, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
         for span, (sl, p) in enumerate(spans_of(meta)):
             sub = (lambda t: None if t is None else t[sl])
-            win = self._window(kv[sl], positions[sl], state["swa"], meta, p)
+            win = self._window(kv[sl], kv_stored[sl], positions[sl], state, meta, p)
             comp = None
             if self.ratio:
                 comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][sl], iq[1][sl]),
@@ -245,26 +245,26 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
 
-    def _window(self, kv, positions, ring, meta, p):
+    def _window(self, kv, kv_stored, positions, state, meta, p):
         """The window keys each query attends to, in the reference's column order (so the softmax sums run as
         its kernel's do): (keys, index, valid). Decode rows: keys [B, W, D] of positions P-W+1 .. P (invalid
         below 0), index None. A chunk: keys [W + n, D] of positions start-W .. end-1 and index [n, Wc] into them,
         Wc = min(context, W) columns from max(P-W+1, 0) (invalid past P). Stores the new keys in the ring (after
         reading what a chunk needs)."""
-        W, dev = self.window, kv.device
+        W, dev, ring, codec = self.window, kv.device, state["swa"], state["codecs"]["swa"]
         if p is None:
             slots = meta.decode_state_slots
-            ring[slots, positions % W] = kv.to(ring.dtype)
+            ring[slots, positions % W] = kv_stored
             kpos = positions[:, None] - W + 1 + torch.arange(W, device=dev)
-            return ring[slots[:, None], kpos % W].to(kv.dtype), None, kpos >= 0
+            return codec.decode(ring[slots[:, None], kpos % W], kv.dtype), None, kpos >= 0
         ring = ring[p.state_slot]
         start = p.context_len - p.query_len
         hist = torch.arange(start - W, start, device=dev)
-        keys = torch.cat((ring[hist % W].to(kv.dtype), kv))
+        keys = torch.cat((codec.decode(ring[hist % W], kv.dtype), kv))
         wc = min(p.context_len, W)
         kpos = (positions[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
         keep = min(len(kv), W)
-        ring[positions[-keep:] % W] = kv[-keep:].to(ring.dtype)
+        ring[positions[-keep:] % W] = kv_stored[-keep:]
         return keys, kpos - (start - W), kpos <= positions[:, None]
 
     def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int):
@@ -285,7 +285,7 @@ class Attention(nn.Module):
         if self.is_kv_source:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
-            ikeys = cache_rows(cidx)[flat]
+            ikeys = state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype)
             scores = self.indexer.scores(iq[0], iq[1], ikeys, num_closed)
             if self.is_candidate_source:
                 shared.candidates[span] = select_candidate_blocks(
@@ -295,8 +295,8 @@ class Attention(nn.Module):
             shared.picks[span] = self.indexer.pick(scores)
         picks, valid = shared.picks[span]
         if p is None:
-            return ckv[flat.gather(1, picks)].to(x.dtype), valid, None
-        return ckv[flat].to(x.dtype), valid, picks
+            return state["codecs"]["ckv"].decode(ckv[flat.gather(1, picks)], x.dtype), valid, None
+        return state["codecs"]["ckv"].decode(ckv[flat], x.dtype), valid, picks
 
     def _close_groups(self, positions, rows, rope, state, meta, p, dtype) -> None:
         comp, r = self.compressor, self.ratio
@@ -316,11 +316,8 @@ class Attention(nn.Module):
             dst = entry_index(p.block_ids, group, epb)
         cos, sin = rope.cos_sin(group * r, torch.float32)
         if "cidx" in state:
-            keys = self.indexer.keys(latents, cos, sin, self.quantized_caches)
-            cache_rows(state["cidx"])[dst] = keys.to(state["cidx"].dtype)
-        entries = apply_rope(latents, cos, sin)
-        entries = fp4_block_qdq(entries, 16, "e4m3") if self.quantized_caches else entries
-        cache_rows(state["ckv"])[dst] = entries.to(state["ckv"].dtype)
+            cache_rows(state["cidx"])[dst] = state["codecs"]["cidx"].encode(self.indexer.keys(latents, cos, sin))
+        cache_rows(state["ckv"])[dst] = state["codecs"]["ckv"].encode(apply_rope(latents, cos, sin))
 
     def _attend(self, q, win, comp, query_block: int = 256):
         """Softmax over each query's window keys, its picked compressed entries and the sink, K = V, laid out as
@@ -570,6 +567,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, ops) for i in range(cfg.n_layers))
         for layer in self.layers:
             layer.attn.quantized_caches = quantized_caches
+        self.quantized_caches = quantized_caches
+        self.codecs: dict = {}          # cache kind -> how its entries are stored (set with the cache specs)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.n_layers + k, ops) for k in range(cfg.n_mtp_layers)) \
@@ -630,15 +629,25 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # -- caches
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        """Window rings per layer, compressed entries and index keys per source ratio (paged), the compressors' open
+        group and Engram's look-back (per request). Entries are stored as DeepSeek stores them (FP8 window keys
+        with an E8M0 scale per 32 values, FP4 compressed entries with an E4M3 scale per 16, FP4 index keys with an
+        E8M0 scale per 32: one uint8 row each) or, unquantized, in `dtype`."""
         c = self.config
         D, Di = c.head_dim, c.index_head_dim
-        specs: list[CacheSpec] = [RequestStateSpec("swa", c.n_layers, (c.window_size, D), dtype)]
+        if self.quantized_caches:
+            self.codecs = {"swa": Fp8BlockCodec(32), "ckv": Fp4BlockCodec(16, "e4m3"), "cidx": Fp4BlockCodec(32, "e8m0")}
+        else:
+            self.codecs = {k: IdentityCodec(dtype) for k in ("swa", "ckv", "cidx")}
+        sw, ck, ci = self.codecs["swa"], self.codecs["ckv"], self.codecs["cidx"]
+        specs: list[CacheSpec] = [RequestStateSpec("swa", c.n_layers, (c.window_size, sw.stored_dim(D)),
+                                                   sw.storage_dtype)]
         for r in c.source_ratios:
             sources = [s for s in c.kv_source_layers if c.ratio(s) == r]
-            specs.append(PagedCacheSpec(f"ckv{r}", len(sources), (D,), dtype, r))
+            specs.append(PagedCacheSpec(f"ckv{r}", len(sources), (ck.stored_dim(D),), ck.storage_dtype, r))
             owners = [s for s in sources if c.owns_index_keys(s)]
             if owners:
-                specs.append(PagedCacheSpec(f"cidx{r}", len(owners), (Di,), dtype, r))
+                specs.append(PagedCacheSpec(f"cidx{r}", len(owners), (ci.stored_dim(Di),), ci.storage_dtype, r))
             if r > 1:
                 specs.append(RequestStateSpec(f"crows{r}", len(sources), (r, 2 * D), torch.float32,
                                               needed_at_block_boundary=False))
@@ -648,7 +657,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def layer_state(self, caches: dict, i: int) -> dict:
         c = self.config
-        state = {"swa": caches["swa"][i]}
+        state = {"swa": caches["swa"][i], "codecs": self.codecs}
         src = c.kv_source(i)
         if src is not None:
             r = c.ratio(i)
