@@ -70,6 +70,12 @@ class EngineConfig:
     # compressed entries and indexer keys, as DeepSeek stores them; other models: the model dtype); a dtype name
     # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md)
     kv_cache_dtype: str = "auto"
+    # DeepSeek-V4.1 prefill (docs/deepseek_v41.md): "exact" runs every layer over every prompt token (DeepSeek's
+    # reference); "yoco" runs the encoder over every token and the decoder only over the last
+    # v41_prefill_keep_tokens, its window attention truncated to them (DeepInfer's `compact` truncation, spec
+    # 000 §5.5-5.6; prefix-cache hits then leave at least that many tokens to compute)
+    v41_prefill_mode: str = "exact"
+    v41_prefill_keep_tokens: int = 140
     # Structured output (docs/structured_output.md): worker threads compiling grammars, the longest a request
     # waits for its grammar before it fails, compiled grammars kept, whether JSON may hold free whitespace
     # (off: compact separators, which keeps small models from padding with spaces)
@@ -127,6 +133,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ValueError("attention_backend='triton' needs device='cuda'")
+        if self.v41_prefill_mode not in ("exact", "yoco"):
+            raise ValueError(f"v41_prefill_mode must be 'exact' or 'yoco', got {self.v41_prefill_mode!r}")
+        if not isinstance(self.v41_prefill_keep_tokens, int) or self.v41_prefill_keep_tokens < 1:
+            raise ValueError(f"v41_prefill_keep_tokens must be an integer >= 1, got {self.v41_prefill_keep_tokens!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):

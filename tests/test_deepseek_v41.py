@@ -387,3 +387,57 @@ def test_missing_engram_tables_and_a_foreign_tokenizer_are_named(v41, tmp_path):
     foreign = _write_dir(tmp_path / "foreign", tensors, config)
     with pytest.raises(ValueError, match="compressed vocabulary has 99092 entries"):
         LLMEngine(EngineConfig(model=str(foreign), device="cpu"))
+
+
+# ---- YOCO prefill -------------------------------------------------------------------------------------
+def test_yoco_prefill_equals_exact_once_the_tail_covers_the_truncation(v41, unquantized_engine):
+    """The decoder runs over the prompt's last `keep` tokens only, its windows truncated to them. The truncation
+    reaches at most one window further per decoder layer, so with keep >= (decoder layers + 1) x window (3 + 1 x
+    16 here) decode is exact — with any chunking; a shorter tail deviates (measured keep 32: 0.7% relative on the
+    first 16 decode logits, docs/deepseek_v41.md)."""
+    _, _, dequantized = v41
+    prompt = prompts_of(100, seed=11)[0]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    (exact, ref), = run_recording(unquantized_engine, [prompt], params, budgets=(40, 40))
+    ref = ref[len(prompt) - 1:]
+    for keep, budgets in ((64, (40, 40)), (64, (3, 37)), (100, WHOLE)):
+        engine = v41_engine(dequantized, kv_cache_dtype="float32", v41_prefill_mode="yoco",
+                            v41_prefill_keep_tokens=keep)
+        (out, ours), = run_recording(engine, [prompt], params, budgets=budgets, seed=keep)
+        assert out.outputs[0].token_ids == exact.outputs[0].token_ids
+        torch.testing.assert_close(ours[len(prompt) - 1:], ref, atol=1e-4, rtol=0)
+    short = v41_engine(dequantized, kv_cache_dtype="float32", v41_prefill_mode="yoco", v41_prefill_keep_tokens=32)
+    (_, ours), = run_recording(short, [prompt], params, budgets=(40, 40))
+    assert 1e-4 < rel(ours[len(prompt) - 1:], ref) < 0.05
+    assert_pool_idle(short)
+
+
+def test_yoco_leaves_its_tail_uncached_and_runs_prompt_logprobs_exact(v41, unquantized_engine):
+    _, _, dequantized = v41
+    engine = v41_engine(dequantized, kv_cache_dtype="float32", v41_prefill_mode="yoco", v41_prefill_keep_tokens=40,
+                        enable_prefix_caching=True, max_num_batched_tokens=64)
+    base = prompts_of(150, seed=12)[0]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    exact = v41_engine(dequantized, kv_cache_dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=64)
+    for e in (engine, exact):       # chunks of 64: state kept at 64 and 128
+        run_recording(e, [base], params)
+    (second, _), = run_recording(engine, [base[:130] + [7, 8]], params)
+    (second_exact, _), = run_recording(exact, [base[:130] + [7, 8]], params)
+    assert second_exact.num_cached_tokens == 128
+    assert second.num_cached_tokens == 64        # 132 - 40 = 92 tokens may hit: 2 blocks of 32
+    lp = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    (yoco_out, _), = run_recording(engine, [base[:90]], lp)
+    (exact_out, _), = run_recording(unquantized_engine, [base[:90]], lp)
+    for a, b, t in zip(yoco_out.prompt_logprobs[1:], exact_out.prompt_logprobs[1:], base[1:90]):
+        assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert_pool_idle(engine)
+
+
+def test_yoco_is_refused_where_it_cannot_run(v41):
+    from openinfer.config import EngineConfig
+    from openinfer.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="below the sliding window"):
+        v41_engine(v41[2], v41_prefill_mode="yoco", v41_prefill_keep_tokens=8)
+    with pytest.raises(ValueError, match="DeepSeek-V4.1 models only"):
+        LLMEngine(EngineConfig(model="deepseek-v4-tiny", device="cpu", v41_prefill_mode="yoco"))

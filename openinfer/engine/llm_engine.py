@@ -61,9 +61,16 @@ class LLMEngine:
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()
+        yoco = config.v41_prefill_mode == "yoco"
+        if yoco:
+            check = getattr(model, "check_yoco", None)
+            if check is None:
+                raise ValueError("v41_prefill_mode='yoco' applies to DeepSeek-V4.1 models only")
+            check(config.v41_prefill_keep_tokens)
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots,
-                                         num_state_snapshots=self.runner.num_state_snapshots)
+                                         num_state_snapshots=self.runner.num_state_snapshots,
+                                         min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)

@@ -63,6 +63,7 @@ class ModelRunner:
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = config.block_size
+        self.yoco_keep = config.v41_prefill_keep_tokens if config.v41_prefill_mode == "yoco" else None
         self.sampler = Sampler(config.logprobs_mode)
         self.generator = torch.Generator(device=self.device)
         # DP groups draw different noise (else the same prompt on two groups samples the same text); the TP
@@ -335,8 +336,14 @@ class ModelRunner:
                 np_table = np.asarray(table, dtype=np.int64)
                 pre_pos.append(positions)
                 pre_slots.append(np_table[positions // bs] * bs + positions % bs)
+                decoder_start = None
+                if self.yoco_keep is not None and req.sampling_params.prompt_logprobs is None:
+                    # YOCO: the decoder runs over the sequence's last `keep` tokens only (every prompt position
+                    # needs its logits when prompt logprobs are asked for: those requests run exact)
+                    # (kept also for chunks wholly inside the tail: their decoder windows start there too)
+                    decoder_start = req.num_tokens - self.yoco_keep if req.num_tokens > self.yoco_keep else None
                 prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs,
-                                             s.state_slot))
+                                             s.state_slot, decoder_start))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))

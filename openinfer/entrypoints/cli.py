@@ -32,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="auto: the model's own cache format (DeepSeek-V4.1: FP8/FP4 as DeepSeek stores them); "
                             "the model dtype: unquantized caches"),
+        g.add_argument("--v41-prefill-mode", choices=["exact", "yoco"], default="exact",
+                       help="DeepSeek-V4.1: yoco = decoder layers over the prompt's last --v41-prefill-keep-tokens only"),
+        g.add_argument("--v41-prefill-keep-tokens", type=int, default=140),
         g.add_argument("--prefill-step-budget-ms", type=float, default=None, metavar="MS",
                        help="size prefill chunks so each step's predicted time stays within MS (step cost fitted by "
                             "`openinfer calibrate`, or at start if missing)"),
@@ -84,7 +87,8 @@ def _make_llm(args):
                eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
                distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
                worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
-               prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype)
+               prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype,
+               v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens)
 
 
 def cmd_generate(args) -> int:

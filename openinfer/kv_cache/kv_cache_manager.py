@@ -50,8 +50,11 @@ class StateCopies:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0):
+                 num_state_snapshots: int = 0, min_uncached_tokens: int = 1):
+        """`min_uncached_tokens`: a prefix hit leaves at least this many tokens to compute (1: the token that
+        yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6)."""
         self.block_size = block_size
+        self.min_uncached_tokens = min_uncached_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_stats = PrefixCacheStats()
@@ -103,7 +106,7 @@ class KVCacheManager:
         if self.num_state_slots and not self.num_state_snapshots:
             return [], 0
         self._extend_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max(request.num_tokens - self.min_uncached_tokens, 0) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)

@@ -38,6 +38,8 @@ class PrefillChunk:
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
     block_size: int
     state_slot: int | None = None   # the request's per-request state slot (models with RequestStateSpecs)
+    # DeepSeek-V4.1 YOCO prefill: positions before this one skip the decoder layers (None: every layer runs)
+    decoder_start: int | None = None
 
     @cached_property
     def context_slots(self) -> torch.Tensor:

@@ -32,6 +32,8 @@ Where the reference is not causal (top-k on tied scores) this file is: ties go t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,9 +222,13 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps)
         if self.is_index_source:
             self.indexer = Indexer(cfg, cfg.owns_index_keys(layer))
+        # a CED decoder layer: under a YOCO prefill its window attention is truncated to the decoder's tokens
+        self.is_decoder = cfg.yoco_split is not None and cfg.yoco_split <= layer < cfg.n_layers
 
     # -- forward over the step's spans
-    def forward(self, x, positions, ropes, state: dict, meta: AttentionMetadata, shared: StepShared):
+    def forward(self, x, positions, ropes, state: dict, meta: AttentionMetadata, shared: StepShared,
+                close_groups: bool = True):
+        """`close_groups` False: this step's compressed groups were already closed (`close_all`, YOCO)."""
         T = x.shape[0]
         rope = ropes["compress" if self.ratio else "main"]
         cos, sin = rope.cos_sin(positions, torch.float32)
@@ -230,7 +236,7 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         kv_stored = state["codecs"]["swa"].encode(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype)      # as every later step reads them
-        rows = self.compressor.rows(x) if self.is_kv_source else None
+        rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
         iq = self.indexer.queries(x, qr, cos, sin, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
         for span, (sl, p) in enumerate(spans_of(meta)):
@@ -239,7 +245,7 @@ class Attention(nn.Module):
             comp = None
             if self.ratio:
                 comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][sl], iq[1][sl]),
-                                        x[sl], rope, state, meta, p, shared, span)
+                                        x[sl], rope, state, meta, p, shared, span, close_groups)
             out[sl] = self._attend(q[sl], win, comp)
         o = apply_rope(out, cos[:, None], -sin[:, None]).view(T, self.cfg.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
@@ -265,9 +271,13 @@ class Attention(nn.Module):
         kpos = (positions[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
         keep = min(len(kv), W)
         ring[positions[-keep:] % W] = kv_stored[-keep:]
-        return keys, kpos - (start - W), kpos <= positions[:, None]
+        valid = kpos <= positions[:, None]
+        if self.is_decoder and p.decoder_start is not None:     # YOCO: only the decoder's own tokens
+            valid &= kpos >= p.decoder_start
+        return keys, kpos - (start - W), valid
 
-    def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int):
+    def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int,
+                    close_groups: bool = True):
         """(keys, valid, picks) of the compressed entries this span's queries attend to: the KV source first
         closes the groups its new tokens complete (entries + index keys into the paged caches), then the index
         source scores (or the picks of the latest one are reused)."""
@@ -282,7 +292,7 @@ class Attention(nn.Module):
         else:
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
-        if self.is_kv_source:
+        if self.is_kv_source and close_groups:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
             ikeys = state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype)
@@ -297,6 +307,13 @@ class Attention(nn.Module):
         if p is None:
             return state["codecs"]["ckv"].decode(ckv[flat.gather(1, picks)], x.dtype), valid, None
         return state["codecs"]["ckv"].decode(ckv[flat], x.dtype), valid, picks
+
+    def close_all(self, x, positions, ropes, state: dict, meta: AttentionMetadata) -> None:
+        """Close this KV source's groups for every token of the step (YOCO: the decoder's global KV is a projection
+        of the encoder's output, so it is made for all tokens, also those that skip the decoder)."""
+        rows = self.compressor.rows(x)
+        for sl, p in spans_of(meta):
+            self._close_groups(positions[sl], rows[sl], ropes["compress"], state, meta, p, x.dtype)
 
     def _close_groups(self, positions, rows, rope, state, meta, p, dtype) -> None:
         comp, r = self.compressor, self.ratio
@@ -504,9 +521,10 @@ class Block(nn.Module):
             mixed = mixed + comb[:, i, :, None] * sf[:, i, None, :]
         return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
-    def forward(self, streams, pre_mix, positions, ropes, state, meta, shared):
+    def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True):
         pre, post, comb = self.mixes(streams, "attn")
-        h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared)
+        h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
+                      close_groups)
         streams = self.expand(h, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         h = self.ffn(self.ffn_norm(self.collapse(streams, pre)))
@@ -668,6 +686,34 @@ class DeepseekV41ForCausalLM(nn.Module):
                 state["cidx"] = caches[f"cidx{r}"][self._cidx_index[c.index_key_source(i)]]
         return state
 
+    def check_yoco(self, keep_tokens: int) -> None:
+        """Raise ValueError if YOCO prefill with `keep_tokens` decoder tokens cannot run on this model."""
+        c = self.config
+        if c.yoco_split is None:
+            raise ValueError("v41_prefill_mode='yoco' needs the CED split: every compressed layer after the last KV "
+                             "source reading its entries and index keys; this config's schedule has none")
+        if keep_tokens < c.window_size:
+            raise ValueError(f"v41_prefill_keep_tokens {keep_tokens} is below the sliding window ({c.window_size}): "
+                             f"decode would read decoder window keys that were never computed")
+
+    @staticmethod
+    def _decoder_rows(meta: AttentionMetadata, device) -> tuple[torch.Tensor, AttentionMetadata]:
+        """YOCO: the rows that continue into the decoder (decode rows, and each chunk's positions from its
+        `decoder_start` on) and the metadata of those rows."""
+        keep = [torch.arange(meta.num_decode_tokens, device=device)]
+        chunks, row = [], meta.num_decode_tokens
+        for p in meta.prefills:
+            start = p.context_len - p.query_len
+            first = start if p.decoder_start is None else max(p.decoder_start, start)
+            n = p.context_len - first
+            if n <= 0:
+                continue
+            keep.append(torch.arange(p.query_start + first - start, p.query_start + p.query_len, device=device))
+            chunks.append(dataclasses.replace(p, query_start=row, query_len=n))
+            row += n
+        rows = torch.cat(keep)
+        return rows, dataclasses.replace(meta, prefills=chunks, slot_mapping=meta.slot_mapping[rows])
+
     def attach_hasher(self, hasher: NgramHasher) -> None:
         if hasher.layout.layer_ids != tuple(self.config.engram_layer_ids):
             raise ValueError(f"the n-gram hasher hashes for layers {hasher.layout.layer_ids}, the model's Engram "
@@ -707,12 +753,28 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=streams.device)
         pre_mix[:, 0] = 1.0
         shared = StepShared()
+        split = c.yoco_split if any(p.decoder_start is not None for p in meta.prefills) else None
+        rows = None
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, hashes[:, c.engram_layer_ids.index(i)])
-            streams, pre_mix = layer(streams, pre_mix, positions, self.ropes, self.layer_state(caches, i), meta,
-                                     shared)
-        return self.norm(Block.collapse(streams, pre_mix))
+            state = self.layer_state(caches, i)
+            if i == split:          # YOCO: the decoder's global KV for every token, then only its own rows go on
+                layer.attn.close_all(layer.attn_norm(Block.collapse(streams, pre_mix)), positions, self.ropes,
+                                     state, meta)
+                rows, meta = self._decoder_rows(meta, streams.device)
+                if len(rows) == 0:      # every token of the step precedes its decoder tail
+                    return streams.new_zeros((len(input_ids), c.dim))
+                streams, pre_mix, positions = streams[rows], pre_mix[rows], positions[rows]
+                if hashes is not None:
+                    hashes = hashes[rows]
+            streams, pre_mix = layer(streams, pre_mix, positions, self.ropes, state, meta, shared,
+                                     close_groups=i != split)
+        hidden = self.norm(Block.collapse(streams, pre_mix))
+        if rows is None:
+            return hidden
+        out = hidden.new_zeros((len(input_ids), hidden.shape[-1]))     # rows that skipped the decoder: no logits
+        return out.index_copy_(0, rows, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.head.weight.float())

@@ -136,6 +136,21 @@ class DeepseekV41Config:
         """Distinct compress ratios of the KV sources, in order of first use (one paged cache kind each)."""
         return list(dict.fromkeys(self.ratio(s) for s in self.kv_source_layers))
 
+    @property
+    def yoco_split(self) -> int | None:
+        """The first decoder layer of the CED split (spec 000 §2.2): the last KV source, when every compressed
+        layer from it on reads its entries and index keys, so the decoder's global KV is a projection of the
+        encoder's output. None: no such split (YOCO prefill impossible)."""
+        if not self.kv_source_layers:
+            return None
+        d = max(self.kv_source_layers)
+        for i in range(d, self.n_layers):
+            if self.ratio(i) and self.kv_source(i) != d:
+                return None
+            if i in self.index_source_layers and self.index_key_source(i) != d:
+                return None
+        return d
+
     def moe_shape(self, layer: int) -> tuple[int, int]:
         """(routed experts, experts per token) of a backbone layer or a DSpark stage."""
         if layer < self.n_layers:
