@@ -117,9 +117,10 @@ class Compressor(nn.Module):
 # ---- the lightning indexer and the two-level top-k ----------------------------------------------------
 def select_candidate_blocks(scores: torch.Tensor, num_closed: torch.Tensor, topk_blocks: int,
                             block_size: int) -> torch.Tensor:
-    """Level one of the two-level top-k: scores [T, N] (unreachable entries -inf) -> bool [T, N], True inside
-    the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry). The block holding a
-    query's newest entry is always kept (partly filled, it could otherwise lose to older full blocks)."""
+    """Level one of the two-level top-k: scores [T, N] (unreachable entries -inf) -> bool [T, ceil(N /
+    block_size)], True for the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry).
+    The block holding a query's newest entry is always kept (partly filled, it could otherwise lose to older full
+    blocks)."""
     T, N = scores.shape
     blocks = F.pad(scores, (0, -N % block_size), value=float("-inf")).view(T, -1, block_size).amax(-1)
     nb = blocks.shape[1]
@@ -128,9 +129,8 @@ def select_candidate_blocks(scores: torch.Tensor, num_closed: torch.Tensor, topk
                                 float("inf"))
     order = torch.sort(blocks, dim=-1, descending=True, stable=True)
     k = min(topk_blocks, nb)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, order.indices[:, :k],
+    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, order.indices[:, :k],
                                                                order.values[:, :k] > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=-1)[:, :N]
 
 
 class Indexer(nn.Module):
@@ -295,18 +295,35 @@ class Attention(nn.Module):
         if self.is_kv_source and close_groups:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
-            ikeys = state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype)
-            scores = self.indexer.scores(iq[0], iq[1], ikeys, num_closed)
-            if self.is_candidate_source:
-                shared.candidates[span] = select_candidate_blocks(
-                    scores, num_closed, self.cfg.candidate_topk_blocks, self.cfg.candidate_block_size)
-            elif self.uses_candidates:
-                scores = scores.masked_fill(~shared.candidates[span], float("-inf"))
-            shared.picks[span] = self.indexer.pick(scores)
+            shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
+                                             num_closed, shared, span)
         picks, valid = shared.picks[span]
         if p is None:
             return state["codecs"]["ckv"].decode(ckv[flat.gather(1, picks)], x.dtype), valid, None
         return state["codecs"]["ckv"].decode(ckv[flat], x.dtype), valid, picks
+
+    def _index(self, iq, keys, num_closed, shared: StepShared, span: int, budget: int = 1 << 26):
+        """The indexer's picks for the span's queries, in query blocks whose scores hold about `budget` floats
+        (a long chunk over a long context would otherwise score [T, heads, N] at once). The candidate source
+        publishes its blocks [T, N / candidate_block_size]; later index sources score inside them."""
+        q, w = iq
+        T, N, bs = q.shape[0], keys.shape[-2], self.cfg.candidate_block_size
+        step = max(1, budget // (self.indexer.n_heads * N))
+        picks, valid, blocks = [], [], []
+        for i0 in range(0, T, step):
+            sl = slice(i0, min(i0 + step, T))
+            scores = self.indexer.scores(q[sl], w[sl], keys if keys.dim() == 2 else keys[sl], num_closed[sl])
+            if self.is_candidate_source:
+                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs))
+            elif self.uses_candidates:
+                inside = shared.candidates[span][sl].repeat_interleave(bs, dim=-1)[:, :N]
+                scores = scores.masked_fill(~inside, float("-inf"))
+            pk, ok = self.indexer.pick(scores)
+            picks.append(pk)
+            valid.append(ok)
+        if self.is_candidate_source:
+            shared.candidates[span] = torch.cat(blocks)
+        return torch.cat(picks), torch.cat(valid)
 
     def close_all(self, x, positions, ropes, state: dict, meta: AttentionMetadata) -> None:
         """Close this KV source's groups for every token of the step (YOCO: the decoder's global KV is a projection
@@ -441,7 +458,8 @@ class MoE(nn.Module):
             flat = experts.flatten()
             order = flat.argsort(stable=True)
             n = ex.gate_up_proj.shape[0]
-            offs = torch.bincount(flat, minlength=n).cumsum(0).to(torch.int32)
+            counts = torch.zeros(n, dtype=torch.int32, device=x.device)
+            offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
             h = self._act(ex.grouped_mm(xin[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
             out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
             y.index_add_(0, order // k, out.float())
@@ -555,7 +573,7 @@ class DSparkStage(Block):
 # parameters DeepSeek keeps (or its reference computes) in float32 whatever the model dtype
 _FP32_SUFFIXES = ("attn_sink", "_fn", "_base", "_scale", "gate.bias", "norm.weight", "q_weight", "k_weight",
                   "confidence_head.proj.weight")
-_FP32_EXACT = ("head.weight",)
+_FP32_EXACT = ()
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -563,7 +581,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        return False        # TODO(graphs): host-sync-free decode path (experts' unique(), Engram on host)
+        """Decode is capturable when the experts take the grouped (host-sync-free) path and every Engram table
+        lives on the model's device (a host table is gathered on the host)."""
+        dev = self.embed.weight.device
+        return all(layer.ffn.experts.grouped for layer in self.layers) and all(
+            layer.engram.embed.weight.device == dev for layer in self.layers if layer.engram is not None)
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
                  quantized_caches: bool = True):
@@ -612,7 +634,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> "DeepseekV41ForCausalLM":
         """Cast to `dtype`, keeping what the reference keeps in float32 (mHC, sinks, norms, the router bias, the
-        ratio>1 compressors, the head — its logits come out float32) in float32."""
+        ratio>1 compressors) in float32; the head stays in `dtype` (bf16 as published), its logits are float32."""
         for name, p in self.named_parameters():
             if p.dtype.itemsize == 1:       # stored formats (the Engram tables) stay as they are
                 continue
@@ -777,4 +799,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         return out.index_copy_(0, rows, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.head.weight.float())
+        """float32 logits of the (bf16-published) head, as the reference computes them; on CUDA without a float32
+        copy of the head (products of bf16 values are exact, the sums float32 in both)."""
+        w = self.head.weight
+        if w.is_cuda and w.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16:
+            return torch.mm(hidden, w.t(), out_dtype=torch.float32)
+        return F.linear(hidden.float(), w.float())
