@@ -158,6 +158,14 @@ class Tokenizer:
         if not add_generation_prompt:
             raise ValueError("DeepSeek-V4 conversations are always encoded with the assistant turn opened "
                              "(add_generation_prompt=False is not supported)")
+        for i, m in enumerate(messages):
+            parts = m.get("content") if isinstance(m, dict) else None
+            for part in parts if isinstance(parts, list) else ():
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    # deepseek-recipe would encode an image as its placeholder token and the model would never see
+                    # the image: openinfer loads DeepSeek models text-only (no vision tower)
+                    raise ValueError(f"messages[{i}] has a {part.get('type')!r} content part: openinfer serves "
+                                     f"DeepSeek models text-only (the vision tower is not loaded)")
         try:
             conv = dr.ChatCompletionRequest({"model": self.deepseek_model, "messages": messages, **kwargs}).convert(
                 dr.ConversionOptions())

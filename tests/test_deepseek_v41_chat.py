@@ -221,3 +221,13 @@ def test_chat_frontend_encodes_and_parses_as_v41(v41, v41_dir):
     assert choice["message"]["reasoning_content"] == "I should call it"
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+
+
+def test_image_content_is_refused_not_dropped(v41_dir):
+    """The vision tower is not loaded: an image part must not silently become a bare placeholder token."""
+    tok = Tokenizer.from_dir(v41_dir)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(ValueError, match="text-only"):
+        tok.encode_chat(msgs)
+    assert tok.encode_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
