@@ -75,6 +75,9 @@ class EngineConfig:
     # v41_prefill_keep_tokens, its window attention truncated to them (DeepInfer's `compact` truncation, spec
     # 000 §5.5-5.6; prefix-cache hits then leave at least that many tokens to compute)
     v41_prefill_mode: str = "exact"
+    # DeepSeek-V4.1 Engram tables: "device" (GPU memory) or "host" (pinned host memory, read by the GPU in place:
+    # the released 2 x 98 GB tables; CPU engines keep them in host memory either way)
+    engram_tables: str = "device"
     v41_prefill_keep_tokens: int = 140
     # Structured output (docs/structured_output.md): worker threads compiling grammars, the longest a request
     # waits for its grammar before it fails, compiled grammars kept, whether JSON may hold free whitespace
@@ -133,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ValueError("attention_backend='triton' needs device='cuda'")
+        if self.engram_tables not in ("device", "host"):
+            raise ValueError(f"engram_tables must be 'device' or 'host', got {self.engram_tables!r}")
         if self.v41_prefill_mode not in ("exact", "yoco"):
             raise ValueError(f"v41_prefill_mode must be 'exact' or 'yoco', got {self.v41_prefill_mode!r}")
         if not isinstance(self.v41_prefill_keep_tokens, int) or self.v41_prefill_keep_tokens < 1:

@@ -57,7 +57,7 @@ class LLMEngine:
         model = build_model(self.model_dir, config.torch_dtype, self.parallel.device, backend, ops,
                             max_positions=config.max_model_len, dummy=config.load_format == "dummy",
                             quantization=config.quantization, parallel=self.parallel,
-                            kv_cache_dtype=config.kv_cache_dtype)
+                            kv_cache_dtype=config.kv_cache_dtype, engram_tables=config.engram_tables)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()

@@ -35,6 +35,8 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--v41-prefill-mode", choices=["exact", "yoco"], default="exact",
                        help="DeepSeek-V4.1: yoco = decoder layers over the prompt's last --v41-prefill-keep-tokens only"),
         g.add_argument("--v41-prefill-keep-tokens", type=int, default=140),
+        g.add_argument("--engram-tables", choices=["device", "host"], default="device",
+                       help="DeepSeek-V4.1: Engram tables in GPU memory or pinned host memory (read in place)"),
         g.add_argument("--prefill-step-budget-ms", type=float, default=None, metavar="MS",
                        help="size prefill chunks so each step's predicted time stays within MS (step cost fitted by "
                             "`openinfer calibrate`, or at start if missing)"),
@@ -88,7 +90,8 @@ def _make_llm(args):
                distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
                worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
                prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype,
-               v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens)
+               v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
+               engram_tables=args.engram_tables)
 
 
 def cmd_generate(args) -> int:

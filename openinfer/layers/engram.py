@@ -260,20 +260,33 @@ class EngramTable(nn.Module):
     """The FP8 hash table of one engram layer: weight float8_e4m3fn [rows, head_dim] with an E8M0
     scale per 32 values of a row (scale [rows, head_dim / 32])."""
 
-    def __init__(self, num_rows: int, head_dim: int, device=None):
+    def __init__(self, num_rows: int, head_dim: int, device=None, pin_memory: bool = False):
+        """`pin_memory`: a host table in pinned memory, which a CUDA step reads directly (`gathered_by_device`)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_rows, head_dim, dtype=torch.float8_e4m3fn, device=device,
+                                               pin_memory=pin_memory), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(num_rows, head_dim // ENGRAM_SCALE_BLOCK, dtype=torch.float8_e8m0fnu,
-                                              device=device), requires_grad=False)
+                                              device=device, pin_memory=pin_memory), requires_grad=False)
+
+    def gathered_by_device(self, device: torch.device) -> bool:
+        """Whether a step on `device` gathers rows itself (no host round trip; CUDA-graph safe): the table is on
+        that device, or in pinned host memory a CUDA device reads through unified addressing."""
+        return self.weight.device == device or (device.type == "cuda" and self.weight.device.type == "cpu"
+                                                 and self.weight.is_pinned() and self.scale.is_pinned())
 
     def lookup(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Rows of hash_ids [...] dequantized to bf16 on `device`: [..., head_dim]. Gathered where the
-        table lives (hash ids moved there first); only the FP8 rows and their scales travel."""
-        # blocking: a host-side table must see the ids before gathering (an async D2H copy could race)
-        idx = hash_ids.to(self.weight.device)
-        values = self.weight[idx].to(device, non_blocking=True)
-        scales = self.scale[idx].to(device, non_blocking=True)
+        """Rows of hash_ids [...] dequantized to bf16 on `device`: [..., head_dim]. A pinned host table is read
+        by a CUDA kernel in place (triton_engram); any other table is gathered where it lives (hash ids moved
+        there first) and only the FP8 rows and their scales travel."""
+        if self.weight.device != device and self.gathered_by_device(device):
+            from openinfer.layers.triton_engram import gather_rows
+
+            values, scales = gather_rows(self.weight, self.scale, hash_ids.to(device))
+        else:
+            # blocking: a host-side table must see the ids before gathering (an async D2H copy could race)
+            idx = hash_ids.to(self.weight.device)
+            values = self.weight[idx].to(device, non_blocking=True)
+            scales = self.scale[idx].to(device, non_blocking=True)
         values = values.float().unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scales.float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 

@@ -19,7 +19,7 @@ import torch
 
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.layers.basic import LayerOps
-from openinfer.layers.engram import EngramLayout, NgramHasher, compressed_token_map
+from openinfer.layers.engram import EngramLayout, EngramTable, NgramHasher, compressed_token_map
 from openinfer.models.deepseek_v4 import Experts
 from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from openinfer.models.deepseek_v41_config import INFERENCE_FORM_KEYS, DeepseekV41Config
@@ -75,7 +75,9 @@ def _token_map(path: str, mtime_ns: int, size: int) -> tuple[torch.Tensor, int]:
 
 def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
                        max_positions: int | None, dummy: bool, ops: LayerOps,
-                       parallel: ParallelContext, quantized_caches: bool = True) -> DeepseekV41ForCausalLM:
+                       parallel: ParallelContext, quantized_caches: bool = True,
+                       engram_on_host: bool = False) -> DeepseekV41ForCausalLM:
+    """`engram_on_host`: Engram tables in pinned host memory (CUDA reads them in place), the rest on `device`."""
     if parallel.tp_size > 1 or parallel.ep_size > 1:
         raise ValueError("DeepSeek-V4.1 runs with data_parallel_size only for now (tensor and expert "
                          "parallelism are not wired for it yet)")
@@ -102,7 +104,15 @@ def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
 
         load_weights(model, ((n, torch.empty(t.shape, dtype=_stored_dtype(t), device="meta"))
                              for n, t in headers.items()), dry_run=True)
+    host_tables = []
+    if engram_on_host and device.type == "cuda":       # never allocated on the GPU, not even briefly
+        for layer in model.layers:
+            if layer.engram is not None:
+                host_tables.append((layer.engram, *layer.engram.embed.weight.shape))
+                del layer.engram.embed
     model = model.to_empty(device=device)
+    for module, rows, head_dim in host_tables:
+        module.embed = EngramTable(rows, head_dim, device="cpu", pin_memory=True)
     for rope in model.ropes.values():
         rope.reset(device)
     if dummy:

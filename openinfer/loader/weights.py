@@ -41,7 +41,7 @@ def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Itera
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                 ops: LayerOps = TORCH_OPS, max_positions: int | None = None, dummy: bool = False,
                 quantization: str | None = None,
-                parallel: ParallelContext | None = None, kv_cache_dtype: str = "auto"
+                parallel: ParallelContext | None = None, kv_cache_dtype: str = "auto", engram_tables: str = "device"
                 ) -> LlamaForCausalLM | Gemma3ForCausalLM | DeepseekV4ForCausalLM:
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
@@ -61,7 +61,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4.1 models (their "
                              f"published FP8/MXFP4 formats load as they are)")
         return build_deepseek_v41(model_dir, hf, dtype, device, max_positions, dummy, ops, parallel,
-                                  quantized_caches=kv_cache_dtype == "auto")
+                                  quantized_caches=kv_cache_dtype == "auto", engram_on_host=engram_tables == "host")
     if hf.get("model_type") == "deepseek_v4":
         if quantization:
             raise ValueError(f"quantization={quantization!r} is not supported for DeepSeek-V4 models")

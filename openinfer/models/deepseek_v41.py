@@ -581,11 +581,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode is capturable when the experts take the grouped (host-sync-free) path and every Engram table
-        lives on the model's device (a host table is gathered on the host)."""
+        """Decode is capturable when the experts take the grouped (host-sync-free) path and the device gathers every
+        Engram table's rows itself (on the device, or in pinned host memory)."""
         dev = self.embed.weight.device
         return all(layer.ffn.experts.grouped for layer in self.layers) and all(
-            layer.engram.embed.weight.device == dev for layer in self.layers if layer.engram is not None)
+            layer.engram.embed.gathered_by_device(dev) for layer in self.layers if layer.engram is not None)
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
                  quantized_caches: bool = True):
