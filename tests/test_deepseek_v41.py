@@ -410,6 +410,10 @@ def test_yoco_prefill_equals_exact_once_the_tail_covers_the_truncation(v41, unqu
         (out, ours), = run_recording(engine, [prompt], params, budgets=budgets, seed=budgets[0])
         assert out.outputs[0].token_ids == exact.outputs[0].token_ids
         torch.testing.assert_close(ours[len(prompt) - 1:], ref, atol=1e-4, rtol=0)
+    # keep >= the prompt: every prompt token runs the decoder, logits of every position equal exact's
+    (_, short_exact), = run_recording(unquantized_engine, [prompt[:50]], params, budgets=(40, 40))
+    (_, short_yoco), = run_recording(engine, [prompt[:50]], params, budgets=(40, 40))
+    torch.testing.assert_close(short_yoco, short_exact, atol=1e-4, rtol=0)
     short = v41_engine(dequantized, kv_cache_dtype="float32", v41_prefill_mode="yoco", v41_prefill_keep_tokens=32)
     (_, ours), = run_recording(short, [prompt], params, budgets=(40, 40))
     assert 1e-4 < rel(ours[len(prompt) - 1:], ref) < 0.05
