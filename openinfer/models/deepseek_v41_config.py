@@ -20,7 +20,7 @@ where both are given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 _HF_NAMES = {
     "hidden_size": "dim", "num_hidden_layers": "n_layers", "moe_intermediate_size": "moe_inter_dim",
@@ -34,55 +34,62 @@ INFERENCE_FORM_KEYS = ("dim", "n_layers", "kv_source_layers")
 
 @dataclass
 class DeepseekV41Config:
-    vocab_size: int = 129280
-    dim: int = 5120
-    moe_inter_dim: int = 2304
-    n_layers: int = 40
-    n_heads: int = 64
-    n_routed_experts: int = 384
+    """Every model-shape key is required (a config that lacks one is refused, never filled with a guess); the
+    optional features (candidates, Engram, DSpark, published formats) default to off."""
+    # shape: embedding, attention, experts
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    n_routed_experts: int
+    n_activated_experts: int
+    moe_inter_dim: int
+    route_scale: float
+    swiglu_limit: float
+    norm_eps: float
+    # the CSA2 schedule and its lightning indexer
+    compress_ratios: list[int]          # backbone + DSpark layers, as released
+    kv_source_layers: list[int]
+    index_source_layers: list[int]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    # RoPE: window layers at rope_theta; compressed layers at compress_rope_theta with YaRN past original_seq_len
+    rope_theta: float
+    compress_rope_theta: float
+    original_seq_len: int
+    rope_factor: float
+    beta_fast: int
+    beta_slow: int
+    # hyper-connections
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    # optional features
     n_shared_experts: int = 1
-    n_activated_experts: int = 6
     score_func: str = "sqrtsoftplus"
-    route_scale: float = 1.5
-    swiglu_limit: float = 10.0
-    q_lora_rank: int = 1280
-    head_dim: int = 512
-    rope_head_dim: int = 64
-    norm_eps: float = 1e-20
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    window_size: int = 128
-    compress_ratios: list[int] = field(default_factory=list)   # backbone + DSpark layers, as released
-    kv_source_layers: list[int] = field(default_factory=list)
-    index_source_layers: list[int] = field(default_factory=list)
-    compress_rope_theta: float = 160000.0
-    original_seq_len: int = 65536
-    rope_theta: float = 10000.0
-    rope_factor: float = 16.0
-    beta_fast: int = 32
-    beta_slow: int = 1
-    index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 512
-    candidate_source_layer: int = -1
+    candidate_source_layer: int = -1     # two-level top-k off
     candidate_topk_blocks: int = 0
     candidate_block_size: int = 0
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    engram_layer_ids: list[int] = field(default_factory=list)
+    engram_layer_ids: list[int] = field(default_factory=list)    # Engram off
     engram_num_embeddings: list[int] = field(default_factory=list)
     engram_vocab_size: int = 0
-    engram_max_ngram_size: int = 1
+    engram_max_ngram_size: int = 0
     engram_n_heads: int = 0
     engram_head_dim: int = 0
-    engram_pad_id: int = 2
+    engram_pad_id: int = 0
     engram_compressed_vocab_size: int = 0
-    n_mtp_layers: int = 0
+    n_mtp_layers: int = 0                # DSpark draft stages
     dspark_block_size: int = 0
     dspark_noise_token_id: int = 0
     dspark_target_layer_ids: list[int] = field(default_factory=list)
-    dspark_markov_rank: int = 256
+    dspark_markov_rank: int = 0
     dspark_n_routed_experts: int = 0
     dspark_n_activated_experts: int = 0
     dtype: str = "bf16"                  # "fp8": dense weights published FP8 (32x32 E8M0 blocks)
@@ -98,6 +105,11 @@ class DeepseekV41Config:
             if hf_name in d and name not in d:
                 d[name] = d[hf_name]
         known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                   and f.name not in d]
+        if missing:
+            raise ValueError(f"this DeepSeek-V4.1 config.json lacks {missing} (the released inference config has "
+                             f"every one of them)")
         cfg = cls(**{k: v for k, v in d.items() if k in known})
         for name in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
                      "engram_num_embeddings", "dspark_target_layer_ids"):
@@ -219,6 +231,9 @@ class DeepseekV41Config:
                                  "a multiple of 32 (one E8M0 scale per 32 values)")
             if self.engram_compressed_vocab_size < 1:
                 raise ValueError("engram needs engram_compressed_vocab_size (the tokenizer's compressed vocabulary)")
+        if self.dspark_block_size and self.n_mtp_layers and (self.dspark_markov_rank < 1
+                                                             or not self.dspark_target_layer_ids):
+            raise ValueError("DSpark stages need dspark_markov_rank >= 1 and dspark_target_layer_ids")
         if self.dim % self.o_groups or (self.n_heads * self.head_dim) % self.o_groups:
             raise ValueError(f"o_groups {self.o_groups} must divide the heads' width")
         if self.head_dim % 32 or self.index_head_dim % 32 or self.rope_head_dim % 2:
