@@ -1,40 +1,60 @@
-"""CUDA attention backend: a Triton paged-decode kernel; prefill chunks run through the reference path.
+"""CUDA attention backend: Triton kernels that read K/V straight from the paged cache (no gather copy).
 
-Decode reads K/V straight from the paged cache (no gather copy): one program per (sequence, KV head, split)
-walks its share of the sequence's pages with an online softmax, and the query heads sharing that KV head
-ride together as the rows of one tile (GQA without expanding K/V). With few sequences the context is split
-across programs (flash-decoding) and a second kernel merges the partial softmaxes. Tested against
-`TorchPagedAttention` (tests/test_gpu.py).
+- Decode rows: one program per (sequence, KV head, split) walks its share of the sequence's pages with an
+  online softmax; the query heads sharing that KV head ride together as the rows of one tile (GQA without
+  expanding K/V). With few sequences the context is split across programs (flash-decoding) and a second
+  kernel merges the partial softmaxes.
+- Prefill chunks (varlen): one launch per layer for every chunk of the step. A program owns BLOCK_M new
+  tokens of one chunk and one query head, and walks that chunk's pages up to its last query's position:
+  blocks wholly before the tile's first query need no mask, only the diagonal blocks (and, with a sliding
+  window, the blocks at the window's edge) are masked. A prefix-cache hit is just a context longer than the
+  chunk: nothing is gathered into contiguous tensors first.
+- Sliding windows (a query at p sees keys p-W < j <= p, as `TorchPagedAttention`) and the FP8 KV cache (e4m3
+  entries with one float32 scale per token, K/V and head: `quantization.kv_formats.fp8_kv_quantize`) in both
+  kernels: the scales multiply the scores and the probabilities, so no dequantized copy is made.
+
+Every kernel is tested against `TorchPagedAttention` (tests/test_paged_prefill.py runs them in Triton's
+interpreter on the CPU; tests/test_gpu.py on the GPU).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from openinfer.device_io import h2d
 from openinfer.layers.attention import AttentionMetadata, TorchPagedAttention
 from openinfer.layers.triton_ops import write_kv as triton_write_kv
+from openinfer.layers.triton_ops import write_kv_fp8 as triton_write_kv_fp8
+
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    scale,
+    q_ptr, cache_ptr, scale_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    sm_scale, window,
     stride_qb, stride_qh,
     stride_cblock, stride_cpos, stride_ckv, stride_ch,
+    stride_sblock, stride_spos, stride_skv, stride_sh,
     stride_tb,
     stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(ctx_len - window, 0)
     # this program's share of the context (flash-decoding split when few sequences would leave SMs idle)
-    chunk = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    chunk = tl.cdiv(tl.cdiv(ctx_len - first, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, ctx_len)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -48,17 +68,24 @@ def _paged_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         valid = pos < hi
-        page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=valid, other=0)
-        base = page.to(tl.int64) * stride_cblock + (pos % PAGE) * stride_cpos + kvh * stride_ch
+        page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        base = page * stride_cblock + (pos % PAGE) * stride_cpos + kvh * stride_ch
         k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(cache_ptr + base[:, None] + stride_ckv + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        if FP8:
+            sbase = page * stride_sblock + (pos % PAGE) * stride_spos + kvh * stride_sh
+            s = s * tl.load(scale_ptr + sbase, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if FP8:
+            p = p * tl.load(scale_ptr + sbase + stride_skv, mask=valid, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS == 1:
         out = acc / l_i[:, None]
@@ -92,21 +119,47 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def _num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Enough programs to cover the SMs about twice; 1 when the batch already does."""
-    idx = device.index or 0
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(device).multi_processor_count
-    want = 2 * _NUM_SMS[idx] // max(1, batch * kv_heads)
+    """Enough programs to cover the SMs about twice; 1 when the batch already does (Triton's CPU interpreter:
+    as for a GPU of 8 SMs, so tests there exercise the split path)."""
+    if device.type != "cuda":
+        sms = 8
+    else:
+        idx = device.index or 0
+        if idx not in _NUM_SMS:
+            _NUM_SMS[idx] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _NUM_SMS[idx]
+    want = 2 * sms // max(1, batch * kv_heads)
     return 1 if want < 2 else min(16, triton.next_power_of_2(want))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 models attend in true fp32 (the reference's numbers); bf16/fp16 in the tensor cores' own format."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_head_dim(d: int) -> None:
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim >= 16, got {d}; "
+                         f"use attention_backend='torch'")
+
+
+def _scale_args(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> tuple:
+    """(scale tensor, its four strides) for the kernels; the cache itself stands in when there are no scales."""
+    if kv_scale is None:
+        return (kv_cache, 0, 0, 0, 0)
+    return (kv_scale, *kv_scale.stride())
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, window: int | None = None,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence); kv_cache [blocks, page, 2, KVH, D]; block_tables [B, max_blocks];
-    context_lens [B] (>= 1). Writes and returns out [B, H, D]."""
+    context_lens [B] (>= 1); `window`: sliding window (each row attends to its last `window` positions);
+    kv_scale [blocks, page, 2, KVH] float32 for an FP8 cache. Writes and returns out [B, H, D]."""
     B, H, D = q.shape
     _, page, _, kvh, _ = kv_cache.shape
+    _check_head_dim(D)
     group = H // kvh
     block_n = min(64, page) if D >= 128 else min(128, page)
     splits = num_splits or _num_splits(B, kvh, q.device)
@@ -116,14 +169,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_ml = torch.empty(B * H * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out
+    sargs = _scale_args(kv_scale, kv_cache)
     _paged_decode_kernel[(B, kvh, splits)](
-        q, kv_cache, block_tables, context_lens, out, part_acc, part_ml, scale,
+        q, kv_cache, sargs[0], block_tables, context_lens, out, part_acc, part_ml,
+        scale, window or 0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *sargs[1:],
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PAGE=page,
-        BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, SPLITS=splits, WINDOWED=window is not None, FP8=kv_scale is not None,
+        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(B, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H=H, HEAD_DIM=D,
@@ -131,16 +188,202 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
+@triton.jit
+def _attend_block(q, acc, m_i, l_i, start, end, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
+                  stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off,
+                  d, n, PAGE: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Keys [start, start + BLOCK_N) (only those before `end` exist) into the online softmax, scores in log2
+    units. Unmasked blocks lie wholly inside every query's causal (and window) range."""
+    pos = start + n
+    if MASKED:
+        exists = pos < end
+        page = tl.load(tables_row + pos // PAGE, mask=exists, other=0).to(tl.int64)
+    else:
+        page = tl.load(tables_row + pos // PAGE).to(tl.int64)
+    base = page * stride_cblock + (pos % PAGE) * stride_cpos + kv_off
+    if MASKED:
+        k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=exists[:, None], other=0.0)
+    else:
+        k = tl.load(cache_ptr + base[:, None] + d[None, :])
+    if FP8:
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if FP8:
+        sbase = page * stride_sblock + (pos % PAGE) * stride_spos + s_off
+        s = s * tl.load(scale_ptr + sbase)[None, :]
+    if MASKED:
+        visible = pos[None, :] <= q_pos[:, None]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:   # a row that has seen no key yet keeps m = -inf; exponents against 0 then give exact zeros
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(cache_ptr + base[:, None] + stride_ckv + d[None, :], mask=exists[:, None], other=0.0)
+    else:
+        v = tl.load(cache_ptr + base[:, None] + stride_ckv + d[None, :])
+    if FP8:
+        v = v.to(q.dtype)
+        p = p * tl.load(scale_ptr + sbase + stride_skv)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, cache_ptr, scale_ptr, tables_ptr, chunk_info_ptr, tile_info_ptr, out_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh,
+    stride_cblock, stride_cpos, stride_ckv, stride_ch,
+    stride_sblock, stride_spos, stride_skv, stride_sh,
+    stride_tb,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    chunk = tl.load(tile_info_ptr + 2 * tile)
+    m0 = tl.load(tile_info_ptr + 2 * tile + 1)             # first new token of the tile, within its chunk
+    q_start = tl.load(chunk_info_ptr + 3 * chunk)
+    q_len = tl.load(chunk_info_ptr + 3 * chunk + 1)
+    ctx_len = tl.load(chunk_info_ptr + 3 * chunk + 2)
+    kvh = h // GROUP
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    q_pos = ctx_len - q_len + rows                          # absolute positions of the tile's queries
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    tables_row = tables_ptr + chunk.to(tl.int64) * stride_tb
+    first_q = ctx_len - q_len + m0
+    last_q = ctx_len - q_len + tl.minimum(m0 + BLOCK_M, q_len) - 1
+    kv_off = kvh * stride_ch
+    s_off = kvh * stride_sh
+    if WINDOWED:
+        # keys (first_q - window, last_q]: all masked (the window's edge moves with the query), few blocks
+        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, last_q + 1, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
+                stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
+                PAGE, True, True, FP8, PRECISION)
+    else:
+        # keys every query of the tile sees, then the diagonal blocks
+        full_hi = (first_q + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
+                stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
+                PAGE, False, False, FP8, PRECISION)
+        for start in range(full_hi, last_q + 1, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
+                stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
+                PAGE, True, False, FP8, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _prefill_tiles(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): what fits Hopper's shared memory per head size and dtype.
+    A key block may span pages (each key row finds its own page), so any page size works."""
+    wide = head_dim * (4 if dtype == torch.float32 else 2)      # bytes per K or V row
+    if wide <= 128:
+        bm, bn, warps, stages = 128, 64, 4, 3
+    elif wide <= 256:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    return bm, bn, warps, stages
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                            chunk_info: torch.Tensor, tile_info: torch.Tensor, scale: float, out: torch.Tensor,
+                            block_m: int, window: int | None = None,
+                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen paged prefill. q/out [T, H, D] (rows of the whole step); tables [chunks, max_blocks];
+    chunk_info [chunks, 3] int32 (first row in q, new tokens, context length after this step); tile_info
+    [tiles, 2] int32 (chunk, first new token of the tile), tiles of `block_m` tokens (see `prefill_tile_plan`).
+    Only the rows of the chunks are written."""
+    T, H, D = q.shape
+    _, page, _, kvh, _ = kv_cache.shape
+    _check_head_dim(D)
+    assert tile_info.dim() == 2 and tile_info.shape[1] == 2 and chunk_info.shape[1] == 3
+    bm, bn, warps, stages = _prefill_tiles(D, q.dtype, page)
+    assert block_m == bm, "tile_info was planned for another BLOCK_M"
+    sargs = _scale_args(kv_scale, kv_cache)
+    _paged_prefill_kernel[(tile_info.shape[0], H)](
+        q, kv_cache, sargs[0], tables, chunk_info, tile_info, out,
+        scale * _LOG2E, window or 0,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *sargs[1:],
+        tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=H // kvh, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, WINDOWED=window is not None,
+        FP8=kv_scale is not None, PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def prefill_tile_plan(chunks: list[tuple[int, int, int]], block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """chunk_info [chunks, 3] and tile_info [tiles, 2] (int32) for (first row, new tokens, context length)
+    chunks. Tiles are ordered by how many keys they read, most first: the long ones start early and the short
+    ones fill the gaps at the end of the launch."""
+    chunk_info = np.asarray(chunks, dtype=np.int32).reshape(-1, 3)
+    tiles = [(c, m0, ctx - n + min(m0 + block_m, n)) for c, (_, n, ctx) in enumerate(chunks)
+             for m0 in range(0, n, block_m)]
+    tiles.sort(key=lambda t: -t[2])
+    tile_info = np.asarray([t[:2] for t in tiles], dtype=np.int32).reshape(-1, 2)
+    return chunk_info, tile_info
+
+
 class TritonPagedAttention(TorchPagedAttention):
-    """KV write and decode rows through Triton kernels; prefill chunks through the reference (SDPA) path.
-    No sliding windows yet (the decode kernel has no window bound): models with window layers refuse this
-    backend at build time and name attention_backend='torch' instead."""
+    """KV write, decode rows and prefill chunks through the Triton kernels above; sliding windows and the FP8
+    KV cache in all of them."""
 
-    supports_window = False
+    supports_window = True
+    supports_fp8_kv = True
 
-    def write(self, kv_cache, slot_mapping, k, v):
-        triton_write_kv(kv_cache, slot_mapping, k, v)
+    def write(self, kv_cache, slot_mapping, k, v, kv_scale=None):
+        if kv_scale is None:
+            triton_write_kv(kv_cache, slot_mapping, k, v)
+        else:
+            triton_write_kv_fp8(kv_cache, kv_scale, slot_mapping, k, v)
 
-    def decode_into(self, q, kv_cache, meta: AttentionMetadata, scale, out):
+    def decode_into(self, q, kv_cache, meta: AttentionMetadata, scale, out, window=None, kv_scale=None):
         nd = meta.num_decode_tokens
-        paged_decode_attention(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out[:nd])
+        paged_decode_attention(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                               out[:nd], window=window, kv_scale=kv_scale)
+
+    def prefill_into(self, q, kv_cache, meta: AttentionMetadata, scale, out, window=None, kv_scale=None):
+        block_m = _prefill_tiles(q.shape[-1], q.dtype, kv_cache.shape[1])[0]
+        tables, chunk_info, tile_info = self._prefill_plan(meta, block_m)
+        paged_prefill_attention(q, kv_cache, tables, chunk_info, tile_info, scale, out, block_m, window=window,
+                                kv_scale=kv_scale)
+
+    @staticmethod
+    def _prefill_plan(meta: AttentionMetadata, block_m: int):
+        """The step's prefill chunks as kernel arguments, made once per step (every layer reuses them)."""
+        plans = meta.__dict__.setdefault("_prefill_plans", {})
+        if block_m not in plans:
+            chunks = [(p.query_start, p.query_len, p.context_len) for p in meta.prefills]
+            chunk_info, tile_info = prefill_tile_plan(chunks, block_m)
+            dev = meta.slot_mapping.device
+            both = h2d(torch.from_numpy(np.concatenate([chunk_info.ravel(), tile_info.ravel()])), dev)
+            tables = torch.nn.utils.rnn.pad_sequence([p.block_ids for p in meta.prefills], batch_first=True)
+            plans[block_m] = (tables, both[:chunk_info.size].view(-1, 3), both[chunk_info.size:].view(-1, 2))
+        return plans[block_m]

@@ -112,6 +112,47 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 
 
 @triton.jit
+def _fp8_row(x, FP8_MAX: tl.constexpr):
+    """One K or V row quantized as `quantization.kv_formats.fp8_kv_quantize` does: scale = amax / 448 (1 for an
+    all-zero row), x / scale clamped to +-448, rounded to nearest even."""
+    scale = tl.max(tl.abs(x), 0) / FP8_MAX
+    scale = tl.where(scale == 0, 1.0, scale)
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _write_kv_fp8_kernel(k_ptr, v_ptr, cache_ptr, scale_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_cslot, stride_ckv, stride_ch, stride_sslot, stride_skv, stride_sh,
+                         D: tl.constexpr, FP8_MAX: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, D)
+    k8, ks = _fp8_row(tl.load(k_ptr + t * stride_kt + h * stride_kh + d).to(tl.float32), FP8_MAX)
+    v8, vs = _fp8_row(tl.load(v_ptr + t * stride_vt + h * stride_vh + d).to(tl.float32), FP8_MAX)
+    dst = cache_ptr + slot * stride_cslot + h * stride_ch + d
+    tl.store(dst, k8)
+    tl.store(dst + stride_ckv, v8)
+    sdst = scale_ptr + slot * stride_sslot + h * stride_sh
+    tl.store(sdst, ks)
+    tl.store(sdst + stride_skv, vs)
+
+
+def write_kv_fp8(kv_cache: torch.Tensor, kv_scale: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """FP8 KV cache: quantize new K/V rows [T, KVH, D] per (token, K/V, head) into the e4m3 cache
+    [blocks, page, 2, KVH, D] and their scales into kv_scale [blocks, page, 2, KVH] (float32), in one launch."""
+    T, H, D = k.shape
+    if T:
+        flat = kv_cache.view(-1, *kv_cache.shape[2:])
+        sflat = kv_scale.view(-1, *kv_scale.shape[2:])
+        _write_kv_fp8_kernel[(T, H)](k, v, flat, sflat, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                                     v.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), sflat.stride(0),
+                                     sflat.stride(1), sflat.stride(2), D=D, FP8_MAX=448.0)
+
+
+@triton.jit
 def _hc_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_m, iters, eps,
                        N: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
