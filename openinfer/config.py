@@ -23,6 +23,10 @@ _DTYPES = {
 }
 
 
+# kv_cache_dtype values for the FP8 KV cache of the Llama family and Gemma-3 (vLLM's names; docs/kv_cache_fp8.md)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def default_cache_dir() -> Path:
     """`OPENINFER_CACHE` if set, else `~/.cache/openinfer`."""
     env = os.environ.get("OPENINFER_CACHE")
@@ -68,7 +72,9 @@ class EngineConfig:
     quantize_activations: bool = True
     # how KV caches store their entries: "auto" = the model's own format (DeepSeek-V4.1: FP8 window keys, FP4
     # compressed entries and indexer keys, as DeepSeek stores them; other models: the model dtype); a dtype name
-    # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md)
+    # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md);
+    # "fp8" (alias "fp8_e4m3"), Llama family and Gemma-3 on the torch attention backend: K/V in FP8 E4M3 with a
+    # float32 scale per token, K/V and KV head (docs/kv_cache_fp8.md)
     kv_cache_dtype: str = "auto"
     # DeepSeek-V4.1 prefill (docs/deepseek_v41.md): "exact" runs every layer over every prompt token (DeepSeek's
     # reference); "yoco" runs the encoder over every token and the decoder only over the last
@@ -142,8 +148,9 @@ class EngineConfig:
             raise ValueError(f"v41_prefill_mode must be 'exact' or 'yoco', got {self.v41_prefill_mode!r}")
         if not isinstance(self.v41_prefill_keep_tokens, int) or self.v41_prefill_keep_tokens < 1:
             raise ValueError(f"v41_prefill_keep_tokens must be an integer >= 1, got {self.v41_prefill_keep_tokens!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *FP8_KV_CACHE_DTYPES, *_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be 'auto', one of {list(FP8_KV_CACHE_DTYPES)} or one of "
+                             f"{sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.quantization not in (None, "int4"):

@@ -11,6 +11,12 @@ prefill chunk then runs on its own with a causal mask offset by the tokens alrea
 Sliding windows (`window=W` in `forward`, per layer): a query at position p sees keys at positions
 p-W < j <= p (W keys counting itself), HF transformers' `sliding_window_overlay` convention. Keys before the
 window stay in the cache and are masked out; `window=None` is plain causal attention.
+
+FP8 KV cache (`kv_scale=` in `forward`, kv_cache_dtype="fp8", docs/kv_cache_fp8.md): the cache holds E4M3
+values and `kv_scale` [num_blocks, block_size, 2, num_kv_heads] one float32 scale per token, K/V and KV head
+(`quantization.kv_formats.fp8_kv_quantize`). New K/V are quantized as they are written; every read (decode
+rows and prefill chunks alike, the chunk's own tokens included) dequantizes to q's dtype, so attention is
+exactly attention over the dequantized K/V, whatever the chunking or prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from openinfer.kv_cache.spec import PagedCacheSpec
+from openinfer.quantization.kv_formats import fp8_kv_dequantize, fp8_kv_quantize
 
 
 def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -84,48 +93,81 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the new tokens; writes k/v into kv_cache; returns [T, H, D].
         `window`: sliding-window size of this layer (None: full causal attention). Backends whose class
-        attribute `supports_window` is False raise on a window."""
+        attribute `supports_window` is False raise on a window. `kv_scale`: the layer's FP8 scale cache
+        (kv_cache is then float8_e4m3fn); only backends whose `supports_fp8_kv` is True are given one."""
         ...
 
 
-def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    rows = kv_cache.view(-1, kv_cache[0, 0].numel())
-    rows.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype).view(len(slot_mapping), -1))
+def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   fp8: bool = False) -> list[PagedCacheSpec]:
+    """The paged caches this backend reads: "kv" [2, KVH, D] per token in `dtype`, or with `fp8` in
+    float8_e4m3fn plus "kv_scale" [2, KVH] float32 (one scale per token, K/V and KV head)."""
+    if not fp8:
+        return [PagedCacheSpec("kv", num_layers, (2, num_kv_heads, head_dim), dtype)]
+    return [PagedCacheSpec("kv", num_layers, (2, num_kv_heads, head_dim), torch.float8_e4m3fn),
+            PagedCacheSpec("kv_scale", num_layers, (2, num_kv_heads), torch.float32)]
 
 
-def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V at `slots` [..., L] -> two [..., L, KVH, D] views (index_select on rows: a fast gather)."""
-    rows = kv_cache.view(-1, kv_cache[0, 0].numel())
-    ctx = rows.index_select(0, slots.reshape(-1)).view(*slots.shape, *kv_cache.shape[2:])
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """[slots, entry] view of a paged cache [blocks, page, *entry]; FP8 as bytes (CPU index_copy_ has no FP8)."""
+    rows = cache.view(-1, cache[0, 0].numel())
+    return rows.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else rows
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Scatter new K/V [T, KVH, D] into the cache at flat slots; with `kv_scale` (FP8 cache) quantized per
+    row by fp8_kv_quantize, the scales [T, 2, KVH] to the same slots of kv_scale."""
+    kv = torch.stack((k, v), dim=1)
+    if kv_scale is not None:
+        kv, s = fp8_kv_quantize(kv)
+        _rows(kv_scale).index_copy_(0, slot_mapping, s.view(len(slot_mapping), -1))
+    rows = _rows(kv_cache)
+    rows.index_copy_(0, slot_mapping, kv.to(kv_cache.dtype).view(rows.dtype).view(len(slot_mapping), -1))
+
+
+def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at `slots` [..., L] -> two [..., L, KVH, D] views (index_select on rows: a fast gather).
+    With `kv_scale` (FP8 cache): dequantized to `dtype` by fp8_kv_dequantize."""
+    flat = slots.reshape(-1)
+    ctx = _rows(kv_cache).index_select(0, flat)
+    if kv_scale is not None:
+        ctx = fp8_kv_dequantize(ctx.view(torch.float8_e4m3fn).view(-1, *kv_cache.shape[2:]),
+                                _rows(kv_scale).index_select(0, flat).view(-1, *kv_scale.shape[2:]), dtype)
+    ctx = ctx.view(*slots.shape, *kv_cache.shape[2:])
     return ctx[..., 0, :, :], ctx[..., 1, :, :]
 
 
 class TorchPagedAttention:
     """Reference backend (see module docstring). Faster backends override `write`, `decode_into`,
-    `prefill_into`. A window is passed on only when set, so a subclass without window support keeps its
-    signatures (and sets `supports_window = False`)."""
+    `prefill_into`. A window and an FP8 scale cache are passed on only when set, so a subclass without
+    window or FP8 support keeps its signatures (and sets `supports_window` / `supports_fp8_kv` False)."""
 
     supports_window = True
+    supports_fp8_kv = True
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
-        self.write(kv_cache, meta.slot_mapping, k, v)
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scale=None):
+        fp8 = {} if kv_scale is None else {"kv_scale": kv_scale}
+        self.write(kv_cache, meta.slot_mapping, k, v, **fp8)
         out = torch.empty_like(q)
-        extra = {} if window is None else {"window": window}
+        extra = fp8 if window is None else {**fp8, "window": window}
         if meta.num_decode_tokens:
             self.decode_into(q, kv_cache, meta, scale, out, **extra)
         if meta.prefills:
             self.prefill_into(q, kv_cache, meta, scale, out, **extra)
         return out
 
-    def write(self, kv_cache, slot_mapping, k, v):
-        write_kv(kv_cache, slot_mapping, k, v)
+    def write(self, kv_cache, slot_mapping, k, v, kv_scale=None):
+        write_kv(kv_cache, slot_mapping, k, v, kv_scale)
 
-    def decode_into(self, q, kv_cache, meta, scale, out, window=None):
+    def decode_into(self, q, kv_cache, meta, scale, out, window=None, kv_scale=None):
         nd = meta.num_decode_tokens
-        keys, vals = gather_kv(kv_cache, meta.decode_context_slots)     # [B, L, KVH, D]
+        keys, vals = gather_kv(kv_cache, meta.decode_context_slots, kv_scale, q.dtype)    # [B, L, KVH, D]
         kvh = keys.shape[2]
         valid = meta.decode_valid if window is None else meta.decode_window_valid(window)
         # The H/KVH query heads sharing a KV head ride as that head's query rows: no K/V expansion.
@@ -134,16 +176,16 @@ class TorchPagedAttention:
                                            attn_mask=valid[:, None, None, :], scale=scale)
         out[:nd] = o.reshape(nd, *q.shape[1:])
 
-    def prefill_into(self, q, kv_cache, meta, scale, out, window=None):
+    def prefill_into(self, q, kv_cache, meta, scale, out, window=None, kv_scale=None):
         if q.is_cuda:
             # Not cuDNN: it plans a graph per new (query, context) shape, and prefill chunk shapes rarely repeat.
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                return self._prefill_into(q, kv_cache, meta, scale, out, window)
-        return self._prefill_into(q, kv_cache, meta, scale, out, window)
+                return self._prefill_into(q, kv_cache, meta, scale, out, window, kv_scale)
+        return self._prefill_into(q, kv_cache, meta, scale, out, window, kv_scale)
 
-    def _prefill_into(self, q, kv_cache, meta, scale, out, window=None):
+    def _prefill_into(self, q, kv_cache, meta, scale, out, window=None, kv_scale=None):
         for p in meta.prefills:
-            keys, vals = gather_kv(kv_cache, p.context_slots)               # [L, KVH, D]
+            keys, vals = gather_kv(kv_cache, p.context_slots, kv_scale, q.dtype)     # [L, KVH, D]
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             rows = slice(p.query_start, p.query_start + p.query_len)
             qs = q[rows].transpose(0, 1)                                     # [H, q, D]

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from openinfer.config import FP8_KV_CACHE_DTYPES
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.layers.attention import AttentionBackend
 from openinfer.layers.basic import TORCH_OPS, LayerOps
@@ -19,6 +20,7 @@ from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_
 from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 from openinfer.models.gemma3 import SUPPORTED_MODEL_TYPES as GEMMA3_MODEL_TYPES
 from openinfer.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from openinfer.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -46,14 +48,18 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     """`dummy`: random weights (normal, std 0.02) instead of the checkpoint, for benchmarks of a shape.
     `quantization="int4"`: linears are quantized from the full-precision checkpoint weights, then the rest
     is cast to `dtype`. `parallel`: this rank's place (TP shards, EP experts); None: one process.
-    `kv_cache_dtype`: "auto" (the model's own cache format) or a dtype name: caches unquantized in that dtype,
-    which must be the model's (only DeepSeek-V4.1's native caches are quantized)."""
+    `kv_cache_dtype`: "auto" (the model's own cache format), a dtype name: caches unquantized in that dtype,
+    which must be the model's (DeepSeek-V4.1's native caches are quantized), or "fp8" / "fp8_e4m3" (Llama
+    family and Gemma-3, on a backend with `supports_fp8_kv`): FP8 K/V with per-row scales."""
     parallel = parallel or ParallelContext.single(device)
     final_dtype, dtype = dtype, (torch.float32 if quantization else dtype)
     hf = read_hf_config(model_dir)
     from openinfer.loader.deepseek_v41 import build_deepseek_v41, is_deepseek_v41
 
-    if kv_cache_dtype != "auto" and getattr(torch, kv_cache_dtype, None) != final_dtype:
+    fp8_kv = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    if fp8_kv:
+        _check_fp8_kv_cache(hf, kv_cache_dtype, backend, is_deepseek_v41(hf))
+    elif kv_cache_dtype != "auto" and getattr(torch, kv_cache_dtype, None) != final_dtype:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: caches store entries either in the model's own format "
                          f"('auto') or unquantized in the model dtype ({str(final_dtype).removeprefix('torch.')})")
     if is_deepseek_v41(hf):
@@ -71,7 +77,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
             raise ValueError(f"quantization={quantization!r} is not supported for Gemma-3 models yet")
         if hf.get("quantization_config") is not None:
             raise ValueError(f"{model_dir}: quantized Gemma-3 checkpoints are not supported")
-        return _build_gemma3(model_dir, hf, dtype, device, backend, ops, max_positions, dummy, parallel)
+        return _build_gemma3(model_dir, hf, dtype, device, backend, ops, max_positions, dummy, parallel, fp8_kv)
     if hf.get("quantization_config") is not None:
         raise ValueError(f"{model_dir}: quantized checkpoints (quantization_config "
                          f"{hf['quantization_config'].get('quant_method')!r}) are supported for DeepSeek-V4 only")
@@ -80,7 +86,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, ops, parallel)
+        model = LlamaForCausalLM(cfg, backend, ops, parallel, fp8_kv)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_tables(device)   # buffers made on "meta" are recomputed for real, in float32
     if cfg.tie_word_embeddings:
@@ -106,9 +112,24 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
     return model.eval()
 
 
+def _check_fp8_kv_cache(hf: dict, kv_cache_dtype: str, backend: AttentionBackend, deepseek_v41: bool) -> None:
+    """The FP8 KV cache is for the Llama family and Gemma-3 (their caches are the attention backend's), read by
+    a backend that supports it; anything else is refused naming the option."""
+    model_type = hf.get("model_type", "llama")
+    if deepseek_v41 or model_type not in (*LLAMA_MODEL_TYPES, *GEMMA3_MODEL_TYPES):
+        own = (" (DeepSeek-V4.1: kv_cache_dtype='auto' keeps its own FP8/FP4 cache formats, the model dtype "
+               "keeps its caches unquantized)" if deepseek_v41 else "")
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (FP8 KV cache) is supported for Llama-family "
+                         f"({', '.join(LLAMA_MODEL_TYPES)}) and Gemma-3 models, not for this "
+                         f"{'deepseek_v41' if deepseek_v41 else model_type!r} model{own}")
+    if not getattr(backend, "supports_fp8_kv", False):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the {type(backend).__name__} attention backend does "
+                         f"not read FP8 KV caches yet; use attention_backend='torch' (works on CPU and CUDA)")
+
+
 def _build_gemma3(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                   ops: LayerOps, max_positions: int | None, dummy: bool,
-                  parallel: ParallelContext) -> Gemma3ForCausalLM:
+                  parallel: ParallelContext, fp8_kv: bool = False) -> Gemma3ForCausalLM:
     """Gemma-3 text model; a multimodal `gemma3` checkpoint loads its text tower only (vision weights skipped)."""
     cfg = Gemma3Config.from_hf(hf)
     cfg.check_tensor_parallel(parallel.tp_size)
@@ -118,7 +139,7 @@ def _build_gemma3(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.d
     if max_positions is not None:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
-        model = Gemma3ForCausalLM(cfg, backend, ops, parallel)
+        model = Gemma3ForCausalLM(cfg, backend, ops, parallel, fp8_kv)
     model = model.to_empty(device=device).to(dtype)
     model.reset_rotary_tables(device)
     if cfg.tie_word_embeddings:

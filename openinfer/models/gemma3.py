@@ -10,10 +10,10 @@ What differs from Llama, all as in HF transformers' `Gemma3ForCausalLM`:
 - embeddings scaled by sqrt(hidden_size) (the scale cast to the model dtype first, as HF does);
 - GELU(tanh)-gated MLP, attention scale `query_pre_attn_scalar ** -0.5`, final logit softcapping when set.
 
-This first step keeps the full KV of every layer in one "kv" cache kind: sliding layers mask out keys before
-their window but do not free them, so memory is that of a full-attention model (memory-bounded window layers
-come next). Windows run on the torch reference attention backend (CPU or CUDA); the Triton backend does not
-support windows yet and is refused at build time.
+This first step keeps the full KV of every layer in one "kv" cache kind (with kv_cache_dtype="fp8": FP8, its
+scales in "kv_scale"): sliding layers mask out keys before their window but do not free them, so memory is
+that of a full-attention model (memory-bounded window layers come next). Windows run on the torch reference
+attention backend (CPU or CUDA); the Triton backend does not support windows yet and is refused at build time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata
+from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -175,17 +175,18 @@ class Gemma3Attention(nn.Module):
         self.window = cfg.sliding_window if layer_type == SLIDING else None
         self.backend = backend
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata, kv_scale=None):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        if self.window is None:
-            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        else:
-            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        # passed on only when set (backends without window or FP8 support keep their signatures)
+        extra = {} if self.window is None else {"window": self.window}
+        if kv_scale is not None:
+            extra["kv_scale"] = kv_scale
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **extra)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -202,8 +203,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GeluGatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops, parallel=parallel)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        h = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, positions, rotary, kv_cache, meta, kv_scale=None):
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, kv_scale)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
@@ -211,13 +212,16 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     def __init__(self, cfg: Gemma3Config, backend: AttentionBackend, ops: LayerOps = TORCH_OPS,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, fp8_kv_cache: bool = False):
+        """`fp8_kv_cache`: K/V stored as FP8 E4M3 with a float32 scale per token, K/V and head
+        (kv_cache_dtype="fp8"; docs/kv_cache_fp8.md); else in the model dtype."""
         super().__init__()
         if SLIDING in cfg.layer_types and not getattr(backend, "supports_window", False):
             raise NotImplementedError(
                 f"Gemma-3 has sliding-window layers and the {type(backend).__name__} attention backend does not "
                 f"support sliding windows yet; use attention_backend='torch' (works on CPU and CUDA)")
         self.config = cfg
+        self.fp8_kv_cache = fp8_kv_cache
         self.parallel = parallel = parallel or ParallelContext.single()
         cfg.check_tensor_parallel(parallel.tp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
@@ -242,16 +246,17 @@ class Gemma3ForCausalLM(nn.Module):
     def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
         """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only."""
         c = self.config
-        kv_heads = c.num_key_value_heads // self.parallel.tp_size
-        return [PagedCacheSpec("kv", c.num_hidden_layers, (2, kv_heads, c.head_dim), dtype)]
+        return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
+                              dtype, self.fp8_kv_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)   # HF: the scale in the model dtype
-        for layer, kv_cache in zip(self.layers, caches["kv"]):
+        scales = caches.get("kv_scale", [None] * len(self.layers))
+        for layer, kv_cache, kv_scale in zip(self.layers, caches["kv"], scales):
             rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
-            x = layer(x, positions, rotary, kv_cache, meta)
+            x = layer(x, positions, rotary, kv_cache, meta, kv_scale)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata
+from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -106,7 +106,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.backend = backend
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata, kv_scale=None):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -115,7 +115,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale,
+                                 **({} if kv_scale is None else {"kv_scale": kv_scale}))
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -127,22 +128,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = ParallelGatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops, parallel=parallel)
 
-    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, kv_scale=None):
         """(x, residual) -> (mlp output, residual before it); the caller adds them (fused into the next norm)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, kv_scale)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps = TORCH_OPS,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, fp8_kv_cache: bool = False):
+        """`fp8_kv_cache`: K/V stored as FP8 E4M3 with a float32 scale per token, K/V and head
+        (kv_cache_dtype="fp8"; docs/kv_cache_fp8.md); else in the model dtype."""
         super().__init__()
         self.config = cfg
+        self.fp8_kv_cache = fp8_kv_cache
         self.parallel = parallel = parallel or ParallelContext.single()
         cfg.check_tensor_parallel(parallel.tp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
@@ -164,16 +168,18 @@ class LlamaForCausalLM(nn.Module):
     def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
         """This rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole."""
         c = self.config
-        kv_heads = c.num_key_value_heads // self.parallel.tp_size
-        return [PagedCacheSpec("kv", c.num_hidden_layers, (2, kv_heads, c.head_dim), dtype)]
+        return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
+                              dtype, self.fp8_kv_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened batch; logits come from compute_logits on chosen rows.
-        `caches` holds one tensor per layer for each kind declared by cache_specs (here only "kv")."""
+        `caches` holds one tensor per layer for each kind declared by cache_specs ("kv", and "kv_scale" with
+        an FP8 cache)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, caches["kv"]):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        scales = caches.get("kv_scale", [None] * len(self.layers))
+        for layer, kv_cache, kv_scale in zip(self.layers, caches["kv"], scales):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, kv_scale)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

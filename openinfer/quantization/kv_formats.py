@@ -30,6 +30,10 @@ Packed rows (`encode` output, uint8 [..., stored_dim]): the values, then one byt
 FP8 values are the float8_e4m3fn bits; FP4 values are two E2M1 codes per byte (bit 3 = sign), the even
 element in the low nibble. E8M0 scale bytes are the biased exponent (scale = 2^(byte - 127)); E4M3 scale
 bytes are the float8_e4m3fn bits.
+
+The FP8 KV cache of the Llama family and Gemma-3 (`kv_cache_dtype="fp8"`, `fp8_kv_quantize` /
+`fp8_kv_dequantize`) is a different, simpler format: E4M3 values with one float32 scale per K or V row of
+head_dim values (per token, per K/V, per KV head), scale = amax / 448. See docs/kv_cache_fp8.md.
 """
 
 from __future__ import annotations
@@ -286,3 +290,25 @@ class Fp4BlockCodec:
 
     def qdq(self, x: torch.Tensor) -> torch.Tensor:
         return fp4_block_qdq(x, self.group, self.scale_fmt)
+
+
+# ---- FP8 KV cache of the Llama family and Gemma-3 (kv_cache_dtype="fp8") -----------------------------------
+def fp8_kv_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the last dim -> (float8_e4m3fn values [..., D], float32 scales [...]), one scale per row.
+
+    In float32: scale = amax / 448 (1.0 where that is 0: an all-zero row, or an amax so small that the
+    quotient underflows, which only float32 input can have); values = (x / scale) clamped to +-448 (the
+    quotient of the amax element can round to just above 448, and E4M3 has no infinity), then cast to E4M3
+    (round to nearest even). A division, not a multiplication by 1 / scale: a kernel matching this must
+    divide too. The amax element becomes +-448 exactly.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / FP8_MAX
+    scale = torch.where(scale == 0, 1.0, scale)
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_kv_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of fp8_kv_quantize: q.float() * scale (float32), then one cast to `dtype`."""
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
