@@ -510,10 +510,19 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=JOBS, metavar="JOB",
                     help=f"run only these jobs (default: all): {' '.join(JOBS)}")
     ap.add_argument("--only-decode", action="store_true", help="async decode steps only (quick) = --only decode")
+    ap.add_argument("--prefill-path", choices=("paged", "sdpa"), default="paged",
+                    help="sdpa: prefill chunks through the previous path (K/V gathered out of the pages, one SDPA "
+                         "call per chunk), the peer of the paged Triton kernel in the same device call")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engines' kv_cache_dtype (e.g. fp8)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)   # debugging: --device cpu --tiny
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # toy model, prompts scaled down 8x
     args = ap.parse_args()
     _BATCHES[:] = args.batches
+    if args.prefill_path == "sdpa":
+        from openinfer.layers.attention import TorchPagedAttention
+        from openinfer.layers.triton_attention import TritonPagedAttention
+
+        TritonPagedAttention.prefill_into = TorchPagedAttention.prefill_into
     selected = set(args.only or ([] if args.only_decode else JOBS))
     if args.only_decode:
         selected.add("decode")
@@ -526,13 +535,15 @@ def main() -> None:
            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "jobs": sorted(selected, key=JOBS.index)}
     if args.tiny:
         res["tiny"] = True
+    res["prefill_path"], res["kv_cache_dtype"] = args.prefill_path, args.kv_cache_dtype
+    suffix = "".join(f"_{x}" for x in (args.prefill_path, args.kv_cache_dtype) if x not in ("paged", "auto"))
     try:
         res["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
         res["commit"] = os.environ.get("OPENINFER_COMMIT", "unknown")
 
     def save():
-        (out_dir / "gpu_llama8b.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out_dir / f"gpu_llama8b{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
 
     def run_job(key, fn, *a):
         try:
@@ -548,7 +559,7 @@ def main() -> None:
     print("ceilings", ceil, flush=True)
     model_cfg = LLAMA_TINY if args.tiny else LLAMA3_8B
     engine_kw = dict(device=args.device, dtype="bfloat16" if cuda else "float32", load_format="dummy",
-                     gpu_memory_utilization=0.85)
+                     gpu_memory_utilization=0.85, kv_cache_dtype=args.kv_cache_dtype)
     d = model_dir(args.tokenizer_json, model_cfg)
     mixed_kw = dict(batch=16, ctx=128, prompt_lens=(64, 256), reps=2) if args.tiny else {}
     for mode in ("async", "sync"):

@@ -161,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _, page, _, kvh, _ = kv_cache.shape
     _check_head_dim(D)
     group = H // kvh
-    block_n = min(64, page) if D >= 128 else min(128, page)
+    block_n = 64 if D >= 128 else 128       # key blocks may span pages: each key row finds its own page
     splits = num_splits or _num_splits(B, kvh, q.device)
     assert splits & (splits - 1) == 0, "num_splits must be a power of two"
     if splits > 1:
