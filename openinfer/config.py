@@ -73,8 +73,8 @@ class EngineConfig:
     # how KV caches store their entries: "auto" = the model's own format (DeepSeek-V4.1: FP8 window keys, FP4
     # compressed entries and indexer keys, as DeepSeek stores them; other models: the model dtype); a dtype name
     # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md);
-    # "fp8" (alias "fp8_e4m3"), Llama family and Gemma-3 on the torch attention backend: K/V in FP8 E4M3 with a
-    # float32 scale per token, K/V and KV head (docs/kv_cache_fp8.md)
+    # "fp8" (alias "fp8_e4m3"), Llama family and Gemma-3: K/V in FP8 E4M3 with a float32 scale per token, K/V and
+    # KV head (docs/kv_cache_fp8.md)
     kv_cache_dtype: str = "auto"
     # DeepSeek-V4.1 prefill (docs/deepseek_v41.md): "exact" runs every layer over every prompt token (DeepSeek's
     # reference); "yoco" runs the encoder over every token and the decoder only over the last

@@ -31,9 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                        help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="auto: the model's own cache format (DeepSeek-V4.1: FP8/FP4 as DeepSeek stores them); "
-                            "the model dtype: unquantized caches; fp8 (or fp8_e4m3): Llama family and Gemma-3 "
-                            "with attention backend torch, FP8 E4M3 K/V with a scale per token and head "
-                            "(about half the bytes of bf16)"),
+                            "the model dtype: unquantized caches; fp8 (or fp8_e4m3): Llama family and Gemma-3, "
+                            "FP8 E4M3 K/V with a float32 scale per token and head (about half the bytes of bf16; "
+                            "docs/kv_cache_fp8.md)"),
         g.add_argument("--v41-prefill-mode", choices=["exact", "yoco"], default="exact",
                        help="DeepSeek-V4.1: yoco = decoder layers over the prompt's last --v41-prefill-keep-tokens only"),
         g.add_argument("--v41-prefill-keep-tokens", type=int, default=140),

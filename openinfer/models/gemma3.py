@@ -12,8 +12,8 @@ What differs from Llama, all as in HF transformers' `Gemma3ForCausalLM`:
 
 This first step keeps the full KV of every layer in one "kv" cache kind (with kv_cache_dtype="fp8": FP8, its
 scales in "kv_scale"): sliding layers mask out keys before their window but do not free them, so memory is
-that of a full-attention model (memory-bounded window layers come next). Windows run on the torch reference
-attention backend (CPU or CUDA); the Triton backend does not support windows yet and is refused at build time.
+that of a full-attention model (memory-bounded window layers come next). A backend without windows
+(`supports_window` False) is refused at build time.
 """
 
 from __future__ import annotations
