@@ -537,10 +537,9 @@ def main() -> None:
         res["tiny"] = True
     res["prefill_path"], res["kv_cache_dtype"] = args.prefill_path, args.kv_cache_dtype
     suffix = "".join(f"_{x}" for x in (args.prefill_path, args.kv_cache_dtype) if x not in ("paged", "auto"))
-    try:
-        res["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        res["commit"] = os.environ.get("OPENINFER_COMMIT", "unknown")
+    # the device's copy of the tree may carry a stale .git: the caller's OPENINFER_COMMIT wins
+    res["commit"] = os.environ.get("OPENINFER_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
 
     def save():
         (out_dir / f"gpu_llama8b{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -87,11 +87,9 @@ def main() -> None:
     res = {"benchmark": "gpu_paged_prefill", "gpu": torch.cuda.get_device_name(),
            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
            "shape": {"heads": H, "kv_heads": KVH, "head_dim": D, "page": PAGE}}
-    try:
-        res["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                                stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        res["commit"] = os.environ.get("OPENINFER_COMMIT", "unknown")
+    # the device's copy of the tree may carry a stale .git: the caller's OPENINFER_COMMIT wins
+    res["commit"] = os.environ.get("OPENINFER_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     peak = res["bf16_matmul_TFLOPs"] = matmul_peak()
     rows = res["steps"] = []
     triton_backend, torch_backend = TritonPagedAttention(), TorchPagedAttention()

@@ -121,11 +121,12 @@ def test_gemma3_config_formats():
 
 
 def test_triton_backend_refuses_windows(tmp_path, smollm_dir):
-    """Until the Triton decode kernel has a window bound, a model with window layers refuses that backend."""
+    """A model with window layers refuses a backend without window support (the torch and Triton backends
+    both have it; a backend added later might not)."""
     from openinfer.layers.attention import TorchPagedAttention
     from openinfer.loader.weights import build_model
 
-    class NoWindows(TorchPagedAttention):   # stands in for TritonPagedAttention (no CUDA here)
+    class NoWindows(TorchPagedAttention):
         supports_window = False
 
     path, _ = make_tiny_gemma3(tmp_path, smollm_dir)

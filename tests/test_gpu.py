@@ -204,6 +204,72 @@ def tiny_dummy_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_prefill_over_prefix_hits_follows_torch_backend(tiny_dummy_dir, kv_cache_dtype):
+    """The whole engine, fp32: prompts sharing long prefixes (prefix-cache hits), chunked prefill (chunks of
+    at most 96 tokens next to decodes), pages of 16 -- the Triton backend (paged prefill kernel, graphs)
+    gives the torch backend's tokens and logprobs, with the bf16/fp32 cache and with the FP8 cache."""
+    rng = random.Random(5)
+    shared = [f"w{rng.randrange(2, 2000)}" for _ in range(300)]
+    prompts = [" ".join(shared[:rng.randrange(40, 300)] + [f"w{rng.randrange(2, 2000)}" for _ in range(n)])
+               for n in (1, 7, 30, 64, 130, 5, 90, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_dummy_dir, device="cuda", dtype="float32", load_format="dummy", attention_backend=backend,
+                  block_size=16, max_num_batched_tokens=96, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype,
+                  gpu_memory_utilization=0.2)
+        outs[backend] = []
+        for _ in range(2):      # the second round hits the prefix cache everywhere
+            for o in llm.generate(prompts, sp, use_tqdm=False):
+                c = o.outputs[0]
+                outs[backend].append((c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+        llm.shutdown()
+        del llm
+    for (ta, la), (tb, lb) in zip(outs["torch"], outs["triton"]):
+        assert ta == tb
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-3
+
+
+def test_gemma3_windows_on_triton_follow_torch_backend(tmp_path):
+    """Gemma-3's sliding-window layers (window 8, five of six layers) through the Triton kernels: chunked
+    prefill across the window, prefix hits and decode give the torch backend's tokens and logprobs (fp32)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                           sliding_window=8, max_position_embeddings=1024, final_logit_softcapping=30.0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():   # larger-than-init weights so that differences would show
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    rng = random.Random(2)
+    shared = [f"w{rng.randrange(2, 500)}" for _ in range(120)]
+    prompts = [" ".join(shared[:rng.randrange(20, 120)] + [f"w{rng.randrange(2, 500)}" for _ in range(n)])
+               for n in (1, 9, 33, 70)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", attention_backend=backend, block_size=16,
+                  max_num_batched_tokens=48, max_num_seqs=3, gpu_memory_utilization=0.2)
+        outs[backend] = [(c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                         for _ in range(2) for c in (o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False))]
+        llm.shutdown()
+        del llm
+    for (ta, la), (tb, lb) in zip(outs["torch"], outs["triton"]):
+        assert ta == tb
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-3
+
+
 def test_async_scheduling_equals_sync_on_gpu(tiny_dummy_dir):
     """fp32, so that the different batch compositions of the two modes (async admits new requests one step
     later, and runs one extra step for requests stopped by EOS) cannot flip greedy near-ties the way bf16
