@@ -219,7 +219,7 @@ class Gemma3ForCausalLM(nn.Module):
         if SLIDING in cfg.layer_types and not getattr(backend, "supports_window", False):
             raise NotImplementedError(
                 f"Gemma-3 has sliding-window layers and the {type(backend).__name__} attention backend does not "
-                f"support sliding windows yet; use attention_backend='torch' (works on CPU and CUDA)")
+                f"support sliding windows; use attention_backend='torch' or 'triton'")
         self.config = cfg
         self.fp8_kv_cache = fp8_kv_cache
         self.parallel = parallel = parallel or ParallelContext.single()
@@ -252,12 +252,17 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)   # HF: the scale in the model dtype
+        x = x * self._embed_scale_in(x.dtype)
         scales = caches.get("kv_scale", [None] * len(self.layers))
         for layer, kv_cache, kv_scale in zip(self.layers, caches["kv"], scales):
             rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
             x = layer(x, positions, rotary, kv_cache, meta, kv_scale)
         return self.norm(x)
+
+    def _embed_scale_in(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden) rounded to the model dtype, as HF multiplies by it; a Python number, so that no host
+        tensor is copied to the device inside a captured CUDA graph."""
+        return float(torch.tensor(self.embed_scale, dtype=dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
