@@ -251,18 +251,20 @@ def _attend_block(q, acc, m_i, l_i, start, end, tables_row, cache_ptr, scale_ptr
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, cache_ptr, scale_ptr, tables_ptr, chunk_info_ptr, tile_info_ptr, out_ptr,
+    q_ptr, cache_ptr, scale_ptr, tables_ptr, chunk_info_ptr, tile_info_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, window,
     stride_qt, stride_qh,
     stride_cblock, stride_cpos, stride_ckv, stride_ch,
     stride_sblock, stride_spos, stride_skv, stride_sh,
     stride_tb,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     chunk = tl.load(tile_info_ptr + 2 * tile)
     m0 = tl.load(tile_info_ptr + 2 * tile + 1)             # first new token of the tile, within its chunk
     q_start = tl.load(chunk_info_ptr + 3 * chunk)
@@ -284,10 +286,17 @@ def _paged_prefill_kernel(
     last_q = ctx_len - q_len + tl.minimum(m0 + BLOCK_M, q_len) - 1
     kv_off = kvh * stride_ch
     s_off = kvh * stride_sh
+    # the keys this program reads: with SPLITS > 1 (few tiles over long contexts) the tile's key blocks are
+    # shared out among programs, flash-decoding style, and a second kernel merges their partial softmaxes
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+    per = tl.cdiv(tl.cdiv(last_q + 1 - lo, BLOCK_N), SPLITS) * BLOCK_N
+    ks = lo + split * per
+    ke = tl.minimum(ks + per, last_q + 1)
     if WINDOWED:
         # keys (first_q - window, last_q]: all masked (the window's edge moves with the query), few blocks
-        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
-        for start in range(lo, last_q + 1, BLOCK_N):
+        for start in range(ks, ke, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
                 stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
@@ -295,19 +304,25 @@ def _paged_prefill_kernel(
     else:
         # keys every query of the tile sees, then the diagonal blocks
         full_hi = (first_q + 1) // BLOCK_N * BLOCK_N
-        for start in range(0, full_hi, BLOCK_N):
+        for start in range(ks, tl.minimum(full_hi, ke), BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
                 stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
                 PAGE, False, False, FP8, PRECISION)
-        for start in range(full_hi, last_q + 1, BLOCK_N):
+        for start in range(tl.maximum(full_hi, ks), ke, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
                 stride_cblock, stride_cpos, stride_ckv, kv_off, stride_sblock, stride_spos, stride_skv, s_off, d, n,
                 PAGE, True, False, FP8, PRECISION)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:   # partials laid out [rows of the step, H, SPLITS, ...] as the decode kernel's; m in natural log
+        part = ((q_start + rows).to(tl.int64) * H + h) * SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i / 1.4426950408889634, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
 def _prefill_tiles(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, int, int, int]:
@@ -328,7 +343,8 @@ def _prefill_tiles(head_dim: int, dtype: torch.dtype, page: int) -> tuple[int, i
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                             chunk_info: torch.Tensor, tile_info: torch.Tensor, scale: float, out: torch.Tensor,
                             block_m: int, window: int | None = None,
-                            kv_scale: torch.Tensor | None = None, tuning: dict | None = None) -> torch.Tensor:
+                            kv_scale: torch.Tensor | None = None, tuning: dict | None = None,
+                            num_splits: int | None = None, first_row: int = 0) -> torch.Tensor:
     """Varlen paged prefill. q/out [T, H, D] (rows of the whole step); tables [chunks, max_blocks];
     chunk_info [chunks, 3] int32 (first row in q, new tokens, context length after this step); tile_info
     [tiles, 2] int32 (chunk, first new token of the tile), tiles of `block_m` tokens (see `prefill_tile_plan`).
@@ -341,17 +357,30 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: tor
     assert block_m == bm, "tile_info was planned for another BLOCK_M"
     launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **(tuning or {})}   # tuning: benchmarks
     sargs = _scale_args(kv_scale, kv_cache)
-    _paged_prefill_kernel[(tile_info.shape[0], H)](
-        q, kv_cache, sargs[0], tables, chunk_info, tile_info, out,
+    tiles = tile_info.shape[0]
+    splits = num_splits or _num_splits(tiles, H, q.device)
+    assert splits & (splits - 1) == 0, "num_splits must be a power of two"
+    if splits > 1:
+        part_acc = torch.empty(T * H * splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(T * H * splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+    _paged_prefill_kernel[(tiles, H, splits)](
+        q, kv_cache, sargs[0], tables, chunk_info, tile_info, out, part_acc, part_ml,
         scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         *sargs[1:],
         tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=H // kvh, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, WINDOWED=window is not None,
+        H=H, GROUP=H // kvh, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, SPLITS=splits, WINDOWED=window is not None,
         FP8=kv_scale is not None, PRECISION=_dot_precision(q.dtype), **launch,
     )
+    if splits > 1:
+        # rows [first, T) are the chunks' (decode rows come first in a step; their partials stay unused)
+        _merge_splits_kernel[(T - first_row, H)](part_acc[first_row * H * splits:],
+                                                 part_ml[first_row * H * splits:], out[first_row:],
+                                                 out.stride(0), out.stride(1), H=H, HEAD_DIM=D, SPLITS=splits)
     return out
 
 
@@ -389,7 +418,7 @@ class TritonPagedAttention(TorchPagedAttention):
         block_m = _prefill_tiles(q.shape[-1], q.dtype, kv_cache.shape[1])[0]
         tables, chunk_info, tile_info = self._prefill_plan(meta, block_m)
         paged_prefill_attention(q, kv_cache, tables, chunk_info, tile_info, scale, out, block_m, window=window,
-                                kv_scale=kv_scale)
+                                kv_scale=kv_scale, first_row=meta.num_decode_tokens)
 
     @staticmethod
     def _prefill_plan(meta: AttentionMetadata, block_m: int):
