@@ -9,6 +9,11 @@ each (EOS ignored), once with the unquantized cache (the reference) and once wit
 - KV bytes per token (all layers, K and V, scales included) of both caches.
 
     python benchmarks/cpu_fp8_kv_accuracy.py [--tokens 128] [--dtypes float32 bfloat16]
+
+On a GPU, the Llama-3-8B shape with random bf16 weights (the engine of benchmarks/gpu_llama8b.py; the Triton
+kernels write and read the FP8 cache):
+
+    python benchmarks/cpu_fp8_kv_accuracy.py --llama8b-dummy TOKENIZER_JSON --dtypes bfloat16 --out $OUT/x.json
 """
 
 from __future__ import annotations
@@ -59,11 +64,13 @@ def teacher_forced(llm: LLM, prompts: list[list[int]], conts: list[list[int]]) -
     return res
 
 
+ENGINE = {"device": "cpu", "kv_cache_memory_bytes": 256 << 20}   # --llama8b-dummy: CUDA, random weights
+
+
 def run_cache(model: str, dtype: str, kv_cache_dtype: str, n: int, forced: list[list[int]] | None = None):
     """(prompts, greedy tokens, teacher-forced rows over `forced` (else its own greedy tokens), greedy wall s,
     KV bytes per token) of one engine."""
-    llm = LLM(model, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=256 << 20,
-              max_num_seqs=len(PROMPTS))
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(PROMPTS), **ENGINE)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     t = time.perf_counter()
     tokens = greedy(llm, prompts, n)
@@ -104,10 +111,26 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_fp8_kv_accuracy.json"))
+    ap.add_argument("--llama8b-dummy", metavar="TOKENIZER_JSON",
+                    help="CUDA: the Llama-3-8B shape with random weights (benchmarks/gpu_llama8b.py's model)")
     args = ap.parse_args()
-    res = {"benchmark": "cpu_fp8_kv_accuracy", "date": datetime.date.today().isoformat(), "commit": commit(),
-           "device": "cpu", "model": args.model, "prompt_set": "tests/test_fidelity_smollm.py PROMPTS",
-           "results": {}}
+    device = "cpu"
+    if args.llama8b_dummy:
+        import os
+
+        import torch
+
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from gpu_llama8b import LLAMA3_8B, model_dir
+
+        args.model = str(model_dir(args.llama8b_dummy, LLAMA3_8B))
+        device = torch.cuda.get_device_name()
+        ENGINE.update(device="cuda", load_format="dummy", kv_cache_memory_bytes=8 << 30, max_model_len=2048)
+        c = os.environ.get("OPENINFER_COMMIT")
+    res = {"benchmark": "cpu_fp8_kv_accuracy", "date": datetime.date.today().isoformat(),
+           "commit": (c if args.llama8b_dummy and c else commit()),
+           "device": device, "model": "Llama-3-8B shape, random bf16 weights" if args.llama8b_dummy else args.model,
+           "prompt_set": "tests/test_fidelity_smollm.py PROMPTS", "results": {}}
     for dtype in args.dtypes:
         res["results"][dtype] = r = run_dtype(args.model, dtype, args.tokens)
         print(dtype, json.dumps({k: v for k, v in r.items() if k != "greedy_prefix_until_divergence"}), flush=True)
