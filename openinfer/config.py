@@ -65,6 +65,9 @@ class EngineConfig:
     enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
     async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA, off for CPU
+    # speculative decoding (spec_decode/, docs/spec_decode.md): {"method": "ngram", "num_speculative_tokens": k,
+    # "policy": "fixed" | "confidence", ...}; runs with synchronous scheduling for now
+    speculative_config: object = None
     quantization: str | None = None       # "int4": weight-only int4 linears, bf16 activations (CPU)
     # FP8 checkpoints (DeepSeek's published format): quantize the activations of FP8 linears per token in
     # groups of the weight block (E4M3, power-of-two scales), as DeepSeek's inference code does (W8A8);
@@ -177,6 +180,16 @@ class EngineConfig:
             raise ValueError("enable_eplb needs enable_expert_parallel (EPLB places experts across EP ranks)")
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("num_redundant_experts needs enable_eplb (replicas are placed by EPLB)")
+        if self.speculative_config is not None:
+            from openinfer.spec_decode.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            self.speculative_config.validate()
+            if self.world_size > 1:
+                raise ValueError("speculative_config is not supported with tensor/data/expert parallelism yet")
+            if self.async_scheduling:
+                raise ValueError("speculative_config runs with synchronous scheduling for now: leave "
+                                 "async_scheduling unset or False")
         if self.enable_expert_parallel and self.world_size == 1:
             raise ValueError("enable_expert_parallel needs more than one rank: set data_parallel_size "
                              "(attention DP + EP) or tensor_parallel_size")
@@ -253,6 +266,8 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
+        if self.speculative_config is not None:
+            return False            # speculation reads each step's accepted tokens before drafting the next
         return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property

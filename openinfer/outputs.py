@@ -23,6 +23,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0             # speculative decoding: drafts verified, and how many were kept
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -38,7 +40,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    num_draft_tokens: int = 0             # speculative decoding (not yet): always 0
+    num_draft_tokens: int = 0             # speculative decoding: drafts verified, and how many were kept
     num_accepted_tokens: int = 0
 
     @property

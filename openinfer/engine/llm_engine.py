@@ -74,6 +74,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.speculator = None
+        if config.speculative_config is not None:
+            from openinfer.kv_cache.spec import RequestStateSpec
+            from openinfer.spec_decode.speculator import Speculator
+
+            if any(isinstance(s, RequestStateSpec) for s in self.runner.cache_specs):
+                raise ValueError(f"speculative_config: {type(model).__name__} keeps per-request state (window "
+                                 f"rings, compressor state) that rejected drafts would advance; speculation runs on "
+                                 f"models with paged KV only for now")
+            self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs)
         if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -229,6 +239,8 @@ class LLMEngine:
         if prev is not None and (not self.config.use_async_scheduling or self._reads_history(prev)):
             outputs += self._process(prev)
             prev = None
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         current = None
         if sched.empty and self._compiling and prev is None:

@@ -44,6 +44,8 @@ class RunnerOutput:
     sampled: SamplerOutput | None = None   # on the device (the next step reads pending tokens from it)
     logits: torch.Tensor | None = None     # the rows the sampler got, aligned with `sampled`
     host_copy: D2HCopy | None = None       # `sampled` on its way to pinned host memory
+    # speculative decoding: request_id -> the drafts its rows verified (rows sample_index .. + len(drafts))
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     def sampled_on_host(self) -> dict[str, torch.Tensor | None]:
         """The sampler's outputs on the host; waits only for this step's GPU work."""
@@ -316,15 +318,19 @@ class ModelRunner:
         plp_spans = []   # (request, first row, n rows, first token index)
         fix_rows, fix_src = [], []               # rows whose input token is prev's sample
         row = 0
+        sample_rows: list[Request] = []         # the sampler's rows: a request verifying drafts fills several
+        sample_offsets: list[int] = []
         for s in order:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
+            drafts = s.draft_token_ids
             if start >= req.num_tokens:          # the token is pending on the device
                 assert n == 1 and prev is not None, "only a decode can start from a pending token"
                 ids.append(0)
                 fix_rows.append(row)
                 fix_src.append(prev.sample_index[req.request_id])
             else:
-                ids.extend(req.token_ids_slice(start, start + n))
+                ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
+                ids.extend(drafts)
             if n == 1:
                 dec_pos.append(start)
                 dec_slots.append(table[start // bs] * bs + start % bs)
@@ -348,15 +354,22 @@ class ModelRunner:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 plp_spans.append((req, row, end - start, start + 1))
             if s.samples:
+                # the last token's row, then one row per draft: row j samples the token after draft j
                 sampling_reqs.append(req)
-                out.sample_index[req.request_id] = len(sampling_reqs) - 1
-                logit_rows.append(row + n - 1)
+                out.sample_index[req.request_id] = len(sample_rows)
+                first = row + n - 1 - len(drafts)
+                logit_rows.extend(range(first, row + n))
+                sample_rows.extend([req] * (1 + len(drafts)))
+                sample_offsets.extend(range(1 + len(drafts)))
+                if drafts:
+                    out.drafts[req.request_id] = drafts
             row += n
         # Host-to-device copies first: made after the forward is queued, each would wait for it.
         if sampling_reqs:
-            meta_s = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, dev)
-            if grammar_bitmask is not None:
-                meta_s.token_bitmask = h2d(grammar_bitmask.for_batch([r.request_id for r in sampling_reqs]), dev)
+            meta_s = SamplingMetadata.from_requests(sample_rows, self.vocab_size, dev,
+                                                    sample_offsets if out.drafts else None)
+            if grammar_bitmask is not None:   # (requests with a grammar get no drafts: one row each)
+                meta_s.token_bitmask = h2d(grammar_bitmask.for_batch([r.request_id for r in sample_rows]), dev)
             logit_index = h2d(torch.tensor(logit_rows), dev)
         fixups = None
         if fix_rows:

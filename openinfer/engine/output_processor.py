@@ -63,19 +63,38 @@ class OutputProcessor:
             if req is None or req.is_finished:   # finished or aborted while this step ran: token discarded
                 continue
             req.num_pending = max(0, req.num_pending - 1)
-            tok = token_ids[i]
-            req.output_token_ids.append(tok)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            n_lp = req.sampling_params.logprobs
-            if n_lp is not None:
-                req.cumulative_logprob += lps[i]
-                if req.logprobs is None:
-                    req.logprobs = []
-                req.logprobs.append(self._position_logprobs(tok, lps[i], ranks[i],
-                                                            top_ids[i][:n_lp] if n_lp else [],
-                                                            top_lps[i][:n_lp] if n_lp else []))
-            touched.append((req, self._append_text_and_check_stop(req, tok)))
+            drafts = runner_out.drafts.get(rid, ())
+            # Speculative decoding: row j sampled the token after draft j from the target's own distribution;
+            # drafts are kept while they equal those samples, and the first differing sample (or the sample
+            # after the last draft) follows them. For drafts that are single tokens (not distributions) this is
+            # the accept/reject rule exactly: draft x is kept with probability p(x), and a rejection's sample is
+            # p without x, renormalised (docs/spec_decode.md).
+            accepted = 0
+            while accepted < len(drafts) and token_ids[i + accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                req.metrics.num_draft_tokens += len(drafts)
+                req.metrics.num_accepted_tokens += accepted
+                # the rejected drafts' KV is stale: the next step recomputes from the first of them
+                req.num_computed_tokens -= len(drafts) - accepted
+            finish = None
+            for row in range(i, i + accepted + 1):
+                tok = token_ids[row]
+                req.output_token_ids.append(tok)
+                n_lp = req.sampling_params.logprobs
+                if n_lp is not None:
+                    req.cumulative_logprob += lps[row]
+                    if req.logprobs is None:
+                        req.logprobs = []
+                    req.logprobs.append(self._position_logprobs(tok, lps[row], ranks[row],
+                                                                top_ids[row][:n_lp] if n_lp else [],
+                                                                top_lps[row][:n_lp] if n_lp else []))
+                finish = self._append_text_and_check_stop(req, tok)
+                if finish is not None:
+                    break                    # the tokens after a stop inside the accepted run are dropped
+            touched.append((req, finish))
         return touched
 
     def _append_text_and_check_stop(self, req: Request, tok: int) -> RequestStatus | None:
@@ -133,7 +152,8 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids,
             cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason)
+            logprobs=logprobs, finish_reason=req.status.value if finished else None, stop_reason=req.stop_reason,
+            num_draft_tokens=req.metrics.num_draft_tokens, num_accepted_tokens=req.metrics.num_accepted_tokens)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              prompt_logprobs=prompt_logprobs, outputs=[completion], finished=finished,
                              num_cached_tokens=max(req.num_cached_tokens, 0), metrics=req.metrics)

@@ -55,6 +55,11 @@ class Request:
     num_sent_chars: int = 0
     # Structured output: the compiled grammar's future, then its matcher (structured_output/manager.py).
     grammar: object = None
+    # Speculative decoding: drafts to verify in the next step (after the last token) and their confidences;
+    # spec_disabled after a drafter failure on this request (it then decodes one token per step)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_confidences: list[float] = field(default_factory=list)
+    spec_disabled: bool = False
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -21,9 +21,11 @@ from openinfer.kv_cache.kv_cache_manager import KVCacheManager, StateCopies
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int          # tokens to run this step, starting at request.num_computed_tokens
+    num_new_tokens: int          # tokens to run this step, starting at request.num_computed_tokens (drafts included)
     block_ids: list[int]
     state_slot: int | None = None
+    # speculative decoding: draft tokens run after the request's last token, verified by this step's samples
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -32,7 +34,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the last token (known or still on the device), so it yields a new one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens_with_pending
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens_with_pending
 
 
 @dataclass
@@ -96,6 +98,15 @@ class Scheduler:
             if n == 0 and self._time_left is not None:
                 i += 1           # no time left for its prefill chunk this step
                 continue
+            drafts = []
+            if req.spec_token_ids and n == 1 == req.num_tokens_with_pending - req.num_computed_tokens:
+                drafts = req.spec_token_ids[:budget - 1]     # verified after the last token, within the budget
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                    out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), self.kv.block_ids(req.request_id),
+                                                          self.kv.state_slot(req.request_id), drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue         # no room for the drafts: decode the one token as usual (below)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)

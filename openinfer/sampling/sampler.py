@@ -80,7 +80,11 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
+                      output_offsets: list[int] | None = None) -> "SamplingMetadata":
+        """One row per entry of `requests` (a request may fill several rows: speculative decoding verifies
+        its drafts in consecutive rows); `output_offsets[i]`: output tokens row i comes after beyond the
+        request's own (the drafts before it), for min_tokens."""
         ps = [r.sampling_params for r in requests]
         f32 = dict(dtype=torch.float32, device=device)
 
@@ -117,7 +121,8 @@ class SamplingMetadata:
         for i, r in enumerate(requests):
             p = r.sampling_params
             # a constrained request ends where its grammar allows EOS: min_tokens does not ban it there
-            if r.num_output_tokens + r.num_pending < p.min_tokens and r.grammar is None:
+            offset = output_offsets[i] if output_offsets is not None else 0
+            if r.num_output_tokens + r.num_pending + offset < p.min_tokens and r.grammar is None:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:
                     banned.append((i, ids))

@@ -1,0 +1,71 @@
+"""Speculator: before each step, the drafts every decoding request will have verified (the host side of
+speculative decoding; the runner verifies them in the step's one forward, the output processor keeps what the
+target's samples confirm, spec_decode/README in docs/spec_decode.md).
+
+Which requests draft: those decoding (prompt done), without penalties or a grammar (their next-token
+distribution depends on the tokens before it in ways the verification rows do not model yet), and whose drafter
+has not failed on them. Draft counts are capped so that no draft runs past max_tokens or max_model_len: the
+last verified row's sample must still be a token the request may emit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from openinfer.engine.request import Request
+from openinfer.spec_decode.config import SpeculativeConfig
+from openinfer.spec_decode.ngram import NgramProposer
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.budget = config.verify_budget or max(1, max_num_seqs * self.k // 2)
+
+    @staticmethod
+    def drafts_allowed(req: Request) -> bool:
+        p = req.sampling_params
+        return not (req.spec_disabled or req.grammar is not None or p.presence_penalty or p.frequency_penalty
+                    or p.repetition_penalty != 1.0)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids / spec_confidences on every running request (empty where it does not draft)."""
+        drafting = []
+        for req in running:
+            req.spec_token_ids, req.spec_confidences = [], []
+            if req.num_computed_tokens != req.num_tokens - 1 or not self.drafts_allowed(req):
+                continue
+            p = req.sampling_params
+            room = self.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            try:
+                drafts, conf = self.proposer.propose(req.all_token_ids, room)
+            except Exception as e:          # this request decodes without drafts from now on; others go on
+                req.spec_disabled = True
+                print(f"[openinfer] drafter failed on request {req.request_id} ({e!r}): speculation off for it",
+                      file=sys.stderr, flush=True)
+                continue
+            if drafts:
+                req.spec_token_ids, req.spec_confidences = drafts, conf
+                drafting.append(req)
+        if self.config.policy == "confidence" and drafting:
+            self._apply_confidence_policy(drafting)
+
+    def _apply_confidence_policy(self, reqs: list[Request]) -> None:
+        from openinfer.spec_decode.policy import confidence_lengths
+
+        conf = torch.zeros(len(reqs), self.k)
+        for i, r in enumerate(reqs):
+            conf[i, :len(r.spec_confidences)] = torch.tensor(r.spec_confidences)
+        num = torch.tensor([len(r.spec_token_ids) for r in reqs])
+        lengths = confidence_lengths(conf, num, self.budget).tolist()
+        for r, n in zip(reqs, lengths):
+            r.spec_token_ids, r.spec_confidences = r.spec_token_ids[:n], r.spec_confidences[:n]
