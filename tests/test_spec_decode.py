@@ -216,3 +216,27 @@ def test_speculation_refuses_models_with_per_request_state_and_async():
         LLMEngine(EngineConfig(model="deepseek-v41-tiny", device="cpu", speculative_config=NGRAM))
     with pytest.raises(ValueError, match="synchronous"):
         EngineConfig(model="unused", device="cpu", async_scheduling=True, speculative_config=NGRAM)
+
+
+def test_server_with_speculation_streams_plain_greedy_and_counts_drafts(smollm_dir, plain_greedy):
+    """`openinfer serve --speculative-config ...`: the real openai client, streaming, gets plain greedy decoding's
+    text; /metrics counts the drafts verified and kept."""
+    import httpx
+    import openai
+
+    from tests.live_server import LiveServer
+
+    ref, _ = plain_greedy
+    with LiveServer(str(smollm_dir), served_model_name="smollm2", dtype="float32", block_size=16,
+                    speculative_config=NGRAM) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused")
+        stream = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].text for c in stream)
+        assert text == ref[0].text
+        metrics = httpx.get(s.base_url + "/metrics").text
+        values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("openinfer:spec_decode_num_")}
+        assert values["openinfer:spec_decode_num_draft_tokens_total"] >= values[
+            "openinfer:spec_decode_num_accepted_tokens_total"] > 8
+        assert s.wait_idle()

@@ -34,6 +34,10 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                             "the model dtype: unquantized caches; fp8 (or fp8_e4m3): Llama family and Gemma-3, "
                             "FP8 E4M3 K/V with a float32 scale per token and head (about half the bytes of bf16; "
                             "docs/kv_cache_fp8.md)"),
+        g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            '(policy "fixed" | "confidence", verify_budget, prompt_lookup_min/max; '
+                            'docs/spec_decode.md)'),
         g.add_argument("--v41-prefill-mode", choices=["exact", "yoco"], default="exact",
                        help="DeepSeek-V4.1: yoco = decoder layers over the prompt's last --v41-prefill-keep-tokens only"),
         g.add_argument("--v41-prefill-keep-tokens", type=int, default=140),
@@ -93,7 +97,7 @@ def _make_llm(args):
                worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
                prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype,
                v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
-               engram_tables=args.engram_tables)
+               engram_tables=args.engram_tables, speculative_config=args.speculative_config)
 
 
 def cmd_generate(args) -> int:

@@ -37,6 +37,10 @@ class EngineMetrics:
         self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
         self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished requests.", **label)
         self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens.", **label)
+        self.draft_tokens = Counter("openinfer:spec_decode_num_draft_tokens", "Speculative decoding: draft "
+                                    "tokens verified (finished requests).", **label)
+        self.accepted_tokens = Counter("openinfer:spec_decode_num_accepted_tokens", "Speculative decoding: "
+                                       "draft tokens the target kept (finished requests).", **label)
         self.success = Counter("openinfer:request_success", "Finished requests.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
         self.aborted = Counter("openinfer:request_aborted", "Requests the server stopped: reason is "
@@ -73,7 +77,12 @@ class EngineMetrics:
         m, mt = self.model, out.metrics
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.success.labels(m, out.outputs[0].finish_reason or "abort").inc()
-        if mt is None or mt.finished_time is None:
+        if mt is None:
+            return
+        if mt.num_draft_tokens:
+            self.draft_tokens.labels(m).inc(mt.num_draft_tokens)
+            self.accepted_tokens.labels(m).inc(mt.num_accepted_tokens)
+        if mt.finished_time is None:
             return
         self.e2e.labels(m).observe(mt.finished_time - mt.arrival_time)
         if mt.first_token_time is not None:
