@@ -240,3 +240,30 @@ def test_server_with_speculation_streams_plain_greedy_and_counts_drafts(smollm_d
         assert values["openinfer:spec_decode_num_draft_tokens_total"] >= values[
             "openinfer:spec_decode_num_accepted_tokens_total"] > 8
         assert s.wait_idle()
+
+
+def test_penalties_and_grammars_with_drafts_match_plain_decoding(smollm_dir):
+    """Requests with penalties draft too (each verify row counts the drafts before it as output), and so do
+    constrained ones (drafts cut to the prefix the grammar accepts, each row masked by the grammar after the drafts
+    before it): greedy outputs equal plain decoding's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+              "items": {"type": "string"}}}, "required": ["name", "tags"]}
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2],
+               'Reply in JSON. Copy: {"name": "lighthouse", "tags": ["ship", "ship", "ship", "ship"]}\nJSON: ']
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.5,
+                             frequency_penalty=0.3),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": r"    return a \* b\n.*"}),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})]
+    outs = {}
+    for mode in ("plain", "spec"):
+        llm = LLM(smollm_dir, device="cpu", dtype="float32", speculative_config=NGRAM if mode == "spec" else None)
+        got = _run(llm, prompts, params)
+        outs[mode] = [(o.text, o.token_ids, o.finish_reason) for o in got]
+        if mode == "spec":
+            # (the repetition penalty steers away from the copied text: few or no n-gram matches there)
+            assert all(o.num_accepted_tokens > 0 for o in got[1:])   # penalties and both grammars kept drafts
+        assert_pool_idle(llm.engine)
+        llm.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert json.loads(outs["plain"][3][0])["name"]

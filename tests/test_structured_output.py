@@ -75,7 +75,7 @@ def test_bitmask_apply_is_one_batched_op_over_the_sampler_rows():
     mask = torch.zeros(1, 3, dtype=torch.int32)
     mask[0, 0] = 1 << 5                      # only token 5 allowed
     mask[0, 2] = 1 << (65 - 64)              # and token 65
-    bm = GrammarBitmask({"b": 0}, mask).for_batch(["a", "b"])
+    bm = GrammarBitmask({("b", 0): 0}, mask).for_batch([("a", 0), ("b", 0)])
     logits = torch.randn(2, v)
     before = logits.clone()
     apply_token_bitmask(logits, bm)

@@ -247,7 +247,10 @@ class LLMEngine:
             next(iter(self._compiling.values())).grammar.wait(0.005)   # nothing to run until a grammar is ready
         if not sched.empty:
             sampling = [s.request for s in sched.scheduled if s.samples]
-            bitmask = self._structured.bitmask(sampling) if self._structured is not None else None
+            bitmask = None
+            if self._structured is not None:
+                bitmask = self._structured.bitmask(sampling, {s.request.request_id: s.draft_token_ids
+                                                              for s in sched.scheduled if s.draft_token_ids})
             try:
                 current = self.runner.execute(sched, prev, bitmask)
             except BaseException:

@@ -319,7 +319,7 @@ class ModelRunner:
         fix_rows, fix_src = [], []               # rows whose input token is prev's sample
         row = 0
         sample_rows: list[Request] = []         # the sampler's rows: a request verifying drafts fills several
-        sample_offsets: list[int] = []
+        row_drafts: list[list[int]] = []        # the drafts each row comes after
         for s in order:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
             drafts = s.draft_token_ids
@@ -360,16 +360,17 @@ class ModelRunner:
                 first = row + n - 1 - len(drafts)
                 logit_rows.extend(range(first, row + n))
                 sample_rows.extend([req] * (1 + len(drafts)))
-                sample_offsets.extend(range(1 + len(drafts)))
+                row_drafts.extend(drafts[:j] for j in range(1 + len(drafts)))
                 if drafts:
                     out.drafts[req.request_id] = drafts
             row += n
         # Host-to-device copies first: made after the forward is queued, each would wait for it.
         if sampling_reqs:
             meta_s = SamplingMetadata.from_requests(sample_rows, self.vocab_size, dev,
-                                                    sample_offsets if out.drafts else None)
-            if grammar_bitmask is not None:   # (requests with a grammar get no drafts: one row each)
-                meta_s.token_bitmask = h2d(grammar_bitmask.for_batch([r.request_id for r in sample_rows]), dev)
+                                                    row_drafts if out.drafts else None)
+            if grammar_bitmask is not None:   # row j of a request: its grammar after its first j drafts
+                meta_s.token_bitmask = h2d(grammar_bitmask.for_batch(
+                    [(r.request_id, len(d)) for r, d in zip(sample_rows, row_drafts)]), dev)
             logit_index = h2d(torch.tensor(logit_rows), dev)
         fixups = None
         if fix_rows:

@@ -81,10 +81,10 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
-                      output_offsets: list[int] | None = None) -> "SamplingMetadata":
+                      row_drafts: list[list[int]] | None = None) -> "SamplingMetadata":
         """One row per entry of `requests` (a request may fill several rows: speculative decoding verifies
-        its drafts in consecutive rows); `output_offsets[i]`: output tokens row i comes after beyond the
-        request's own (the drafts before it), for min_tokens."""
+        its drafts in consecutive rows); `row_drafts[i]`: the draft tokens row i comes after, counted as output
+        tokens by min_tokens and the penalties."""
         ps = [r.sampling_params for r in requests]
         f32 = dict(dtype=torch.float32, device=device)
 
@@ -111,8 +111,9 @@ class SamplingMetadata:
             for i, r in enumerate(requests):
                 if r.prompt_token_ids:
                     meta.prompt_mask[i, torch.tensor(r.prompt_token_ids, device=device)] = True
-                if r.output_token_ids:
-                    ids = torch.tensor(r.output_token_ids, device=device)
+                out_ids = r.output_token_ids + (row_drafts[i] if row_drafts is not None else [])
+                if out_ids:
+                    ids = torch.tensor(out_ids, device=device)
                     meta.output_counts[i].index_add_(0, ids, torch.ones(len(ids), **f32))
             meta.presence = col([p.presence_penalty for p in ps])
             meta.frequency = col([p.frequency_penalty for p in ps])
@@ -121,7 +122,7 @@ class SamplingMetadata:
         for i, r in enumerate(requests):
             p = r.sampling_params
             # a constrained request ends where its grammar allows EOS: min_tokens does not ban it there
-            offset = output_offsets[i] if output_offsets is not None else 0
+            offset = len(row_drafts[i]) if row_drafts is not None else 0
             if r.num_output_tokens + r.num_pending + offset < p.min_tokens and r.grammar is None:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:

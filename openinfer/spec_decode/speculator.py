@@ -2,10 +2,11 @@
 speculative decoding; the runner verifies them in the step's one forward, the output processor keeps what the
 target's samples confirm, spec_decode/README in docs/spec_decode.md).
 
-Which requests draft: those decoding (prompt done), without penalties or a grammar (their next-token
-distribution depends on the tokens before it in ways the verification rows do not model yet), and whose drafter
-has not failed on them. Draft counts are capped so that no draft runs past max_tokens or max_model_len: the
-last verified row's sample must still be a token the request may emit.
+Which requests draft: those decoding (prompt done) whose drafter has not failed on them. Penalties count a
+row's preceding drafts as output (sampler.SamplingMetadata.from_requests); a grammar cuts the drafts to the prefix
+it accepts and masks each verify row with its state after the drafts before it (structured_output/manager.py).
+Draft counts are capped so that no draft runs past max_tokens or max_model_len: the last verified row's sample
+must still be a token the request may emit.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ class Speculator:
 
     @staticmethod
     def drafts_allowed(req: Request) -> bool:
-        p = req.sampling_params
-        return not (req.spec_disabled or req.grammar is not None or p.presence_penalty or p.frequency_penalty
-                    or p.repetition_penalty != 1.0)
+        return not req.spec_disabled
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids / spec_confidences on every running request (empty where it does not draft)."""
@@ -53,6 +52,10 @@ class Speculator:
                 print(f"[openinfer] drafter failed on request {req.request_id} ({e!r}): speculation off for it",
                       file=sys.stderr, flush=True)
                 continue
+            if drafts and req.grammar is not None:
+                # drafts the grammar rejects could never be kept (the mask forbids them): cut them off here
+                n = req.grammar.valid_draft_prefix(drafts)
+                drafts, conf = drafts[:n], conf[:n]
             if drafts:
                 req.spec_token_ids, req.spec_confidences = drafts, conf
                 drafting.append(req)

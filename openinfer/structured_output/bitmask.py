@@ -15,15 +15,17 @@ import torch
 
 @dataclass
 class GrammarBitmask:
-    rows: dict[str, int]      # request id -> row of `mask`
-    mask: torch.Tensor        # [len(rows), ceil(V/32)] int32, host
+    rows: dict[tuple[str, int], int]   # (request id, drafts before the row) -> row of `mask`
+    mask: torch.Tensor                 # [len(rows), ceil(V/32)] int32, host
 
-    def for_batch(self, request_ids: list[str]) -> torch.Tensor:
-        """The mask with one row per id in `request_ids` order; all ones for ids without a grammar."""
-        full = torch.full((len(request_ids), self.mask.shape[1]), -1, dtype=torch.int32)
-        dst = [i for i, rid in enumerate(request_ids) if rid in self.rows]
+    def for_batch(self, keys: list[tuple[str, int]]) -> torch.Tensor:
+        """The mask with one row per (request id, number of drafts before it) in `keys` order (speculative
+        decoding verifies a request's drafts in consecutive rows, each with the grammar advanced over the drafts
+        before it); all ones for requests without a grammar."""
+        full = torch.full((len(keys), self.mask.shape[1]), -1, dtype=torch.int32)
+        dst = [i for i, key in enumerate(keys) if key in self.rows]
         if dst:
-            full[dst] = self.mask[[self.rows[request_ids[i]] for i in dst]]
+            full[dst] = self.mask[[self.rows[keys[i]] for i in dst]]
         return full
 
 

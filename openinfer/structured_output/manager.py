@@ -63,6 +63,34 @@ class GrammarState:
         """Advance by one emitted token; False if the grammar rejects it."""
         return self._matcher().accept_token(token_id)
 
+    def valid_draft_prefix(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar accepts without ending (a draft that would terminate the output
+        ends the prefix: the rows after it would have no mask); the matcher is left as it was."""
+        m, n = self._matcher(), 0
+        for tok in drafts:
+            if not m.accept_token(tok):
+                break
+            n += 1
+            if m.is_terminated():
+                m.rollback(1)
+                n -= 1
+                break
+        if n:
+            m.rollback(n)
+        return n
+
+    def fill_bitmask_rows(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Rows first_row + j, j = 0..len(drafts): the allowed tokens after the first j drafts (all of which the
+        grammar accepts: `valid_draft_prefix`); the matcher is left as it was."""
+        m = self._matcher()
+        for j, tok in enumerate(drafts):
+            m.fill_next_token_bitmask(bitmask, first_row + j)
+            accepted = m.accept_token(tok)
+            assert accepted, "drafts must be cut to the grammar's valid prefix before they are scheduled"
+        m.fill_next_token_bitmask(bitmask, first_row + len(drafts))
+        if drafts:
+            m.rollback(len(drafts))
+
     @property
     def terminated(self) -> bool:
         """A stop token was accepted in an accepting state: the output is complete."""
@@ -77,16 +105,23 @@ class StructuredOutputManager:
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(params, self.pool.submit(params), self.pool.timeout_s)
 
-    def bitmask(self, requests) -> GrammarBitmask | None:
+    def bitmask(self, requests, drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The next-token masks of the constrained requests among `requests` (those that sample this step),
-        filled on the host; None when none is constrained."""
+        filled on the host; None when none is constrained. With speculative decoding (`drafts`: request id ->
+        the drafts it verifies) a request gets one row per verify row."""
         constrained = [r for r in requests if r.grammar is not None]
         if not constrained:
             return None
-        mask = xgr.allocate_token_bitmask(len(constrained), self.vocab_size)   # fresh: copied to the device async
-        for i, r in enumerate(constrained):
-            r.grammar.fill_bitmask(mask, i)
-        return GrammarBitmask({r.request_id: i for i, r in enumerate(constrained)}, mask)
+        drafts = drafts or {}
+        rows, n = {}, 0
+        for r in constrained:
+            for j in range(1 + len(drafts.get(r.request_id, ()))):
+                rows[(r.request_id, j)] = n
+                n += 1
+        mask = xgr.allocate_token_bitmask(n, self.vocab_size)   # fresh: copied to the device async
+        for r in constrained:
+            r.grammar.fill_bitmask_rows(mask, rows[(r.request_id, 0)], drafts.get(r.request_id, []))
+        return GrammarBitmask(rows, mask)
 
 
 __all__ = ["GrammarState", "StructuredOutputManager", "GrammarError"]
