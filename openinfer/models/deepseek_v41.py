@@ -4,7 +4,8 @@ paged caches. Semantics are those of DeepSeek's reference inference code (vendor
 
 Read top to bottom: numerics shared with V4 (norms, interleaved RoPE) -> the compressor -> the lightning indexer
 with the two-level top-k -> attention (sliding window + picked compressed entries + sinks) -> MoE -> the block
-with lagged hyper-connections and Engram -> the model -> DSpark stages (loaded; drafting is spec decoding's).
+with lagged hyper-connections and Engram -> the model -> DSpark stages (their forward pieces; the drafting loop is
+spec_decode/dspark.py's).
 
 What V4.1 changes from V4 (deepseek_v4.py), as this file implements it:
 - cross-layer compressed KV: only KV-source layers compress (ratio 2 or 1, no overlapping windows, no position
@@ -552,7 +553,16 @@ class Block(nn.Module):
 class DSparkStage(Block):
     """A DSpark draft stage (`mtp.{i}`): a window-only block; stage 0 also projects the target layers' hidden
     states (`main_proj`, `main_norm`), the last one holds the head side (`norm`, the Markov head, the confidence
-    head). Loaded with the model; drafting with them is speculative decoding's (spec_decode/)."""
+    head). Loaded with the model; the drafting loop (per-request context rings, batching) is
+    openinfer/spec_decode/dspark.py's, which calls the pieces below:
+    - `context` (stage 0): the target layers' features [T, n_target * dim] -> the context rows `main_x` [T, dim];
+    - `context_keys`: a context row at position p -> this stage's window key for p (K = V, RoPE at p, rounded as
+      the window cache rounds: what the stage's ring stores);
+    - `forward`: the block of drafting positions through the stage. Its attention sees every valid key of the
+      request's context ring (slot order) and every key of the block (the block attends to itself in both
+      directions: it is drafted in one pass, not causally);
+    - `draft_head` (last stage): logits + the Markov bias of the previous token, greedy drafts left to right,
+      and the confidence head's raw score per draft."""
 
     def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
         super().__init__(cfg, layer, ops)
@@ -567,6 +577,71 @@ class DSparkStage(Block):
             self.markov_head.head = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False)
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Linear(cfg.dim + cfg.dspark_markov_rank, 1, bias=False)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, n_target * dim] (the target layers' inputs, each averaged over the hc streams, concatenated
+        in `dspark_target_layer_ids` order) -> main_x [T, dim]."""
+        return self.main_norm(self.main_proj(features))
+
+    def context_keys(self, main_x: torch.Tensor, positions: torch.Tensor, ropes, codec) -> torch.Tensor:
+        """This stage's window keys of context rows at `positions`, encoded by `codec` (the window cache's)."""
+        a = self.attn
+        cos, sin = ropes["main"].cos_sin(positions, torch.float32)
+        return codec.encode(apply_rope(a.kv_norm(a.wkv(main_x)), cos, sin))
+
+    def forward(self, streams, pre_mix, positions, ropes, ring: torch.Tensor, ring_valid: torch.Tensor, codec):
+        """streams [B * n, hc, dim] (request-major: request b's block is rows b*n .. b*n+n-1), positions [B * n],
+        ring [B, W, D] the requests' decoded context keys in slot order, ring_valid [B, W]."""
+        pre, post, comb = self.mixes(streams, "attn")
+        h = self._block_attention(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, ring, ring_valid,
+                                  codec)
+        streams = self.expand(h, streams, post, comb)
+        ffn_pre, post, comb = self.mixes(streams, "ffn")
+        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)))
+        return self.expand(h, streams, post, comb), ffn_pre
+
+    def _block_attention(self, x, positions, ropes, ring, ring_valid, codec):
+        a = self.attn
+        T, B = x.shape[0], ring.shape[0]
+        n = T // B
+        cos, sin = ropes["main"].cos_sin(positions, torch.float32)
+        qr = a.q_norm(a.wq_a(x))
+        q = apply_rope(a.wq_b(qr).view(T, a.n_heads, a.head_dim), cos[:, None], sin[:, None])
+        kv = codec.decode(codec.encode(apply_rope(a.kv_norm(a.wkv(x)), cos, sin)), x.dtype)
+        keys = torch.cat((ring.to(x.dtype), kv.view(B, n, -1)), dim=1).repeat_interleave(n, dim=0)
+        valid = torch.cat((ring_valid, ring_valid.new_ones(B, n)), dim=1).repeat_interleave(n, dim=0)
+        out = a._attend(q, (keys, None, valid), None)
+        o = apply_rope(out, cos[:, None], -sin[:, None]).view(T, a.cfg.o_groups, -1)
+        wo_a = a.wo_a.weight.view(a.cfg.o_groups, a.cfg.o_lora_rank, -1)
+        return a.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
+
+    def draft_head(self, streams, pre_mix, tokens: torch.Tensor, compute_logits):
+        """The last stage's head side: streams [B * n, hc, dim], tokens [B] (what block position 0 holds) ->
+        (drafts [B, n] long, logits [B, n, vocab] float32 with the Markov bias, scores [B, n] float32). Draft i comes
+        from position i's logits plus the Markov head's bias for the token before it (the input token, then draft
+        i - 1), greedily; score i is the confidence head's linear map of [position i's hidden before the final
+        norm, the Markov embedding of that previous token], raw (no activation)."""
+        B = tokens.shape[0]
+        x = self.collapse(streams, pre_mix)
+        n = x.shape[0] // B
+        logits = compute_logits(self.norm(x)).view(B, n, -1)
+        prev, drafts, embeds = tokens, [], []
+        for i in range(n):
+            e = self.markov_head.embed(prev)
+            logits[:, i] += _float32_linear(e, self.markov_head.head.weight)
+            prev = logits[:, i].argmax(dim=-1)
+            drafts.append(prev)
+            embeds.append(e)
+        feats = torch.cat((x.view(B, n, -1), torch.stack(embeds, dim=1)), dim=-1).float()
+        scores = F.linear(feats, self.confidence_head.proj.weight.float()).squeeze(-1)
+        return torch.stack(drafts, dim=1), logits, scores
+
+
+def _float32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in float32 (as the reference's float32 heads compute it); on CUDA without a float32 copy of w."""
+    if w.is_cuda and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), w.float())
 
 
 # ---- the model ----------------------------------------------------------------------------------------
@@ -614,6 +689,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.n_layers + k, ops) for k in range(cfg.n_mtp_layers)) \
             if cfg.dspark_block_size else nn.ModuleList()
         self.hasher: NgramHasher | None = None
+        # opt-in (DSpark drafting): backbone layer ids whose inputs `forward` keeps in `captured` (layer id ->
+        # [rows, dim], the layer's input streams averaged over hc, after its Engram; the rows `forward` ran that
+        # layer on, i.e. under YOCO only the decoder's rows for layers from the split on). Empty: nothing is kept.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: dict[int, torch.Tensor] = {}
         if cfg.engram_layer_ids:
             if engram_layout is None:
                 raise ValueError("this DeepSeek-V4.1 config has Engram layers: the model needs their layout")
@@ -771,6 +851,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             if self.hasher is None:
                 raise RuntimeError("DeepSeek-V4.1 Engram layers need the n-gram hasher (attach_hasher)")
             hashes = self._engram_hashes(input_ids, positions, caches, meta)
+        if self.capture_layers:
+            self.captured = {}
         streams = self.embed(input_ids).unsqueeze(1).repeat(1, c.hc_mult, 1)
         pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=streams.device)
         pre_mix[:, 0] = 1.0
@@ -790,6 +872,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 streams, pre_mix, positions = streams[rows], pre_mix[rows], positions[rows]
                 if hashes is not None:
                     hashes = hashes[rows]
+            if self.capture_layers and i in self.capture_layers:
+                self.captured[i] = streams.mean(dim=1)
             streams, pre_mix = layer(streams, pre_mix, positions, self.ropes, state, meta, shared,
                                      close_groups=i != split)
         hidden = self.norm(Block.collapse(streams, pre_mix))
