@@ -124,15 +124,18 @@ def test_drafts_and_confidences_equal_the_reference_forward_spec(runs):
 
 def test_a_batch_at_different_positions_equals_the_reference_per_request(runs):
     """Three requests in one batch, at positions 40.. and 10.. (a ring still filling: its empty slots must not be
-    attended), their contexts written by one `extend` per step, the slots not in batch order: each request's drafts
-    and scores are the reference's (which drafts one shared position per batch)."""
+    attended), the slots not in batch order; the prompts' contexts written in two mixed `extend` calls (the long
+    one wrapping its ring within each), then one `extend` per step: each request's drafts and scores are the
+    reference's (which drafts one shared position per batch)."""
     (long_tokens, long_ref), (short_tokens, short_ref) = runs["long"], runs["short"]
     drafter = DSparkDrafter(runs["engine"].runner.model, max_requests=4)
     slots = torch.tensor([2, 0, 3])
     lengths = torch.tensor([40, 10, 10])
     ctx = [long_ref[0][0][0], short_ref[0][0][0], short_ref[0][0][1]]
-    drafter.extend(torch.cat([s.expand(n) for s, n in zip(slots, lengths.tolist())]),
-                   torch.cat([torch.arange(n) for n in lengths.tolist()]), torch.cat(ctx))
+    for parts in ([(0, 0, 23), (1, 0, 10), (2, 0, 4)], [(2, 4, 10), (0, 23, 40)]):
+        drafter.extend(torch.cat([slots[r].expand(b - a) for r, a, b in parts]),
+                       torch.cat([torch.arange(a, b) for _, a, b in parts]),
+                       torch.cat([ctx[r][a:b] for r, a, b in parts]))
     tokens = torch.cat((long_tokens, short_tokens))
     for k in range(1, STEPS):
         P = lengths + k - 1

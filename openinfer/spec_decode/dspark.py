@@ -109,7 +109,8 @@ class DSparkDrafter:
             self.rings[k, slots, dst] = stage.context_keys(main_x, positions, self.model.ropes, self.codec)
 
     def reset(self, slots: torch.Tensor) -> None:
-        """Forget the context of these request slots (a new request takes them)."""
+        """Forget the context of these request slots. Not needed for a request that writes its context from
+        position 0 (every slot a draft reads is then its own); for one that starts elsewhere (a prefix hit)."""
         self.rings[:, slots.long()] = 0
 
     # -- drafting
