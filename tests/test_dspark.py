@@ -122,6 +122,16 @@ def test_drafts_and_confidences_equal_the_reference_forward_spec(runs):
     assert len(seen) > BLOCK          # the drafts depend on the context (not one constant block)
 
 
+def test_capture_is_off_by_default_and_keeps_nothing(runs):
+    model = runs["engine"].runner.model
+    assert model.capture_layers == ()
+    model.captured = {}
+    run_recording(runs["engine"], prompts_of(5, seed=3), SamplingParams(max_tokens=2, **GREEDY))
+    assert model.captured == {}
+    with pytest.raises(RuntimeError, match="enable_capture"):
+        DSparkDrafter(model, max_requests=1).features()
+
+
 def test_a_batch_at_different_positions_equals_the_reference_per_request(runs):
     """Three requests in one batch, at positions 40.. and 10.. (a ring still filling: its empty slots must not be
     attended), the slots not in batch order; the prompts' contexts written in two mixed `extend` calls (the long

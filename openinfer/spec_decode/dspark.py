@@ -33,7 +33,8 @@ reference's decode takes one new position per call; its prefill, one whole promp
 
 State and rollback: a ring slot is overwritten by the position W later, so `extend` must only get positions the
 target accepted (features of rejected verify rows must not be written: they would take the slot of a still
-visible accepted position). Plain torch, device-agnostic, no host sync.
+visible accepted position). Plain torch, device-agnostic, no host sync of its own (the stages' MoE syncs only
+where the model's own MoE does: its per-expert loop off the grouped CUDA path).
 """
 
 from __future__ import annotations
