@@ -1,4 +1,4 @@
-"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench offline / serve / soak."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench offline/serve/soak/spec."""
 
 from __future__ import annotations
 
@@ -274,6 +274,12 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
+def cmd_bench_spec(args) -> int:
+    from openinfer.benchmarks.spec import cli_main
+
+    return cli_main(args)
+
+
 def cmd_bench_soak(args) -> int:
     import tempfile
 
@@ -401,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--result-json", default=None)
     soak.set_defaults(func=cmd_bench_soak)
+    spec = bench_sub.add_parser("spec", help="speculative decoding (ngram prompt lookup) vs none on edit/summary/chat "
+                                             "tasks: accept rate, accepted length, tok/s, TPOT over concurrency")
+    from openinfer.benchmarks.spec import add_cli_args as _spec_args
+    _spec_args(spec)
+    spec.set_defaults(func=cmd_bench_spec)
     return parser
 
 
