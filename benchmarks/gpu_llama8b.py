@@ -50,24 +50,26 @@ JOBS = ["decode", "prefill_8k", "ow_256x512", "mixed_host", "decode_sync", "ow_2
         "hf_generate_batch"]
 
 
+def timed(fn, reps: int = 20) -> float:
+    """Median seconds of `fn` on the GPU over `reps` runs (CUDA events), after one warm-up run."""
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def ceilings() -> dict:
     x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()   # 2 GiB
     y = torch.empty_like(x)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-    def timed(fn, reps):
-        fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        return sorted(times)[len(times) // 2]
     t_copy = timed(lambda: y.copy_(x), 10)
     t_mm = timed(lambda: a @ b, 10)
     return {"copy_TBps": 2 * x.numel() * 2 / t_copy / 1e12, "bf16_matmul_TFLOPs": 2 * 8192**3 / t_mm / 1e12}

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_llama8b import timed  # noqa: E402
 from paged_attention_cases import random_step  # noqa: E402
 
 from openinfer.layers.attention import TorchPagedAttention  # noqa: E402
@@ -37,20 +39,6 @@ STEPS = {   # name -> prefill chunks (cached tokens, new tokens)
     "16K: 15488 cached + 512 new": [(15488, 512)],
     "8 chunks: 4096 cached + 256 new each": [(4096, 256)] * 8,
 }
-
-
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def matmul_peak() -> float:
