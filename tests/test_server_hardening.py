@@ -130,9 +130,9 @@ def test_request_timeout_aborts_with_a_clear_error(server):
 
 
 def test_short_soak_no_5xx_no_leaked_blocks(server):
-    """16 streaming clients for 20 s over the four endpoints, 50 cut requests, 200 fuzzed bodies."""
+    """16 streaming clients for 12 s over the four endpoints, 50 cut requests, 200 fuzzed bodies."""
     before = _aborted(server, "client_disconnect")
-    r = run_soak(SoakConfig(base_url=server.base_url, clients=16, duration_s=20, cut_requests=50, fuzz_bodies=200,
+    r = run_soak(SoakConfig(base_url=server.base_url, clients=16, duration_s=12, cut_requests=50, fuzz_bodies=200,
                             max_tokens=32, rss_pid=os.getpid(), rss_interval_s=5), quiet=True)
     assert r["errors"] == 0 and r["server_5xx"] == 0, r["error_samples"]
     assert r["answers"] >= 16 and len(r["answers_by_endpoint"]) == 4
