@@ -267,3 +267,30 @@ def test_penalties_and_grammars_with_drafts_match_plain_decoding(smollm_dir):
         llm.shutdown()
     assert outs["spec"] == outs["plain"]
     assert json.loads(outs["plain"][3][0])["name"]
+
+
+class FailingOnMarker:
+    """A drafter that raises for any request whose tokens contain `marker` (a broken drafter on one request)."""
+
+    def __init__(self, inner, marker: int):
+        self.inner, self.marker = inner, marker
+
+    def propose(self, token_ids, max_drafts=None):
+        if self.marker in token_ids:
+            raise RuntimeError("drafter broke on this request")
+        return self.inner.propose(token_ids, max_drafts)
+
+
+def test_a_drafter_failure_disables_speculation_for_that_request_only(smollm_dir, plain_greedy):
+    ref, _ = plain_greedy
+    llm = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16, speculative_config=NGRAM)
+    marker = llm.tokenizer.encode("List the numbers")[0]
+    assert marker in llm.tokenizer.encode(PROMPTS[1]) and marker not in llm.tokenizer.encode(PROMPTS[0])
+    spec = llm.engine.speculator
+    spec.proposer = FailingOnMarker(spec.proposer, marker)
+    outs = _run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:2]]
+    assert outs[0].num_accepted_tokens > 8          # the other request kept drafting
+    assert outs[1].num_draft_tokens == 0            # the failing one decoded without drafts
+    assert_pool_idle(llm.engine)
+    llm.shutdown()
