@@ -99,6 +99,18 @@ class EngineConfig:
     # predicted time (decodes first) stays within this many ms, from a step cost fitted on this model and
     # device (`openinfer calibrate`; calibrated at start if missing). None: the token budget only.
     prefill_step_budget_ms: float | None = None
+    # Prefix-KV store (kv_cache/kv_store.py, docs/kv_cache.md): full KV blocks kept beyond the GPU pool, keyed by
+    # the prefix hash chain, so a later request -- in this process, after a restart, or in any process sharing
+    # the directory or Redis server -- skips recomputing a prefix it finds there. Tiers: host RAM
+    # (kv_host_cache_bytes; None: 1 GiB when a directory or Redis is set, else none), a directory (local disk or
+    # a shared mount: 3FS, NFS, Lustre; capped at kv_store_capacity_bytes, None: uncapped), a Redis server
+    # ("redis://host:port/db"). Blocks are kept kv_store_ttl_s seconds (a request's cache_ttl overrides it).
+    # Models without per-request state, one process (world size 1) for now.
+    kv_store_dir: str | None = None
+    kv_store_url: str | None = None
+    kv_host_cache_bytes: int | None = None
+    kv_store_capacity_bytes: int | None = None
+    kv_store_ttl_s: float = 7 * 86400.0
     # Parallelism (docs/parallelism.md; vLLM's names). One worker process per rank, world = DP x TP ranks:
     # DP ranks own their requests and KV pools, TP ranks split each matrix; with expert parallelism the
     # routed experts of MoE models are split over all ranks (attention DP + EP, DeepInfer's layout).
@@ -190,6 +202,26 @@ class EngineConfig:
             if self.async_scheduling:
                 raise ValueError("speculative_config runs with synchronous scheduling for now: leave "
                                  "async_scheduling unset or False")
+        if self.kv_host_cache_bytes is not None and (not isinstance(self.kv_host_cache_bytes, int)
+                                                     or self.kv_host_cache_bytes < 0):
+            raise ValueError(f"kv_host_cache_bytes must be an integer >= 0, got {self.kv_host_cache_bytes!r}")
+        if self.kv_store_capacity_bytes is not None and (not isinstance(self.kv_store_capacity_bytes, int)
+                                                         or self.kv_store_capacity_bytes < 1):
+            raise ValueError(f"kv_store_capacity_bytes must be an integer >= 1, got {self.kv_store_capacity_bytes!r}")
+        if not self.kv_store_ttl_s > 0:
+            raise ValueError(f"kv_store_ttl_s must be > 0, got {self.kv_store_ttl_s}")
+        if self.kv_store_url is not None and not str(self.kv_store_url).startswith(("redis://", "rediss://",
+                                                                                     "unix://")):
+            raise ValueError(f"kv_store_url must be a redis://, rediss:// or unix:// URL, got {self.kv_store_url!r}")
+        if self.kv_store_capacity_bytes is not None and self.kv_store_dir is None:
+            raise ValueError("kv_store_capacity_bytes caps the kv_store_dir tier: set kv_store_dir too")
+        if self.kv_store_enabled:
+            if not self.enable_prefix_caching:
+                raise ValueError("the prefix-KV store (kv_store_dir / kv_store_url / kv_host_cache_bytes) is keyed "
+                                 "by the prefix cache's block hashes: it needs enable_prefix_caching")
+            if self.world_size > 1:
+                raise ValueError("the prefix-KV store (kv_store_dir / kv_store_url / kv_host_cache_bytes) is a "
+                                 "one-process feature for now (data_parallel_size x tensor_parallel_size = 1)")
         if self.enable_expert_parallel and self.world_size == 1:
             raise ValueError("enable_expert_parallel needs more than one rank: set data_parallel_size "
                              "(attention DP + EP) or tensor_parallel_size")
@@ -237,6 +269,17 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
+    def kv_store_enabled(self) -> bool:
+        return bool(self.kv_store_dir or self.kv_store_url or self.kv_host_cache_bytes)
+
+    @property
+    def resolved_kv_host_cache_bytes(self) -> int:
+        """The host tier's size: kv_host_cache_bytes, else 1 GiB when a directory or Redis tier is set."""
+        if self.kv_host_cache_bytes is not None:
+            return self.kv_host_cache_bytes
+        return 1 << 30 if (self.kv_store_dir or self.kv_store_url) else 0
 
     @property
     def local_ranks(self) -> int:

@@ -41,6 +41,9 @@ class SamplingParams:
     # {"grammar": ebnf} | {"choice": [...]}, or a StructuredOutputsParams. docs/structured_output.md
     structured_outputs: StructuredOutputsParams | dict | None = None
     so_args: dict | None = None          # DeepInfer's name for structured_outputs (an alias, folded into it)
+    # prefix-KV store (docs/kv_cache.md): how long blocks this request computes are kept, in seconds or a
+    # traffic class ("agent": 3 days, "chat": 7 days); None: the engine's kv_store_ttl_s
+    cache_ttl: float | str | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -50,6 +53,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.cache_ttl is not None:
+            from openinfer.kv_cache.kv_store import resolve_ttl
+
+            resolve_ttl(self.cache_ttl, 0.0)     # raises ValueError naming what is accepted
         if self.so_args is not None:
             if self.structured_outputs is not None:
                 raise ValueError("SamplingParams.so_args is an alias of structured_outputs: give only one")

@@ -67,10 +67,13 @@ class LLMEngine:
             if check is None:
                 raise ValueError("v41_prefill_mode='yoco' applies to DeepSeek-V4.1 models only")
             check(config.v41_prefill_keep_tokens)
+        self.kv_store = self._make_kv_store(model) if config.kv_store_enabled else None
+        self.runner.kv_store = self.kv_store
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots,
                                          num_state_snapshots=self.runner.num_state_snapshots,
-                                         min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1)
+                                         min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1,
+                                         store=self.kv_store)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -98,6 +101,40 @@ class LLMEngine:
 
             self.scheduler.cost_model, self.cost_model_path = load_or_calibrate(self)
             self.scheduler.step_budget_ms = config.prefill_step_budget_ms
+
+    def _make_kv_store(self, model):
+        """The prefix-KV store's tiers (kv_cache/kv_store.py), under a namespace of everything that makes a
+        block's bytes differ for the same tokens: the model (directory name and config.json), dtypes,
+        quantization, block size, the cache kinds' layouts and this rank's place in the TP/DP layout."""
+        import hashlib
+
+        from openinfer.kv_cache.kv_store import TieredKVStore, namespace_digest
+        from openinfer.kv_cache.spec import PagedCacheSpec
+        from openinfer.kv_cache.tiers import DirectoryTier, HostMemoryTier, RedisTier
+
+        c, runner = self.config, self.runner
+        if runner.num_state_slots:
+            raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: {type(model).__name__} keeps "
+                             f"per-request state (sliding-window rings, compressor state) that a stored prefix "
+                             f"would need too; its state tier is not built yet, so the prefix-KV store serves "
+                             f"models with paged KV only (Llama family, Gemma-3)")
+        config_json = self.model_dir / "config.json"
+        namespace = namespace_digest(
+            model=self.model_dir.name, model_class=type(model).__name__,
+            model_config=hashlib.sha256(config_json.read_bytes()).hexdigest() if config_json.is_file() else None,
+            dtype=str(c.torch_dtype), kv_cache_dtype=c.kv_cache_dtype, quantization=c.quantization,
+            load_format=c.load_format, block_size=c.block_size,
+            caches=[(s.name, s.num_layers, tuple(s.entry_shape), str(s.dtype), s.tokens_per_entry)
+                    for s in runner.cache_specs if isinstance(s, PagedCacheSpec)],
+            ranks=(self.parallel.dp_size, self.parallel.dp_rank, self.parallel.tp_size, self.parallel.tp_rank))
+        tiers = []
+        if c.resolved_kv_host_cache_bytes:
+            tiers.append(HostMemoryTier(c.resolved_kv_host_cache_bytes))
+        if c.kv_store_dir:
+            tiers.append(DirectoryTier(c.kv_store_dir, namespace, c.kv_store_capacity_bytes))
+        if c.kv_store_url:
+            tiers.append(RedisTier(c.kv_store_url, namespace))
+        return TieredKVStore(tiers, runner.bytes_per_block(), c.kv_store_ttl_s)
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -196,6 +233,8 @@ class LLMEngine:
         if self._structured is not None:
             self._structured.pool.shutdown()
             self._structured = None
+        if self.kv_store is not None:
+            self.kv_store.close()        # the queued writes finish first
         self.runner = None
 
     def memory_stats(self) -> dict:
@@ -316,6 +355,8 @@ class LLMEngine:
             "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks, "kv_usage": kv.usage(),
             "prefix_cache_hit_rate": kv.prefix_stats.hit_rate, "prefix_cache_hit_tokens": kv.prefix_stats.hit_tokens,
             "prefix_cache_queried_tokens": kv.prefix_stats.queried_tokens,
+            "prefix_cache_store_hit_tokens": kv.prefix_stats.store_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
+            **(self.kv_store.stats() if self.kv_store is not None else {}),
         }

@@ -99,6 +99,8 @@ class ModelRunner:
         self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
                                    for _ in range(s.num_layers)]
                           for s in self._snapshot_specs()}
+        # the prefix-KV store blocks are saved to (the engine sets it; kv_cache/kv_store.py)
+        self.kv_store = None
         # (decode batch bucket, context the graph was captured for) -> (graph, its output)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -124,6 +126,47 @@ class ModelRunner:
             for live, snap in zip(self.caches[name], snaps):
                 src, dst = (snap, live) if restore else (live, snap)
                 dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+    # ---- prefix-KV store: a block's bytes are every paged cache's rows for it, layer by layer ------------------
+    def _block_rows(self, block_id: int) -> list[torch.Tensor]:
+        return [t[block_id] for s in self.cache_specs if isinstance(s, PagedCacheSpec) for t in self.caches[s.name]]
+
+    def _load_blocks(self, loads: list[tuple[int, bytes]]) -> None:
+        """Write blocks read from the store into their (freshly allocated) pool blocks, before the forward."""
+        for block_id, payload in loads:
+            flat = h2d(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.device)
+            offset = 0
+            for row in self._block_rows(block_id):
+                n = row.numel() * row.element_size()
+                part = flat[offset:offset + n]
+                if offset % row.element_size():
+                    part = part.clone()          # a view as a wider dtype needs an aligned start
+                row.copy_(part.view(row.dtype).view(row.shape))
+                offset += n
+
+    def _save_blocks(self, saves: list[tuple[int, bytes, float]]) -> None:
+        """Copy blocks this step completed to host memory for the store's writer thread, after the forward.
+        On the CPU the copy is made now; on CUDA it is queued on the stream (so it reads the block before any
+        later step can reuse it) into pinned memory, and the writer waits for its event."""
+        store = self.kv_store
+        for block_id, key, ttl in saves:
+            if not store.can_accept():
+                store.dropped_writes += 1      # the writer is behind: drop rather than make the step wait
+                continue
+            flat = torch.cat([row.reshape(-1).view(torch.uint8) for row in self._block_rows(block_id)])
+            if self.device.type == "cpu":
+                payload = flat.numpy().tobytes()
+                store.put(key, lambda p=payload: p, ttl)
+                continue
+            host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+
+            def read(host=host, event=event) -> bytes:
+                event.synchronize()
+                return host.numpy().tobytes()
+            store.put(key, read, ttl)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -304,6 +347,7 @@ class ModelRunner:
         `grammar_bitmask` (structured output) holds the allowed tokens of constrained requests; the sampler
         applies it to the logits after the forward (so CUDA graphs of the forward are unaffected)."""
         dev, bs = self.device, self.block_size
+        self._load_blocks(sched.state_copies.kv_loads)
         self._copy_states(sched.state_copies.restores, restore=True)
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -392,6 +436,8 @@ class ModelRunner:
             self.eplb.after_forward()
 
         self._copy_states(sched.state_copies.saves, restore=False)
+        if sched.state_copies.kv_saves and self.kv_store is not None:
+            self._save_blocks(sched.state_copies.kv_saves)
         if plp_spans:
             for req, first, n, tok_index in plp_spans:
                 lp = self.model.compute_logits(hidden[first:first + n]).float().log_softmax(-1)

@@ -71,14 +71,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a full, computed block under its hash (first writer wins on duplicates); True if this
+        call registered it."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""

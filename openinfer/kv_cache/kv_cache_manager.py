@@ -11,6 +11,14 @@ block's hash (spec 003 §3.2: saved at 128-token boundaries only), and a hit cou
 block with a snapshot, which is copied into the new request's slot before the step runs (§3.3). A block is registered once all its tokens are
 scheduled; within one step every layer writes the whole batch's KV before any attention reads it, so a
 request scheduled after the writer in the same step may already share the block.
+
+With a prefix-KV store (kv_store.py, docs/kv_cache.md) the lookup goes on where the GPU pool's hits stop:
+the following full blocks are read from the store *here*, at schedule time, and their bytes travel to the
+runner with the step (`StateCopies.kv_loads`), which writes them into freshly allocated blocks before the
+forward. Reading at schedule time leaves no window for an entry to vanish between "hit" and "load": a hit is
+bytes in hand, or a miss. Each block registered in the prefix cache for the first time (not one just loaded)
+is queued for saving (`StateCopies.kv_saves`); the runner copies it out after the step's forward.
+Models with per-request state are not stored yet (their window state would need a tier of its own).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request
 from openinfer.kv_cache.block_pool import BlockPool, KVBlock
+from openinfer.kv_cache.kv_store import TieredKVStore, resolve_ttl
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -34,6 +43,7 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
 class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
+    store_hit_tokens: int = 0     # of hit_tokens, those read from the prefix-KV store
 
     @property
     def hit_rate(self) -> float:
@@ -42,17 +52,26 @@ class PrefixCacheStats:
 
 @dataclass
 class StateCopies:
-    """State-slot copies for the runner: restores (snapshot -> slot) before the step's forward, saves
-    (slot -> snapshot) after it."""
+    """Copies for the runner: restores (snapshot -> slot) before the step's forward, saves (slot -> snapshot)
+    after it; with a prefix-KV store, kv_loads (block id, its bytes from the store) before the forward and
+    kv_saves (block id, block hash, TTL in seconds) after it."""
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_saves: list[tuple[int, bytes, float]] = field(default_factory=list)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0, min_uncached_tokens: int = 1):
+                 num_state_snapshots: int = 0, min_uncached_tokens: int = 1, store: TieredKVStore | None = None):
         """`min_uncached_tokens`: a prefix hit leaves at least this many tokens to compute (1: the token that
-        yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6)."""
+        yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6).
+        `store`: the prefix-KV store behind the pool (models without per-request state only)."""
+        if store is not None and (num_state_slots or not enable_prefix_caching):
+            raise ValueError("a prefix-KV store needs prefix caching and a model without per-request state")
+        self.store = store
+        self._store_hits: dict[str, list[bytes]] = {}          # request -> store blocks after its pool hits
+        self._fetched: dict[str, dict[bytes, bytes]] = {}      # request -> blocks read so far (retries reuse)
         self.block_size = block_size
         self.min_uncached_tokens = min_uncached_tokens
         self.enable_prefix_caching = enable_prefix_caching
@@ -113,6 +132,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        store_hits = 0
+        if self.store is not None:
+            found = self._store_lookup(request, len(hits), max_blocks)
+            self._store_hits[request.request_id] = found
+            store_hits = len(found)
+            self.prefix_stats.store_hit_tokens += store_hits * self.block_size
         if self.num_state_slots:   # usable up to the last hit block whose end state was kept
             while hits and request.block_hashes[len(hits) - 1] not in self._snapshots:
                 hits.pop()
@@ -121,8 +146,25 @@ class KVCacheManager:
                 self._snapshots.move_to_end(h)
                 self._restore[request.request_id] = self._snapshots[h]
         self.prefix_stats.queried_tokens += request.num_tokens
-        self.prefix_stats.hit_tokens += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_stats.hit_tokens += (len(hits) + store_hits) * self.block_size
+        return hits, (len(hits) + store_hits) * self.block_size
+
+    def _store_lookup(self, request: Request, start: int, end: int) -> list[bytes]:
+        """Blocks start.. of the request found in the store, in order, as bytes; no more than the pool could
+        take now. A request that waits (no room yet) keeps what was read for its next try."""
+        fetched = self._fetched.setdefault(request.request_id, {})
+        out: list[bytes] = []
+        for block_hash in request.block_hashes[start:end]:
+            if len(out) >= self.pool.num_free_blocks:
+                break
+            payload = fetched.get(block_hash)
+            if payload is None:
+                payload = self.store.get(block_hash)
+                if payload is None:
+                    break
+                fetched[block_hash] = payload
+            out.append(payload)
+        return out
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of this many tokens could ever be held, with the pool otherwise empty."""
@@ -134,7 +176,7 @@ class KVCacheManager:
         pool can't, in which case nothing changed."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
-        if blocks is not None and not computed_blocks:
+        if blocks is not None and not computed_blocks and rid not in self._store_hits:
             # fast path (most decode steps): the tokens fit the last block and no block fills up
             total = request.num_computed_tokens + num_new_tokens
             if (total <= len(blocks) * self.block_size and (self.num_state_slots == 0 or rid in self._state_slot)
@@ -143,8 +185,9 @@ class KVCacheManager:
                     and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed))):
                 return True
         computed_blocks = computed_blocks or []
+        loaded = self._store_hits.get(rid, []) if self.store is not None else []
         blocks = self._blocks.setdefault(rid, [])
-        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        total = request.num_computed_tokens + (len(computed_blocks) + len(loaded)) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)   # hits now sitting in the free queue
         need_slot = self.num_state_slots > 0 and rid not in self._state_slot
@@ -154,6 +197,14 @@ class KVCacheManager:
             return False
         self.pool.touch(computed_blocks)
         new_blocks = computed_blocks + (self.pool.allocate(need) if need > 0 else [])
+        no_save = 0                  # leading blocks of the table that came from the store (saved already)
+        if loaded:
+            no_save = len(computed_blocks) + len(loaded)
+            for block, payload in zip(new_blocks[len(computed_blocks):], loaded):
+                self.state_copies.kv_loads.append((block.block_id, payload))
+        if self.store is not None:
+            self._store_hits.pop(rid, None)
+            self._fetched.pop(rid, None)
         blocks.extend(new_blocks)
         self._block_ids.setdefault(rid, []).extend(b.block_id for b in new_blocks)
         if need_slot:
@@ -166,7 +217,9 @@ class KVCacheManager:
             start = self._num_registered.get(rid, 0)
             full = min(total, request.num_tokens) // self.block_size
             for i in range(start, full):
-                self.pool.cache(blocks[i], request.block_hashes[i])
+                if self.pool.cache(blocks[i], request.block_hashes[i]) and self.store is not None and i >= no_save:
+                    ttl = resolve_ttl(request.sampling_params.cache_ttl, self.store.default_ttl_s)
+                    self.state_copies.kv_saves.append((blocks[i].block_id, request.block_hashes[i], ttl))
             self._num_registered[rid] = max(start, full)
             if self.num_state_snapshots:
                 self._snapshot_state(request, total)
@@ -212,6 +265,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         rid = request.request_id
         self._restore.pop(rid, None)
+        self._store_hits.pop(rid, None)
+        self._fetched.pop(rid, None)
         unkeyed = self._unkeyed.pop(rid, None)
         if unkeyed is not None:
             self._free_snapshots.append(unkeyed[1])

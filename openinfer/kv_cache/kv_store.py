@@ -1,0 +1,162 @@
+"""TieredKVStore: the prefix-KV store behind the GPU pool (docs/kv_cache.md).
+
+Blocks are addressed by the prefix cache's hash chain (a block's hash covers every token before it), and the
+tiers keep them under a namespace digest of whatever makes the bytes of a block differ (model, dtypes, block
+size, cache layout, rank layout), so two models never share an entry.
+
+- `get` (the scheduler, when a request's prefix misses the GPU pool) asks the tiers fastest first and copies
+  a hit into the faster tiers (host at once, the slower ones through the writer).
+- `put` (the runner, after the step that computed a block) hands a block to one writer thread through a
+  bounded queue; a full queue drops the write and counts it: a step never waits for the store.
+- A tier that raises (directory unwritable or full, Redis down or slow, ...) is logged once per kind of
+  fault, counted, and left out for `backoff_s`; the request recomputes what the store could not give.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Callable
+
+from openinfer.kv_cache.tiers import KVTier
+
+logger = logging.getLogger("openinfer.kv_store")
+
+# cache_ttl classes (DeepInfer's defaults): agent sessions are kept 3 days, chat 7 days
+TTL_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+
+
+def resolve_ttl(value: float | str | None, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        if value not in TTL_CLASSES:
+            raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
+        return TTL_CLASSES[value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
+    return float(value)
+
+
+def namespace_digest(**parts) -> bytes:
+    """sha256 over the sorted parts' reprs: everything that changes a block's bytes for the same tokens."""
+    return hashlib.sha256(repr(sorted(parts.items())).encode()).digest()
+
+
+class TieredKVStore:
+    def __init__(self, tiers: list[KVTier], payload_bytes: int, default_ttl_s: float, queue_size: int = 64,
+                 backoff_s: float = 10.0):
+        self.tiers = tiers
+        self.payload_bytes = payload_bytes
+        self.default_ttl_s = default_ttl_s
+        self.backoff_s = backoff_s
+        self.dropped_writes = 0
+        self._down_until = {t.name: 0.0 for t in tiers}
+        self._logged: set[tuple[str, str]] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._writer = threading.Thread(target=self._write_loop, name="openinfer-kv-store-writer", daemon=True)
+        self._writer.start()
+        atexit.register(_close_at_exit, weakref.ref(self))   # a process ending without shutdown() keeps its writes
+
+    # ---- reads (scheduler thread) ---------------------------------------------------------------------------
+    def get(self, key: bytes) -> bytes | None:
+        for i, tier in enumerate(self.tiers):
+            if not self._up(tier):
+                continue
+            try:
+                payload = tier.get(key)
+            except Exception as e:       # OSError, redis errors: a fault, never a failed request
+                self._fault(tier, e)
+                continue
+            if payload is None:
+                continue
+            if len(payload) != self.payload_bytes:     # cannot happen with a sound namespace; treat as a miss
+                tier.stats.corrupt += 1
+                continue
+            if i > 0:
+                self._promote(key, payload, self.tiers[:i])
+            return payload
+        return None
+
+    def _promote(self, key: bytes, payload: bytes, faster: list[KVTier]) -> None:
+        if faster[0].name == "host":
+            faster[0].put(key, payload, self.default_ttl_s)
+            faster = faster[1:]
+        if faster:
+            self._enqueue((key, lambda: payload, self.default_ttl_s, faster))
+
+    # ---- writes (runner thread -> writer thread) -----------------------------------------------------------
+    def can_accept(self) -> bool:
+        """Whether a put now would be queued (the runner skips the device-to-host copy otherwise)."""
+        return not self._queue.full()
+
+    def put(self, key: bytes, read_payload: Callable[[], bytes], ttl_s: float | None = None) -> None:
+        """Queue a block; `read_payload` runs on the writer thread (it may wait for a device copy)."""
+        self._enqueue((key, read_payload, ttl_s or self.default_ttl_s, self.tiers))
+
+    def _enqueue(self, item) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, read_payload, ttl_s, tiers = item
+                payload = None
+                for tier in tiers:
+                    if not self._up(tier):
+                        continue
+                    try:
+                        if tier.name != "host" and tier.contains(key):
+                            continue        # another process (or an earlier life of this one) wrote it
+                        if payload is None:
+                            payload = read_payload()
+                        tier.put(key, payload, ttl_s)
+                    except Exception as e:
+                        self._fault(tier, e)
+            except Exception as e:            # a failed device copy: lose this write, keep the writer
+                logger.warning("kv store: a write failed: %r", e)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued write is done (tests; shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    # ---- faults and stats -----------------------------------------------------------------------------------
+    def _up(self, tier: KVTier) -> bool:
+        return time.monotonic() >= self._down_until[tier.name]
+
+    def _fault(self, tier: KVTier, error: Exception) -> None:
+        tier.stats.faults += 1
+        self._down_until[tier.name] = time.monotonic() + self.backoff_s
+        kind = (tier.name, type(error).__name__)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("kv store: %s tier fault (%r); serving on without it for %.0f s at a time (logged once)",
+                           tier.name, error, self.backoff_s)
+
+    def stats(self) -> dict:
+        return {"kv_store_tiers": {t.name: t.stats.as_dict() for t in self.tiers},
+                "kv_store_dropped_writes": self.dropped_writes}
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None:
+        store.close()
