@@ -14,11 +14,13 @@ import threading
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv_cache.kv_cache_manager import hash_block
 from openinfer.kv_cache.kv_store import TTL_CLASSES, TieredKVStore, resolve_ttl
 from openinfer.kv_cache.tiers import HEADER_BYTES, DirectoryTier, HostMemoryTier, pack_entry, unpack_entry
+from openinfer.serving.metrics import EngineMetrics
 from tests.conftest import assert_pool_idle
 
 BS = 16                                             # small blocks keep the prompts short
@@ -84,6 +86,9 @@ def test_another_process_and_a_restart_hit_the_first_ones_prefixes(smollm_dir, t
     assert _gen(b) == (reference, 3 * BS)
     st = b.engine.stats()
     assert st["kv_store_tiers"]["dir"]["hits"] == 3 and st["prefix_cache_store_hit_tokens"] == 3 * BS
+    metrics = EngineMetrics("m", b.engine)
+    metrics.observe_step(b.engine, [])
+    assert 'openinfer:kv_store_hits_total{model_name="m",tier="dir"} 3.0' in generate_latest(metrics.registry).decode()
     assert_pool_idle(b.engine)
     b.shutdown()
 

@@ -67,6 +67,13 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                             "variable OPENINFER_WORKER_AUTHKEY, the same on every host)"),
         g.add_argument("--worker-start-timeout", type=float, default=1800.0, metavar="SECONDS",
                        help="how long to wait for every rank to connect and load"),
+        g.add_argument("--kv-store-dir", default=None, metavar="DIR",
+                       help="prefix-KV store directory (local disk or a shared mount): prefixes computed by any "
+                            "process using it are hits for every other (docs/kv_cache.md)"),
+        g.add_argument("--kv-store-url", default=None, metavar="redis://HOST:PORT",
+                       help="prefix-KV store on a Redis server (needs the redis package)"),
+        g.add_argument("--kv-host-cache-bytes", type=int, default=None, metavar="BYTES",
+                       help="prefix-KV store: host-RAM tier size (default 1 GiB with a store, 0: none)"),
     ]
 
 
@@ -97,7 +104,9 @@ def _make_llm(args):
                worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
                prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype,
                v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
-               engram_tables=args.engram_tables, speculative_config=args.speculative_config)
+               engram_tables=args.engram_tables, speculative_config=args.speculative_config,
+               kv_store_dir=args.kv_store_dir, kv_store_url=args.kv_store_url,
+               kv_host_cache_bytes=args.kv_host_cache_bytes)
 
 
 def cmd_generate(args) -> int:

@@ -53,6 +53,20 @@ class EngineMetrics:
         self.e2e = Histogram("openinfer:e2e_request_latency_seconds", "Arrival to finish.", **hist)
         self.model = model_name
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        # prefix-KV store (docs/kv_cache.md): per tier, what the engine's stats() count since start
+        self.kv_store = {}
+        if "kv_store_tiers" in stat():
+            tier = {"labelnames": ["model_name", "tier"], "registry": self.registry}
+            self.kv_store = {key: Counter(name, doc, **tier) for key, name, doc in (
+                ("hits", "openinfer:kv_store_hits", "Prefix-KV store: blocks found, per tier."),
+                ("misses", "openinfer:kv_store_misses", "Prefix-KV store: blocks looked up and not found (corrupt, "
+                 "truncated and expired entries included), per tier."),
+                ("bytes_read", "openinfer:kv_store_read_bytes", "Prefix-KV store: block bytes read, per tier."),
+                ("bytes_written", "openinfer:kv_store_written_bytes", "Prefix-KV store: bytes written, per tier."),
+                ("faults", "openinfer:kv_store_faults", "Prefix-KV store: tier errors (unwritable or full "
+                 "directory, Redis down or slow); the engine recomputes instead."))}
+            self.kv_store_dropped = Counter("openinfer:kv_store_dropped_writes", "Prefix-KV store: block writes "
+                                            "dropped because the writer was behind.", **label)
         self._num_out: dict[str, int] = {}
 
     def observe_abort(self, reason: str) -> None:
@@ -65,6 +79,15 @@ class EngineMetrics:
                                     ("hits", self.prefix_hits, st["prefix_cache_hit_tokens"])):
             counter.labels(m).inc(value - self._seen[key])
             self._seen[key] = value
+        if self.kv_store:
+            for name, counts in st["kv_store_tiers"].items():
+                for key, counter in self.kv_store.items():
+                    seen = self._seen.get((name, key), 0)
+                    counter.labels(m, name).inc(max(counts[key] - seen, 0))
+                    self._seen[(name, key)] = counts[key]
+            dropped = st["kv_store_dropped_writes"]
+            self.kv_store_dropped.labels(m).inc(max(dropped - self._seen.get("dropped", 0), 0))
+            self._seen["dropped"] = dropped
         for out in outputs:
             n_new = len(out.outputs[0].token_ids)
             self.generation_tokens.labels(m).inc(n_new)
