@@ -1,4 +1,5 @@
-"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench offline/serve/soak/spec."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench (offline, serve, soak,
+spec, structured)."""
 
 from __future__ import annotations
 
@@ -289,6 +290,12 @@ def cmd_bench_spec(args) -> int:
     return cli_main(args)
 
 
+def cmd_bench_structured(args) -> int:
+    from openinfer.benchmarks.structured import cli_main
+
+    return cli_main(args)
+
+
 def cmd_bench_soak(args) -> int:
     import tempfile
 
@@ -421,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     from openinfer.benchmarks.spec import add_cli_args as _spec_args
     _spec_args(spec)
     spec.set_defaults(func=cmd_bench_spec)
+    structured = bench_sub.add_parser("structured", help="structured output (json schema / regex / json object "
+                                                         "masks) vs unconstrained: tok/s, TPOT, TTFT, validity, "
+                                                         "grammar compile cold vs cached, over concurrency")
+    from openinfer.benchmarks.structured import add_cli_args as _structured_args
+    _structured_args(structured)
+    structured.set_defaults(func=cmd_bench_structured)
     return parser
 
 
