@@ -99,6 +99,10 @@ class EngineConfig:
     # predicted time (decodes first) stays within this many ms, from a step cost fitted on this model and
     # device (`openinfer calibrate`; calibrated at start if missing). None: the token budget only.
     prefill_step_budget_ms: float | None = None
+    # Batch-invariant mode (layers/batch_invariant.py, docs/structured_output.md "Determinism"): a request's
+    # logits and tokens are bitwise the same alone or in any batch, chunking and row position -- GEMMs, attention,
+    # norms and the sampler reduce in orders that do not depend on the batch. Costs speed; see BENCHMARKS.md.
+    batch_invariant: bool = False
     # Prefix-KV store (kv_cache/kv_store.py, docs/kv_cache.md): full KV blocks kept beyond the GPU pool, keyed by
     # the prefix hash chain, so a later request -- in this process, after a restart, or in any process sharing
     # the directory or Redis server -- skips recomputing a prefix it finds there. Tiers: host RAM
@@ -202,6 +206,16 @@ class EngineConfig:
             if self.async_scheduling:
                 raise ValueError("speculative_config runs with synchronous scheduling for now: leave "
                                  "async_scheduling unset or False")
+        if self.batch_invariant:
+            if self.world_size > 1:
+                raise ValueError("batch_invariant is a one-process mode for now (tensor-parallel all-reduces and "
+                                 "expert exchanges are not batch-invariant)")
+            if self.quantization is not None:
+                raise ValueError(f"batch_invariant does not cover quantization={self.quantization!r} (its int4 "
+                                 f"GEMMs choose kernels by batch size)")
+            if self.device != "cpu" and self.attention_backend == "torch":
+                raise ValueError("batch_invariant on CUDA needs the Triton attention backend "
+                                 "(attention_backend='auto' or 'triton')")
         if self.kv_host_cache_bytes is not None and (not isinstance(self.kv_host_cache_bytes, int)
                                                      or self.kv_host_cache_bytes < 0):
             raise ValueError(f"kv_host_cache_bytes must be an integer >= 0, got {self.kv_host_cache_bytes!r}")

@@ -402,3 +402,84 @@ def test_v4_cuda_graph_decode_equals_eager(staggered):
         same = next((i for i, (x, y) in enumerate(zip(tg, te)) if x != y), len(te))
         for step in range(min(same + 1, len(a))):       # identical inputs up to the first divergence
             assert _rel(a[step], b[step]) < 2e-2, step
+
+
+# ---- batch-invariant mode (layers/triton_batch_invariant.py) ------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (576, 1536)])
+def test_batch_invariant_matmul_rows_do_not_depend_on_m(dtype, k, n):
+    """Each row of the Triton GEMM has its bits alone (M = 1) at any M and row; close to the fp32 product."""
+    from openinfer.layers.triton_batch_invariant import matmul
+
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+    x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype)
+    alone = matmul(x[:1], w, b)[0]
+    for m in (1, 2, 3, 7, 16, 17, 63, 64, 65, 128, 129, 255, 300):
+        for pos in {0, m // 2, m - 1}:
+            rows = x[:m].clone()
+            rows[pos] = x[0]
+            assert torch.equal(matmul(rows, w, b)[pos], alone), (m, pos)
+    ref = x.float() @ w.float().T + b.float()
+    assert _rel(matmul(x, w, b).float(), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_batch_invariant_engine_on_gpu(tiny_dummy_dir, dtype):
+    """CUDA graphs and async scheduling on: a greedy and a seeded request alone vs among 2, 7 and 16 others of
+    mixed lengths, whole prompts or chunked (64-token budget): identical tokens and top-5 logprobs."""
+    rng = random.Random(9)
+    target = [rng.randrange(2, 2000) for _ in range(150)]
+    fill = [[rng.randrange(2, 2000) for _ in range(rng.choice([3, 40, 200, 400]))] for _ in range(15)]
+    fill_sp = [SamplingParams(max_tokens=rng.randrange(8, 64), temperature=rng.choice([0.0, 1.0]), seed=i,
+                              ignore_eos=True) for i in range(15)]
+    tparams = [SamplingParams(max_tokens=64, temperature=0, logprobs=5, ignore_eos=True),
+               SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=5, logprobs=5, ignore_eos=True)]
+
+    def run(llm, others, params):
+        prompts, sps = list(fill[:others]), list(fill_sp[:others])
+        at = []
+        for i, sp in enumerate(params):
+            at.append(min(len(prompts), (i + 1) * len(prompts) // 2))
+            prompts.insert(at[-1], target)
+            sps.insert(at[-1], sp)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sps, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in pos.items())
+                                          for pos in o.outputs[0].logprobs])
+                for o in outs if o.prompt_token_ids == target]
+
+    alone = None
+    for budget in (4096, 64):
+        llm = LLM(tiny_dummy_dir, device="cuda", dtype=dtype, load_format="dummy", batch_invariant=True,
+                  max_num_seqs=16, max_num_batched_tokens=budget, block_size=16, gpu_memory_utilization=0.2)
+        assert llm.config.use_cuda_graphs and llm.config.use_async_scheduling
+        if alone is None:
+            alone = [run(llm, 0, [sp])[0] for sp in tparams]
+        for others in (0, 5, 14):
+            assert run(llm, others, tparams) == alone, (budget, others)
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_kv_store_on_cuda_hits_after_a_restart(tiny_dummy_dir, tmp_path):
+    """The prefix-KV store's CUDA path (pinned copies after the forward, loads before it): a restarted engine
+    hits the first one's blocks and gives its greedy tokens and logprobs (fp32)."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(2, 2000) for _ in range(300)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    runs = []
+    for _ in range(2):
+        llm = LLM(tiny_dummy_dir, device="cuda", dtype="float32", load_format="dummy", block_size=16,
+                  kv_store_dir=str(tmp_path), gpu_memory_utilization=0.2)
+        o = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)[0]
+        c = o.outputs[0]
+        runs.append((c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], o.num_cached_tokens))
+        llm.shutdown()
+        del llm
+        gc.collect()
+    assert runs[0][2] == 0 and runs[1][2] >= 256
+    assert runs[0][0] == runs[1][0]
+    assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1])) < 1e-4

@@ -38,8 +38,16 @@ def make_kernels(config: EngineConfig):
         from openinfer.layers.triton_ops import TRITON_OPS
 
         backend, ops = TritonPagedAttention(), TRITON_OPS
+        if config.batch_invariant:
+            from openinfer.layers.triton_batch_invariant import BatchInvariantTritonAttention
+
+            backend = BatchInvariantTritonAttention()
     else:
         backend, ops = TorchPagedAttention(), TORCH_OPS
+        if config.batch_invariant:
+            from openinfer.layers.batch_invariant import BatchInvariantTorchAttention
+
+            backend = BatchInvariantTorchAttention()
     if not config.quantize_activations:
         ops = dataclasses.replace(ops, fp8_linear=weight_only_fp8_linear(ops.grouped_gemm), quantize_activations=False)
     return backend, ops
@@ -58,6 +66,10 @@ class LLMEngine:
                             max_positions=config.max_model_len, dummy=config.load_format == "dummy",
                             quantization=config.quantization, parallel=self.parallel,
                             kv_cache_dtype=config.kv_cache_dtype, engram_tables=config.engram_tables)
+        if config.batch_invariant:
+            from openinfer.layers.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(model)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()
