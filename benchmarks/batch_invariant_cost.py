@@ -82,13 +82,13 @@ def main() -> None:
         from gpu_llama8b import LLAMA3_8B, model_dir
 
         model = str(model_dir(args.tokenizer_json, LLAMA3_8B))
-        kw = dict(device=args.device, dtype="bfloat16", load_format="dummy", max_num_seqs=256,
+        kw = dict(device=args.device, dtype="bfloat16", load_format="dummy", max_num_seqs=256, enable_prefix_caching=False,
                   gpu_memory_utilization=0.85)
         vocab = LLAMA3_8B["vocab_size"]
         defaults = (8192, [1, 64], 64)
     else:
         model = "smollm2-135m-instruct"
-        kw = dict(device="cpu", dtype="float32", max_num_seqs=16)
+        kw = dict(device="cpu", dtype="float32", max_num_seqs=16, enable_prefix_caching=False)
         vocab = 49152
         defaults = (512, [1, 16], 16)
     prefill = args.prefill_tokens or defaults[0]

@@ -473,7 +473,7 @@ def test_kv_store_on_cuda_hits_after_a_restart(tiny_dummy_dir, tmp_path):
     runs = []
     for _ in range(2):
         llm = LLM(tiny_dummy_dir, device="cuda", dtype="float32", load_format="dummy", block_size=16,
-                  kv_store_dir=str(tmp_path), gpu_memory_utilization=0.2)
+                  kv_store_dir=str(tmp_path), kv_cache_memory_bytes=256 << 20)
         o = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)[0]
         c = o.outputs[0]
         runs.append((c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], o.num_cached_tokens))

@@ -313,8 +313,9 @@ def run_structured_bench(cfg: StructuredBenchConfig, log=print) -> dict:
                                                 for m, v in comp.items() if isinstance(v, dict)))
             timer = _MaskTimer(llm.engine, time_apply=not str(llm.config.device).startswith("cuda"))
             try:
-                # warm-up: every mode at batch c, on other prompts, a few tokens
-                warm = [f"Say hello number {i}." for i in range(c)]
+                # warm-up: every mode at batch c on the cell's own prompts, a few tokens (the same prompt
+                # lengths compile the same kernel variants: on CUDA, the prefill kernel's context splits)
+                warm = texts
                 for mode in cfg.modes:
                     p = SamplingParams(temperature=0, max_tokens=cfg.warmup_tokens,
                                        structured_outputs=structured_outputs(mode, cfg))

@@ -260,7 +260,7 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, FP8: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ALL_MASKED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -304,6 +304,8 @@ def _paged_prefill_kernel(
     else:
         # keys every query of the tile sees, then the diagonal blocks
         full_hi = (first_q + 1) // BLOCK_N * BLOCK_N
+        if ALL_MASKED:   # batch-invariant mode: one code path for every block (the compiler may fuse the
+            full_hi = ks  # unmasked path's scale and exponent differently), whatever the chunk's start
         for start in range(ks, tl.minimum(full_hi, ke), BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, start, last_q + 1, tables_row, cache_ptr, scale_ptr, q_pos, window, qk_scale,
@@ -344,11 +346,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: tor
                             chunk_info: torch.Tensor, tile_info: torch.Tensor, scale: float, out: torch.Tensor,
                             block_m: int, window: int | None = None,
                             kv_scale: torch.Tensor | None = None, tuning: dict | None = None,
-                            num_splits: int | None = None, first_row: int = 0) -> torch.Tensor:
+                            num_splits: int | None = None, first_row: int = 0,
+                            all_masked: bool = False) -> torch.Tensor:
     """Varlen paged prefill. q/out [T, H, D] (rows of the whole step); tables [chunks, max_blocks];
     chunk_info [chunks, 3] int32 (first row in q, new tokens, context length after this step); tile_info
     [tiles, 2] int32 (chunk, first new token of the tile), tiles of `block_m` tokens (see `prefill_tile_plan`).
-    Only the rows of the chunks are written."""
+    Only the rows of the chunks are written. `all_masked`: every key block takes the masked path (batch-invariant
+    mode: a row's bits then do not depend on where its chunk starts)."""
     T, H, D = q.shape
     _, page, _, kvh, _ = kv_cache.shape
     _check_head_dim(D)
@@ -374,7 +378,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: tor
         tables.stride(0),
         out.stride(0), out.stride(1),
         H=H, GROUP=H // kvh, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, SPLITS=splits, WINDOWED=window is not None,
-        FP8=kv_scale is not None, PRECISION=_dot_precision(q.dtype), **launch,
+        FP8=kv_scale is not None, PRECISION=_dot_precision(q.dtype), ALL_MASKED=all_masked, **launch,
     )
     if splits > 1:
         # rows [first, T) are the chunks' (decode rows come first in a step; their partials stay unused)

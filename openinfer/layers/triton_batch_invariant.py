@@ -6,9 +6,11 @@ per-row results do not depend on the batch.
   split-K) by M, so a row's bits change with the batch size.
 - `BatchInvariantTritonAttention`: every row goes through the paged prefill kernel with one launch
   configuration and no context split -- decode rows as one-token chunks. The kernel walks each query's keys in
-  BLOCK_N blocks aligned to position 0 of the sequence (the windowed start is aligned too), and the keys a
-  row may not see add exact zeros to its online softmax, so neither the chunk it came in, the tile it shares
-  nor the rest of the step changes its result. The flash-decoding kernel is not used: its split count follows
+  BLOCK_N blocks aligned to position 0 of the sequence (the windowed start is aligned too), every block through
+  the masked path (the unmasked path's arithmetic may be fused differently by the compiler: found on the H200 in
+  fp32, where a chunk starting past a block boundary changed a row's last bits), and the keys a row may not see
+  add exact zeros to its online softmax, so neither the chunk it came in, the tile it shares nor the rest of the
+  step changes its result. The flash-decoding kernel is not used: its split count follows
   the batch.
 """
 
@@ -93,11 +95,13 @@ class BatchInvariantTritonAttention(TritonPagedAttention):
         chunk_info = torch.stack([rows, torch.ones_like(rows), meta.decode_context_lens.to(torch.int32)], 1)
         tile_info = torch.stack([rows, torch.zeros_like(rows)], 1)
         paged_prefill_attention(q[:nd], kv_cache, meta.decode_block_tables, chunk_info, tile_info, scale,
-                                out[:nd], block_m, window=window, kv_scale=kv_scale, num_splits=1)
+                                out[:nd], block_m, window=window, kv_scale=kv_scale, num_splits=1,
+                                all_masked=True)
 
     def prefill_into(self, q, kv_cache, meta: AttentionMetadata, scale, out, window=None, kv_scale=None):
         block_m = _prefill_tiles(q.shape[-1], q.dtype, kv_cache.shape[1])[0]
         tables, chunk_info, tile_info = self._prefill_plan(meta, block_m)
         paged_prefill_attention(q, kv_cache, tables, chunk_info, tile_info, scale, out, block_m, window=window,
-                                kv_scale=kv_scale, first_row=meta.num_decode_tokens, num_splits=1)
+                                kv_scale=kv_scale, first_row=meta.num_decode_tokens, num_splits=1,
+                                all_masked=True)
 
