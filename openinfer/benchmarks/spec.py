@@ -275,6 +275,9 @@ def _env_info(device: str) -> dict:
             cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.split("\n")[:-1]
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = None
+    if os.environ.get("OPENINFER_COMMIT"):
+        # a copy of the tree whose .git is stale (a remote device): the caller names the commit measured
+        info["commit"], info["modified_files"] = os.environ["OPENINFER_COMMIT"], []
     if device.startswith("cuda"):
         info["device"] = f"cuda ({torch.cuda.get_device_name()})"
     else:

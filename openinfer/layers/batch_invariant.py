@@ -36,7 +36,7 @@ from torch import nn
 from openinfer.layers.attention import TorchPagedAttention, gather_kv, write_kv
 
 # CPU GEMMs get their rows padded to a multiple of this (see module docstring)
-ROW_QUANTUM = 16
+ROW_QUANTUM = 8
 # keys per block of the online softmax; blocks start at position 0 of each sequence
 KV_BLOCK = 128
 
