@@ -26,6 +26,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears"),
         g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs"),
         g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next"),
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="a request's logits and tokens are the same bits in any batch (slower; Llama family and "
+                            "Gemma-3, one process; docs/structured_output.md, Determinism)"),
         g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights of the checkpoint's shape and formats"),
         g.add_argument("--no-quantize-activations", action="store_true",
@@ -107,7 +110,7 @@ def _make_llm(args):
                v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
                engram_tables=args.engram_tables, speculative_config=args.speculative_config,
                kv_store_dir=args.kv_store_dir, kv_store_url=args.kv_store_url,
-               kv_host_cache_bytes=args.kv_host_cache_bytes)
+               kv_host_cache_bytes=args.kv_host_cache_bytes, batch_invariant=args.batch_invariant)
 
 
 def cmd_generate(args) -> int:
