@@ -1,5 +1,5 @@
-"""`openinfer` command line (also `python -m openinfer`): generate, serve, worker, bench (offline, serve, soak,
-spec, structured)."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, router, worker, bench (offline, serve,
+soak, spec, structured)."""
 
 from __future__ import annotations
 
@@ -266,9 +266,22 @@ def cmd_serve(args) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                          request_timeout_s=args.request_timeout)
+                          request_timeout_s=args.request_timeout, role=args.role)
+    if args.role == "prefill" and not (args.kv_store_dir or args.kv_store_url):
+        raise ValueError("--role prefill hands its KV blocks over through a shared prefix-KV store: give it "
+                         "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
     llm = _make_llm(args)
     run_server(llm.engine, config, args.model)
+    return 0
+
+
+def cmd_router(args) -> int:
+    from openinfer.serving.router import RouterConfig, run_router
+
+    config = RouterConfig(prefill=args.prefill, decode=args.decode, both=args.both, host=args.host, port=args.port,
+                          health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+                          health_failures=args.health_failures, upstream_timeout_s=args.upstream_timeout)
+    run_router(config)
     return 0
 
 
@@ -354,7 +367,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=None, help="queue limit; beyond it requests get 429")
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request still unfinished this long after it arrived (408)")
+    serve.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                       help="prefill/decode disaggregation behind `openinfer router` (docs/serving.md): prefill "
+                            "computes prompts into the shared prefix-KV store (needs --kv-store-dir or "
+                            "--kv-store-url) and answers one token; decode serves requests whole, finding their "
+                            "prompts' full blocks in the store; both: whole requests, no store needed")
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="one OpenAI/Anthropic-compatible front door over prefill, decode and "
+                                           "whole-request instances: balancers, health checks, retries",
+                            description="Route requests over `openinfer serve` instances (docs/serving.md). With "
+                                        "--prefill instances, each request is first computed there (one output "
+                                        "token, its prompt's KV left in the shared prefix-KV store), then sent "
+                                        "as is to a --decode (or --both) instance, whose answer (streams "
+                                        "included) goes back to the client.")
+    for role in ("prefill", "decode", "both"):
+        router.add_argument(f"--{role}", nargs="+", action="extend", default=[], metavar="URL",
+                            help=f"{role} instance(s), e.g. http://10.0.0.5:8000 (repeatable)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
+                        help="how often each instance's /load is read")
+    router.add_argument("--health-timeout", type=float, default=2.0, metavar="SECONDS")
+    router.add_argument("--health-failures", type=int, default=2,
+                        help="failed checks in a row (timeouts, errors) that drain an instance; a refused or "
+                             "dropped connection drains it at once")
+    router.add_argument("--upstream-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="longest silence from an instance mid-request")
+    router.set_defaults(func=cmd_router)
 
     cal = sub.add_parser("calibrate", help="fit the step cost model used by --prefill-step-budget-ms (saved in the cache)")
     for flag, kw in (("--model", dict(default=DEFAULT_MODEL)), ("--device", dict(default=None)),

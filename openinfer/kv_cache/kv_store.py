@@ -129,9 +129,20 @@ class TieredKVStore:
             finally:
                 self._queue.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued write is done (tests; shutdown)."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued so far is done (tests, shutdown, a prefill instance before it answers:
+        docs/serving.md); True if so, False if `timeout` seconds passed first (the writes go on)."""
+        if timeout is None:
+            self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
 
     def close(self) -> None:
         if self._writer.is_alive():

@@ -1,15 +1,22 @@
 """`openinfer serve`: the FastAPI app (OpenAI- and Anthropic-compatible) over one AsyncLLMEngine.
 
-Routes: /health, /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /metrics,
-/tokenize, /detokenize. Errors are OpenAI-shaped (Anthropic-shaped on /v1/messages); bad input is a 4xx,
+Routes: /health, /load, /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages,
+/metrics, /tokenize, /detokenize. Errors are OpenAI-shaped (Anthropic-shaped on /v1/messages); bad input is a 4xx,
 never a 5xx or a hang. A client that disconnects aborts its request, streaming or not (`disconnect.py`); its
 KV blocks are freed. `request_timeout_s` bounds a request's life (queueing included): past it the request is
 aborted and answers 408 (or, once streaming, an error event).
+
+Roles (prefill/decode disaggregation through the shared prefix-KV store, docs/serving.md): `both` serves
+requests whole; `prefill` (needs a shared store tier) runs each request to one output token, waits until the
+store holds its prompt's full blocks and answers; `decode` serves requests whole, its prompts' full blocks
+found in the store. `/load` reports what the router balances on (serving/load.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import secrets
 import signal
 import time
@@ -29,7 +36,10 @@ from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError
+from openinfer.serving.load import ROLES, BusyMeter, engine_load, prefill_body
 from openinfer.serving.metrics import EngineMetrics
+
+logger = logging.getLogger("openinfer.serving")
 
 
 @dataclass
@@ -41,8 +51,12 @@ class ServerConfig:
     max_waiting: int | None = None         # requests allowed to wait for a seat; more get 429
     graceful_shutdown_s: float = 30.0      # on SIGTERM: time in-flight requests get to finish
     request_timeout_s: float | None = None  # a request still unfinished this long after arrival is aborted (408)
+    role: str = "both"                     # both | prefill | decode (docs/serving.md)
+    prefill_flush_timeout_s: float = 10.0  # prefill role: longest wait for the store's writes before answering
 
     def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
 
@@ -86,9 +100,23 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         elif served != own:
             raise ValueError(f"this DeepSeek model is served as {own!r} (deepseek-recipe's name for its version), "
                              f"not {served!r} (--served-model-name)")
+    store = getattr(engine, "kv_store", None)
+    if config.role == "prefill" and not (store is not None and any(t.name != "host" for t in store.tiers)):
+        raise ValueError("role 'prefill' hands its KV blocks over through a shared prefix-KV store: give it "
+                         "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
     metrics = EngineMetrics(served, engine)
-    async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=metrics.observe_step,
+    busy = BusyMeter()
+
+    def on_step(engine_, outputs) -> None:
+        metrics.observe_step(engine_, outputs)
+        busy.on_step(engine_.has_unfinished_requests())
+
+    async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=on_step,
                                   request_timeout_s=config.request_timeout_s)
+
+    def load() -> dict:
+        return engine_load(engine, async_engine, config.role, served, busy)
+    metrics.add_load_gauges(load, config.role)
     chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served)
     completions = CompletionsFrontend(async_engine, engine.tokenizer, served)
     state = {"accepting": True}
@@ -103,6 +131,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     app = FastAPI(title="openinfer", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.served_model_name = served
+    app.state.role = config.role
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -163,6 +192,13 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         wrapped.__name__ = fn.__name__
         return wrapped
 
+    async def settle() -> None:
+        """Prefill role, once a request's token is out: wait until the store holds what it computed (the
+        decode instance reads it from there); past the timeout a decode instance recomputes what is missing."""
+        if config.role == "prefill" and not await asyncio.to_thread(store.flush, config.prefill_flush_timeout_s):
+            logger.warning("prefill: the prefix-KV store's writes took over %.0f s; answering anyway (the decode "
+                           "instance recomputes the blocks not written yet)", config.prefill_flush_timeout_s)
+
     def sse(events: AsyncIterator[tuple[str | None, str]], done: str | None) -> StreamingResponse:
         async def gen():
             try:
@@ -170,6 +206,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
                     yield (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
             except (QueueFullError, EngineDeadError, RequestTimeoutError, ValueError, APIError) as e:
                 yield f"data: {json.dumps(api_error(e).body(False))}\n\n"
+            await settle()
             if done is not None:
                 yield f"data: {done}\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream",
@@ -190,7 +227,14 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     async def health():
         if async_engine.error is not None:
             return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok"} if config.role == "both" else {"status": "ok", "role": config.role}
+
+    @app.get("/load")
+    async def load_route():
+        """What the router balances on (serving/load.py, docs/serving.md)."""
+        if async_engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+        return load()
 
     @app.get("/v1/models")
     async def models():
@@ -204,9 +248,13 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     async def chat_like(request: Request, protocol: str):
         body = await _json_body(request)
         check_model(body)
+        if config.role == "prefill":
+            body = prefill_body(request.url.path, body)
         prepared = chat.prepare(protocol, body)
         if not prepared.stream:
-            return Response(await chat.complete(prepared), media_type="application/json")
+            answer = await chat.complete(prepared)
+            await settle()
+            return Response(answer, media_type="application/json")
         events = chat.events(prepared)
         try:
             events = await first_then_rest(events)
@@ -233,9 +281,13 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     async def completions_route(request: Request):
         body = await _json_body(request)
         check_model(body)
+        if config.role == "prefill":
+            body = prefill_body(request.url.path, body)
         req, ids, params = completions.prepare(body)
         if not req.stream:
-            return JSONResponse(await completions.complete(req, ids, params))
+            answer = await completions.complete(req, ids, params)
+            await settle()
+            return JSONResponse(answer)
         chunks = await first_then_rest(completions.stream(req, ids, params))
 
         async def named():

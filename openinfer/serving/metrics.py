@@ -6,6 +6,8 @@ aborts by the server when it stops a request (client disconnect, request timeout
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from openinfer.engine.llm_engine import LLMEngine
@@ -68,6 +70,20 @@ class EngineMetrics:
             self.kv_store_dropped = Counter("openinfer:kv_store_dropped_writes", "Prefix-KV store: block writes "
                                             "dropped because the writer was behind.", **label)
         self._num_out: dict[str, int] = {}
+
+    def add_load_gauges(self, load: Callable[[], dict], role: str) -> None:
+        """The load signals the router reads from `GET /load` (serving/load.py), as gauges read at scrape time,
+        and the server's role (prefill | decode | both) as a constant 1 labelled by it."""
+        for key, name, doc in (
+                ("kv_tokens", "openinfer:kv_tokens", "Tokens whose KV the unfinished requests hold."),
+                ("prefill_tokens_queued", "openinfer:prefill_tokens_queued", "Prompt tokens of unfinished "
+                 "requests not computed yet (uncached prefill work)."),
+                ("busy_fraction", "openinfer:engine_busy_fraction", "Fraction of the last window the engine "
+                 "thread spent in steps (the router's compute-quota proxy).")):
+            Gauge(name, doc, labelnames=["model_name"], registry=self.registry).labels(self.model).set_function(
+                lambda key=key: load()[key])
+        Gauge("openinfer:server_role", "1, labelled by this server's role (prefill, decode or both).",
+              labelnames=["model_name", "role"], registry=self.registry).labels(self.model, role).set(1)
 
     def observe_abort(self, reason: str) -> None:
         self.aborted.labels(self.model, reason).inc()
