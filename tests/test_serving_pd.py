@@ -382,6 +382,28 @@ def test_killing_a_decode_instance_under_load(cluster):
     assert [i["healthy"] for i in health["instances"]] == [True, True, False]
 
 
+def test_a_prefill_instance_that_stops_answering_is_drained_and_comes_back(cluster):
+    router, base = cluster["router"], cluster["base"]
+    prefill = next(i for i in router.instances if i.role == "prefill")
+    proc = cluster["procs"]["prefill"]
+    fallbacks = router.m_fallbacks._value.get()
+    proc.send_signal(signal.SIGSTOP)          # alive, listening, silent
+    try:
+        t0 = time.perf_counter()
+        r = _post(base, "/v1/completions", {"model": MODEL, "prompt": PROMPT + " slowly", "max_tokens": 2}, timeout=30)
+        waited = time.perf_counter() - t0
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]     # decoded whole: the prefill was skipped
+        assert not prefill.healthy and router.m_fallbacks._value.get() == fallbacks + 1
+        c = router.config      # cut at the drain (failed checks in a row), not at the 600 s upstream timeout
+        assert waited < c.health_failures * (c.health_timeout_s + c.health_interval_s) + 3
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    deadline = time.time() + 15
+    while not prefill.healthy and time.time() < deadline:
+        time.sleep(0.1)
+    assert prefill.healthy                    # answering again: routed to again
+
+
 def test_no_healthy_decode_instance_is_a_503_with_the_reason():
     dead = f"http://127.0.0.1:{_free_port()}"
     router = Router(RouterConfig(decode=[dead], health_interval_s=0.5))
