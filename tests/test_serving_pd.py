@@ -299,6 +299,11 @@ def test_router_with_prefill_and_decode_equals_one_instance(cluster):
     # the decode instance found the prompt's full blocks in the store: it computed only the last partial block
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks
     assert sum(_store_hits(u) for u in decode_urls) - hits_before == full_blocks
+    # again: the decode instance holds those blocks now; they are pool hits, not read from the store again
+    again = _post(base, "/v1/completions", comp).json()
+    assert again["choices"][0]["text"] == want["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks
+    assert sum(_store_hits(u) for u in decode_urls) - hits_before == full_blocks
 
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
     want_chat = _post(ref, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
@@ -316,8 +321,8 @@ def test_router_with_prefill_and_decode_equals_one_instance(cluster):
     assert text == want_chat
 
     m = httpx.get(base + "/metrics").text
-    assert 'openinfer:router_requests_total{route="/v1/completions",status="200"} 2.0' in m
-    assert f'openinfer:router_routed_total{{instance="{urls["prefill"]}",role="prefill"}} 5.0' in m
+    assert 'openinfer:router_requests_total{route="/v1/completions",status="200"} 3.0' in m
+    assert f'openinfer:router_routed_total{{instance="{urls["prefill"]}",role="prefill"}} 6.0' in m
     health = httpx.get(base + "/health").json()
     assert health["status"] == "ok" and all(i["healthy"] for i in health["instances"])
 
