@@ -134,7 +134,8 @@ class ModelRunner:
     def _load_blocks(self, loads: list[tuple[int, bytes]]) -> None:
         """Write blocks read from the store into their (freshly allocated) pool blocks, before the forward."""
         for block_id, payload in loads:
-            flat = h2d(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.device)
+            buf = payload if not memoryview(payload).readonly else bytearray(payload)
+            flat = h2d(torch.frombuffer(buf, dtype=torch.uint8), self.device)
             offset = 0
             for row in self._block_rows(block_id):
                 n = row.numel() * row.element_size()

@@ -5,7 +5,7 @@ Every tier answers `get`, `put`, `contains` and keeps `TierStats`; the store (kv
   (a few blocks per put, never a sweep of the whole tier).
 - `DirectoryTier`: one file per block under a directory: local disk, or a shared mount (3FS, NFS, Lustre)
   that makes a prefix computed on one machine a hit on every other. Each file is an *entry*: a header
-  (magic, version, namespace digest, payload length, expiry time, BLAKE2b of the payload) and the payload.
+  (magic, version, namespace digest, payload length, expiry time, CRC-32 of the payload) and the payload.
   Written to a temporary file in the same directory, then `os.replace`d: a reader sees the old entry, the
   new one or none, never a torn one, whichever processes write the same block at once. A truncated,
   corrupt, expired or foreign-namespace entry is a miss, and its file is removed.
@@ -16,20 +16,20 @@ Tiers raise OSError (and Redis' errors) as they come; the store counts them as f
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 MAGIC = b"OIKVBLK1"
-VERSION = 1
-# magic, version, namespace digest, payload length, expiry (unix seconds), BLAKE2b-256 of the payload
-_HEADER = struct.Struct("<8sH32sQd32s")
+VERSION = 2   # 2: CRC-32 checksums (1: BLAKE2b, 4x slower to check than reading the entry)
+# magic, version, namespace digest, payload length, expiry (unix seconds), CRC-32 of the payload
+_HEADER = struct.Struct("<8sH32sQdI")
 HEADER_BYTES = _HEADER.size
 
 
@@ -58,12 +58,18 @@ class KVTier(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
 
-def _checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
+def _checksum(payload: bytes | memoryview) -> int:
+    """CRC-32 of the payload: it guards against truncated or damaged entries (not against tampering), and at
+    several GB/s it costs about what reading the entry does (a 16 MB block: 4 ms vs 18 ms for BLAKE2b)."""
+    return zlib.crc32(payload)
+
+
+def entry_header(namespace: bytes, payload: bytes, ttl_s: float) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, namespace, len(payload), time.time() + ttl_s, _checksum(payload))
 
 
 def pack_entry(namespace: bytes, payload: bytes, ttl_s: float) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, namespace, len(payload), time.time() + ttl_s, _checksum(payload)) + payload
+    return entry_header(namespace, payload, ttl_s) + payload
 
 
 def unpack_entry(namespace: bytes, entry: bytes) -> tuple[bytes | None, str]:
@@ -79,7 +85,7 @@ def unpack_entry(namespace: bytes, entry: bytes) -> tuple[bytes | None, str]:
         return None, "expired"
     if _checksum(payload) != digest:
         return None, "corrupt"
-    return bytes(payload), ""
+    return payload, ""          # a view: no copy (a writable one when `entry` is a bytearray)
 
 
 class HostMemoryTier:
@@ -177,7 +183,9 @@ class DirectoryTier:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                entry = f.read()
+                # into a bytearray: the payload view is then writable, so the runner wraps it without a copy
+                entry = bytearray(os.fstat(f.fileno()).st_size)
+                del entry[f.readinto(entry):]      # shorter if the file shrank meanwhile (then: corrupt)
         except FileNotFoundError:       # never written, evicted, or removed by another process meanwhile
             self.stats.misses += 1
             return None
@@ -197,21 +205,22 @@ class DirectoryTier:
 
     def put(self, key: bytes, payload: bytes, ttl_s: float) -> None:
         path = self._path(key)
-        entry = pack_entry(self.namespace, payload, ttl_s)
+        header = entry_header(self.namespace, payload, ttl_s)    # written apart: no copy of the payload
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._seq += 1
             tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{self._seq}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(entry)
+                f.write(header)
+                f.write(payload)
             os.replace(tmp, path)       # atomic: readers see the old entry or the new one, never a torn one
         except BaseException:
             self._remove(tmp)
             raise
-        self.stats.bytes_written += len(entry)
+        self.stats.bytes_written += len(header) + len(payload)
         if self.capacity is not None:
-            self._account(path, len(entry))
+            self._account(path, len(header) + len(payload))
 
     def _account(self, path: Path, size: int) -> None:
         with self._lock:
