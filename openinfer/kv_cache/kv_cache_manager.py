@@ -153,16 +153,14 @@ class KVCacheManager:
         """Blocks start.. of the request found in the store, in order, as bytes; no more than the pool could
         take now. A request that waits (no room yet) keeps what was read for its next try."""
         fetched = self._fetched.setdefault(request.request_id, {})
+        wanted = request.block_hashes[start:min(end, start + self.pool.num_free_blocks)]
         out: list[bytes] = []
-        for block_hash in request.block_hashes[start:end]:
-            if len(out) >= self.pool.num_free_blocks:
+        for block_hash in wanted:                  # what an earlier try read already
+            if block_hash not in fetched:
                 break
-            payload = fetched.get(block_hash)
-            if payload is None:
-                payload = self.store.get(block_hash)
-                if payload is None:
-                    break
-                fetched[block_hash] = payload
+            out.append(fetched[block_hash])
+        for block_hash, payload in zip(wanted[len(out):], self.store.get_prefix(wanted[len(out):])):
+            fetched[block_hash] = payload
             out.append(payload)
         return out
 

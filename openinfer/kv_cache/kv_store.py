@@ -17,10 +17,12 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from openinfer.kv_cache.tiers import KVTier
@@ -56,6 +58,8 @@ class TieredKVStore:
         self.default_ttl_s = default_ttl_s
         self.backoff_s = backoff_s
         self.dropped_writes = 0
+        self.read_threads = max(1, min(8, os.cpu_count() or 1))
+        self._readers: ThreadPoolExecutor | None = None      # made on the first multi-block read
         self._down_until = {t.name: 0.0 for t in tiers}
         self._logged: set[tuple[str, str]] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -64,6 +68,25 @@ class TieredKVStore:
         atexit.register(_close_at_exit, weakref.ref(self))   # a process ending without shutdown() keeps its writes
 
     # ---- reads (scheduler thread) ---------------------------------------------------------------------------
+    def get_prefix(self, keys: list[bytes]) -> list:
+        """The payloads of the longest run of `keys`, in order, found in the store. Up to `read_threads` blocks
+        are read at once (file reads, checksums and copies release the GIL): one thread reads ~1 GB/s on the
+        H200's host, below what recomputing a dense model's KV costs (BENCHMARKS.md, prefix-KV store)."""
+        out: list = []
+        for i in range(0, len(keys), self.read_threads):
+            batch = keys[i:i + self.read_threads]
+            if len(batch) == 1 or self.read_threads == 1:
+                found = [self.get(k) for k in batch]
+            else:
+                if self._readers is None:
+                    self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="openinfer-kv-read")
+                found = list(self._readers.map(self.get, batch))
+            for payload in found:
+                if payload is None:
+                    return out
+                out.append(payload)
+        return out
+
     def get(self, key: bytes) -> bytes | None:
         for i, tier in enumerate(self.tiers):
             if not self._up(tier):
@@ -76,7 +99,7 @@ class TieredKVStore:
             if payload is None:
                 continue
             if len(payload) != self.payload_bytes:     # cannot happen with a sound namespace; treat as a miss
-                tier.stats.corrupt += 1
+                tier.stats.add(corrupt=1)
                 continue
             if i > 0:
                 self._promote(key, payload, self.tiers[:i])
@@ -145,6 +168,9 @@ class TieredKVStore:
         return True
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
@@ -154,7 +180,7 @@ class TieredKVStore:
         return time.monotonic() >= self._down_until[tier.name]
 
     def _fault(self, tier: KVTier, error: Exception) -> None:
-        tier.stats.faults += 1
+        tier.stats.add(faults=1)
         self._down_until[tier.name] = time.monotonic() + self.backoff_s
         kind = (tier.name, type(error).__name__)
         if kind not in self._logged:

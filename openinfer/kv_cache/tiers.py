@@ -24,7 +24,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 MAGIC = b"OIKVBLK1"
 VERSION = 2   # 2: CRC-32 checksums (1: BLAKE2b, 4x slower to check than reading the entry)
@@ -42,6 +42,13 @@ class TierStats:
     faults: int = 0
     corrupt: int = 0          # entries found truncated, corrupt or foreign (counted as misses too)
     evictions: int = 0
+    # the store reads blocks from several threads at once (TieredKVStore.get_prefix): counts go through `add`
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def add(self, **deltas: int) -> None:
+        with TierStats._lock:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,11 +118,11 @@ class HostMemoryTier:
                 self._drop(key)
                 item = None
             if item is None:
-                self.stats.misses += 1
+                self.stats.add(misses=1)
                 return None
             self._blocks.move_to_end(key)
-            self.stats.hits += 1
-            self.stats.bytes_read += len(item[0])
+            self.stats.add(hits=1)
+            self.stats.add(bytes_read=len(item[0]))
             return item[0]
 
     def contains(self, key: bytes) -> bool:
@@ -130,7 +137,7 @@ class HostMemoryTier:
                 self._drop(key)
             self._blocks[key] = (payload, time.time() + ttl_s)
             self.used += len(payload)
-            self.stats.bytes_written += len(payload)
+            self.stats.add(bytes_written=len(payload))
             # gradual: once past the high watermark, each put evicts a few blocks until under the low one;
             # the hard capacity is never exceeded
             if self.used > self.high:
@@ -138,7 +145,7 @@ class HostMemoryTier:
             budget = self.max_evictions_per_put
             while self._blocks and (self.used > self.capacity or (self._evicting and budget > 0)):
                 self._drop(next(iter(self._blocks)))
-                self.stats.evictions += 1
+                self.stats.add(evictions=1)
                 budget -= 1
                 if self.used <= self.low:
                     self._evicting = False
@@ -187,20 +194,20 @@ class DirectoryTier:
                 entry = bytearray(os.fstat(f.fileno()).st_size)
                 del entry[f.readinto(entry):]      # shorter if the file shrank meanwhile (then: corrupt)
         except FileNotFoundError:       # never written, evicted, or removed by another process meanwhile
-            self.stats.misses += 1
+            self.stats.add(misses=1)
             return None
         payload, why = unpack_entry(self.namespace, entry)
         if payload is None:
-            self.stats.misses += 1
-            self.stats.corrupt += why == "corrupt"
+            self.stats.add(misses=1)
+            self.stats.add(corrupt=why == "corrupt")
             self._remove(path)
             return None
         try:
             os.utime(path)              # LRU across processes: a hit is a recent use
         except OSError:
             pass
-        self.stats.hits += 1
-        self.stats.bytes_read += len(payload)
+        self.stats.add(hits=1)
+        self.stats.add(bytes_read=len(payload))
         return payload
 
     def put(self, key: bytes, payload: bytes, ttl_s: float) -> None:
@@ -218,7 +225,7 @@ class DirectoryTier:
         except BaseException:
             self._remove(tmp)
             raise
-        self.stats.bytes_written += len(header) + len(payload)
+        self.stats.add(bytes_written=len(header) + len(payload))
         if self.capacity is not None:
             self._account(path, len(header) + len(payload))
 
@@ -236,7 +243,7 @@ class DirectoryTier:
                 victim = next(iter(self._sizes))
                 self.used -= self._sizes.pop(victim)
                 self._remove(victim)
-                self.stats.evictions += 1
+                self.stats.add(evictions=1)
                 budget -= 1
                 if self.used <= self.low:
                     self._evicting = False
@@ -289,16 +296,16 @@ class RedisTier:
         if entry is not None:
             payload, why = unpack_entry(self.namespace, entry)
             if payload is None:
-                self.stats.corrupt += why == "corrupt"
+                self.stats.add(corrupt=why == "corrupt")
                 self.client.delete(k)
         if payload is None:
-            self.stats.misses += 1
+            self.stats.add(misses=1)
             return None
-        self.stats.hits += 1
-        self.stats.bytes_read += len(payload)
+        self.stats.add(hits=1)
+        self.stats.add(bytes_read=len(payload))
         return payload
 
     def put(self, key: bytes, payload: bytes, ttl_s: float) -> None:
         entry = pack_entry(self.namespace, payload, ttl_s)
         self.client.set(self.prefix + key.hex().encode(), entry, px=max(1, int(ttl_s * 1000)))
-        self.stats.bytes_written += len(entry)
+        self.stats.add(bytes_written=len(entry))
