@@ -312,6 +312,12 @@ def cmd_bench_structured(args) -> int:
     return cli_main(args)
 
 
+def cmd_bench_prefix(args) -> int:
+    from openinfer.benchmarks.prefix import cli_main
+
+    return cli_main(args)
+
+
 def cmd_bench_soak(args) -> int:
     import tempfile
 
@@ -477,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     from openinfer.benchmarks.structured import add_cli_args as _structured_args
     _structured_args(structured)
     structured.set_defaults(func=cmd_bench_structured)
+    prefix = bench_sub.add_parser("prefix", help="multi-turn shared prefixes: TTFT p50/p99, prefill tokens saved, "
+                                                 "no cache vs pool vs a restarted engine's prefix-KV store")
+    from openinfer.benchmarks.prefix import add_cli_args as _prefix_args
+    _prefix_args(prefix)
+    prefix.set_defaults(func=cmd_bench_prefix)
     return parser
 
 
