@@ -144,7 +144,8 @@ def run_prefix_bench(cfg: PrefixBenchConfig, modes=MODES, log=print) -> dict:
             shutil.rmtree(store, ignore_errors=True)
         result["modes"][mode] = r
         log(f"{mode}: TTFT p50 {r['ttft_s_p50']:.3f}s p99 {r['ttft_s_p99']:.3f}s, prefill computed "
-            f"{r['prefill_tokens_computed']}/{r['prompt_tokens']}, hit ratio {r['hit_ratio']:.2f}, wall {r['wall_s']:.1f}s")
+            f"{r['prefill_tokens_computed']}/{r['prompt_tokens']}, hit ratio {r['hit_ratio']:.2f}, "
+            f"wall {r['wall_s']:.1f}s")
     base = result["modes"].get("no_cache")
     for mode, r in result["modes"].items():
         r["outputs_match_no_cache"] = base is not None and r["_outputs"] == base["_outputs"]
