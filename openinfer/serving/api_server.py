@@ -35,7 +35,7 @@ from openinfer.serving.async_engine import AsyncLLMEngine, EngineDeadError, Queu
 from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
 from openinfer.serving.disconnect import CancelOnDisconnect
-from openinfer.serving.errors import APIError
+from openinfer.serving.errors import APIError, parse_json_object
 from openinfer.serving.load import ROLES, BusyMeter, engine_load, prefill_body
 from openinfer.serving.metrics import EngineMetrics
 
@@ -74,12 +74,7 @@ def _error_response(request: Request, err: APIError) -> JSONResponse:
 
 async def _json_body(request: Request) -> dict:
     raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
+    body = parse_json_object(raw)
     if b"\\u" in raw:    # a JSON escape can spell a lone UTF-16 surrogate ("\udcff"): not text, tokenizers reject it
         try:
             json.dumps(body, ensure_ascii=False).encode()

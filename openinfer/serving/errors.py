@@ -38,3 +38,14 @@ class APIError(Exception):
                                                "message": self.message}}
         return {"error": {"message": self.message, "type": _OPENAI_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.status}}
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object, else a 400 naming what is wrong (the server and the router share it)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body

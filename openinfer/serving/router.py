@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from openinfer.serving.balancers import (InstanceState, QuotaRounds, assign_buckets, bucket_of, pick_decode,
                                          pick_prefill, prefill_cost)
 from openinfer.serving.disconnect import CancelOnDisconnect
-from openinfer.serving.errors import APIError
+from openinfer.serving.errors import APIError, parse_json_object
 from openinfer.serving.load import prefill_body
 
 logger = logging.getLogger("openinfer.router")
@@ -436,12 +436,7 @@ class Router:
 
     async def handle(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
+        body = parse_json_object(raw)
         headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
         tokens = estimate_prompt_tokens(body)
         if self.prefill_pool:
