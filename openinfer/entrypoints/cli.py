@@ -1,5 +1,5 @@
-"""`openinfer` command line (also `python -m openinfer`): generate, serve, router, worker, bench (offline, serve,
-soak, spec, structured)."""
+"""`openinfer` command line (also `python -m openinfer`): generate, serve, router, worker, simulate, bench (offline,
+serve, soak, spec, structured)."""
 
 from __future__ import annotations
 
@@ -344,6 +344,100 @@ def cmd_bench_soak(args) -> int:
     return 0 if ok else 1
 
 
+def _token_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def cmd_simulate(args) -> int:
+    import datetime
+    import os
+    import subprocess
+
+    from openinfer.serving import simulator as sim
+    from openinfer.serving.autoscale import AutoscaleConfig, PoolBounds
+
+    workload = sim.WorkloadConfig(
+        seed=args.seed, duration_s=args.duration, day_s=args.day or args.duration, peak_rate=args.peak_rate,
+        trough_fraction=args.trough_fraction, long_fraction=args.long_fraction, turns=args.turns,
+        short_prompt_tokens=args.short_prompt, long_prompt_tokens=args.long_prompt, output_tokens=args.output_len)
+    common = dict(slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+                  decode_max_seqs=args.decode_max_seqs, sample_interval_s=args.sample_interval)
+    static = sim.ClusterConfig(prefill_instances=args.prefill, decode_instances=args.decode, **common)
+    policy = AutoscaleConfig(
+        interval_s=args.interval, target_utilization=args.target_utilization, redundancy=args.redundancy,
+        ready_pool_size=args.ready_pool, over_provision_fraction=args.over_provision, grace_period_s=args.grace,
+        cold_start_s=args.cold_start,
+        prefill=PoolBounds(args.min_prefill, args.max_prefill, args.max_add, args.max_remove),
+        decode=PoolBounds(args.min_decode, args.max_decode, args.max_add, args.max_remove))
+    autoscaled = sim.ClusterConfig(prefill_instances=args.min_prefill, decode_instances=args.min_decode,
+                                   autoscale=policy, **common)
+    clusters = {"static": static, "autoscale": autoscaled} if args.compare else \
+        {"autoscale" if args.autoscale else "static": autoscaled if args.autoscale else static}
+    runs = {name: sim.simulate(workload, cluster) for name, cluster in clusters.items()}
+    keys = ("requests", "dropped", "slo_attainment", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+            "queue_ms_p99", "gpu_hours_prefill", "gpu_hours_decode", "gpu_hours_ready_pool", "gpu_hours_total",
+            "peak_prefill_gpus", "peak_decode_gpus", "pd_ratio_gpu_hours", "migrated_requests")
+    print(f"{'':22}" + "".join(f"{name:>14}" for name in runs))
+    for k in keys:
+        print(f"{k:22}" + "".join(f"{str(r.summary[k]):>14}" for r in runs.values()))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
+        payload = sim.results_payload(workload, clusters, runs, commit, datetime.date.today().isoformat())
+        path = os.path.join(args.out, f"{args.name}.json")
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+        written = [path] + sim.write_plots(os.path.join(args.out, args.name), runs)
+        print("wrote " + ", ".join(written))
+    return 0
+
+
+def _simulate_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("trace")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--duration", type=float, default=3600.0, metavar="SECONDS", help="conversations start within it")
+    t.add_argument("--day", type=float, default=None, metavar="SECONDS",
+                   help="one diurnal period (default: --duration, a day compressed into it; 86400: a real day)")
+    t.add_argument("--peak-rate", type=float, default=10.0, help="requests/s at the daily peak")
+    t.add_argument("--trough-fraction", type=float, default=0.15, help="the trough's rate over the peak's")
+    t.add_argument("--long-fraction", type=float, default=0.2, help="conversations opening with a long prompt")
+    t.add_argument("--turns", type=int, default=3, help="mean turns per conversation")
+    t.add_argument("--short-prompt", type=_token_range, default=(256, 2048), metavar="LO:HI")
+    t.add_argument("--long-prompt", type=_token_range, default=(8192, 32768), metavar="LO:HI")
+    t.add_argument("--output-len", type=_token_range, default=(64, 512), metavar="LO:HI")
+    c = p.add_argument_group("cluster and policy")
+    c.add_argument("--prefill", type=int, default=4, help="static prefill instances (one GPU each)")
+    c.add_argument("--decode", type=int, default=4, help="static decode instances (one GPU each)")
+    mode = c.add_mutually_exclusive_group()
+    mode.add_argument("--autoscale", action="store_true", help="the autoscaler instead of static counts")
+    mode.add_argument("--compare", action="store_true", help="static and autoscaled on the same trace")
+    c.add_argument("--min-prefill", type=int, default=1)
+    c.add_argument("--max-prefill", type=int, default=64)
+    c.add_argument("--min-decode", type=int, default=1)
+    c.add_argument("--max-decode", type=int, default=64)
+    c.add_argument("--interval", type=float, default=60.0, metavar="SECONDS", help="autoscaler decision interval")
+    c.add_argument("--target-utilization", type=float, default=0.7)
+    c.add_argument("--max-add", type=int, default=4, help="instances added per pool per interval, at most")
+    c.add_argument("--max-remove", type=int, default=1, help="instances removed per pool per interval, at most")
+    c.add_argument("--redundancy", choices=["ready_pool", "over_provision"], default="ready_pool")
+    c.add_argument("--ready-pool", type=int, default=2, help="ready machines kept unassigned (ready_pool)")
+    c.add_argument("--over-provision", type=float, default=0.2, help="extra share online (over_provision)")
+    c.add_argument("--grace", type=float, default=60.0, metavar="SECONDS", help="decode drain before migration")
+    c.add_argument("--cold-start", type=float, default=180.0, metavar="SECONDS")
+    c.add_argument("--decode-max-seqs", type=int, default=256)
+    c.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    c.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    o = p.add_argument_group("output")
+    o.add_argument("--sample-interval", type=float, default=60.0, metavar="SECONDS", help="timeline resolution")
+    o.add_argument("--out", default=None, metavar="DIR", help="write NAME.json, NAME_gpus.png, NAME_latency.png")
+    o.add_argument("--name", default="sim", help="file name stem under --out")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description="openinfer inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -430,6 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--connect-timeout", type=float, default=1800.0, metavar="SECONDS",
                         help="how long to retry while the front end is not listening yet")
     worker.set_defaults(func=cmd_worker)
+
+    simulate = sub.add_parser("simulate", help="discrete-event simulation of a prefill/decode cluster: static P:D "
+                                               "vs the autoscaler on a diurnal multi-turn trace (H200 costs)",
+                              description="Simulate a P/D cluster (docs/serving.md, Autoscaling) from the fitted "
+                                          "H200 step costs: GPUs over time, TTFT/TPOT, SLO attainment, GPU-hours.")
+    _simulate_args(simulate)
+    simulate.set_defaults(func=cmd_simulate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
