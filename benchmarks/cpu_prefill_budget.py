@@ -7,6 +7,8 @@ on this machine, in the same run). Reports TTFT p50/p99 (short and long requests
 short requests' tokens (the gaps a user sees while long prompts are being prefilled), and tokens/s.
 
     python benchmarks/cpu_prefill_budget.py [--model smollm2-135m-instruct] [--budget-ms 60] [--duration 60]
+    python benchmarks/cpu_prefill_budget.py --device cuda --model DIR --load-format dummy --dtype bfloat16 \
+        --rate 16 --long-len 8000 --budget-ms 30 --out results/gpu_prefill_budget.json     # e.g. the 8B shape
 """
 
 from __future__ import annotations
@@ -91,14 +93,20 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
     ap.add_argument("--long-every", type=int, default=8)
     ap.add_argument("--long-len", type=int, default=1800)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=None, help="default: results/cpu_prefill_budget.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     common = dict(model=args.model, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=64)
-    result = {"benchmark": "cpu_prefill_budget", "date": datetime.date.today().isoformat(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
-              "device": f"{args.device}, {os.cpu_count()} cores", "args": vars(args)}
+                  max_num_seqs=64, load_format=args.load_format, dtype=args.dtype)
+    if args.device != "cpu":
+        common["gpu_memory_utilization"] = 0.4     # two engines share the GPU
+    device = (torch.cuda.get_device_name() if args.device != "cpu" else f"cpu, {os.cpu_count()} cores")
+    result = {"benchmark": "prefill_budget", "date": datetime.date.today().isoformat(),
+              "commit": os.environ.get("OPENINFER_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "device": device, "args": vars(args)}
     token_engine = LLMEngine(EngineConfig(**common))
     model, path = load_or_calibrate(token_engine, refit=True)
     result["cost_model_ms"] = model.__dict__ | {"path": str(path)}
@@ -109,7 +117,7 @@ def main() -> None:
     timed = LLMEngine(EngineConfig(**common, prefill_step_budget_ms=args.budget_ms))   # loads the fit just saved
     result["time_budget"] = run(timed, reqs)
     print("time budget", json.dumps(result["time_budget"]), flush=True)
-    out = Path(__file__).parent / "results" / "cpu_prefill_budget.json"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "cpu_prefill_budget.json"
     out.write_text(json.dumps(result, indent=1))
     print(out)
 

@@ -115,6 +115,13 @@ class EngineConfig:
     kv_host_cache_bytes: int | None = None
     kv_store_capacity_bytes: int | None = None
     kv_store_ttl_s: float = 7 * 86400.0
+    # Sliding-window models (Gemma-3) with a store (kv_cache/bounded_replay.py, docs/kv_cache.md): the store keeps
+    # only the full-attention layers' rows; the windowed layers' rows of the last window before a request's
+    # last block boundary go to host memory when it ends (swa_state_bytes; None: 256 MiB when a store is set).
+    # A hit without them replays the end of the prefix: "bounded" (the last window, attention truncated to it;
+    # the spec's §5.4, approximate) or "exact" (from the first missing block, full windows).
+    swa_state_bytes: int | None = None
+    swa_replay: str = "bounded"
     # Parallelism (docs/parallelism.md; vLLM's names). One worker process per rank, world = DP x TP ranks:
     # DP ranks own their requests and KV pools, TP ranks split each matrix; with expert parallelism the
     # routed experts of MoE models are split over all ranks (attention DP + EP, DeepInfer's layout).
@@ -227,6 +234,11 @@ class EngineConfig:
         if self.kv_store_url is not None and not str(self.kv_store_url).startswith(("redis://", "rediss://",
                                                                                      "unix://")):
             raise ValueError(f"kv_store_url must be a redis://, rediss:// or unix:// URL, got {self.kv_store_url!r}")
+        if self.swa_replay not in ("bounded", "exact"):
+            raise ValueError(f"swa_replay must be 'bounded' or 'exact', got {self.swa_replay!r}")
+        if self.swa_state_bytes is not None and (not isinstance(self.swa_state_bytes, int)
+                                                 or isinstance(self.swa_state_bytes, bool) or self.swa_state_bytes < 0):
+            raise ValueError(f"swa_state_bytes must be an integer >= 0, got {self.swa_state_bytes!r}")
         if self.kv_store_capacity_bytes is not None and self.kv_store_dir is None:
             raise ValueError("kv_store_capacity_bytes caps the kv_store_dir tier: set kv_store_dir too")
         if self.kv_store_enabled:
@@ -294,6 +306,13 @@ class EngineConfig:
         if self.kv_host_cache_bytes is not None:
             return self.kv_host_cache_bytes
         return 1 << 30 if (self.kv_store_dir or self.kv_store_url) else 0
+
+    @property
+    def resolved_swa_state_bytes(self) -> int:
+        """Host memory for sliding-window state: swa_state_bytes, else 256 MiB when a prefix-KV store is set."""
+        if self.swa_state_bytes is not None:
+            return self.swa_state_bytes
+        return 256 << 20 if self.kv_store_enabled else 0
 
     @property
     def local_ranks(self) -> int:

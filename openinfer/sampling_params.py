@@ -30,6 +30,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None          # top-N logprobs per generated token (the sampled token is always included)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (the prompt token is always included)
+    # prompt logprobs are wanted from this prompt position on: the prompt before it may come from the prefix
+    # cache, and those positions get None (scoring continuations of one long context reuses its KV). 0: every
+    # position, no prefix-cache lookup.
+    prompt_logprobs_start: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -95,6 +99,11 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise bad(name, "an integer >= 0 or None")
+        if (not isinstance(self.prompt_logprobs_start, int) or isinstance(self.prompt_logprobs_start, bool)
+                or self.prompt_logprobs_start < 0):
+            raise bad("prompt_logprobs_start", "an integer >= 0")
+        if self.prompt_logprobs_start and self.prompt_logprobs is None:
+            raise bad("prompt_logprobs_start", "0 unless prompt_logprobs is set")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -483,3 +483,55 @@ def test_kv_store_on_cuda_hits_after_a_restart(tiny_dummy_dir, tmp_path):
     assert runs[0][2] == 0 and runs[1][2] >= 256
     assert runs[0][0] == runs[1][0]
     assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1])) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["bounded", "exact", "state"])
+def test_gemma3_window_replay_on_cuda_follows_the_hf_oracle(tmp_path, mode):
+    """A prefix-KV store hit on Gemma-3 (window 8, blocks of 16) through the Triton kernels: bounded replay equals
+    the HF oracle of its semantics, exact replay and a window-state hit equal HF with no cache (fp32; the oracle
+    and the cases as in tests/test_bounded_replay.py)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tests.test_bounded_replay import oracle_bounded
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                           sliding_window=8, max_position_embeddings=1024, final_logit_softcapping=30.0)
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path / "m")
+    hf.set_attn_implementation("eager")
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    rng = random.Random(5)
+    prefix = [rng.randrange(2, 500) for _ in range(48)]
+    first, second = [rng.randrange(2, 500) for _ in range(20)], [rng.randrange(2, 500) for _ in range(20)]
+    llm = LLM(str(tmp_path / "m"), device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+              kv_store_dir=str(tmp_path / "store"), kv_cache_memory_bytes=64 << 20,
+              swa_state_bytes=None if mode == "state" else 0, swa_replay="exact" if mode == "exact" else "bounded")
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompt_token_ids=[prefix if mode == "state" else prefix + first], sampling_params=greedy,
+                 use_tqdm=False)
+    llm.engine.kv_store.flush()
+    assert llm.engine.kv_manager.reset_prefix_cache()
+    prompt = prefix + second
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=49)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)[0]
+    assert out.num_cached_tokens == {"bounded": 32, "exact": 0, "state": 48}[mode]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(49, len(prompt))])
+    with torch.no_grad():
+        if mode == "bounded":
+            rows = oracle_bounded(hf, prompt, start=32, hit=48, window=8)[48 - 32:]
+        else:
+            rows = hf(torch.tensor([prompt])).logits[0, 48:]
+    ref = rows[:-1].log_softmax(-1)[torch.arange(len(prompt) - 49), torch.tensor(prompt[49:])]
+    assert (got - ref).abs().max() < 1e-3
+    llm.shutdown()

@@ -81,11 +81,20 @@ class LLMEngine:
             check(config.v41_prefill_keep_tokens)
         self.kv_store = self._make_kv_store(model) if config.kv_store_enabled else None
         self.runner.kv_store = self.kv_store
+        # sliding-window models with a store: window state in host memory (kv_cache/bounded_replay.py)
+        self.swa_state = None
+        if self.kv_store is not None and self.runner.swa_layout is not None and config.resolved_swa_state_bytes:
+            from openinfer.kv_cache.tiers import HostMemoryTier
+
+            self.swa_state = HostMemoryTier(config.resolved_swa_state_bytes)
+            self.swa_state.name = "swa_state"
+        self.runner.swa_state = self.swa_state
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots,
                                          num_state_snapshots=self.runner.num_state_snapshots,
                                          min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1,
-                                         store=self.kv_store)
+                                         store=self.kv_store, swa=self.runner.swa_layout, swa_state=self.swa_state,
+                                         swa_replay=config.swa_replay)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -138,7 +147,9 @@ class LLMEngine:
             load_format=c.load_format, block_size=c.block_size,
             caches=[(s.name, s.num_layers, tuple(s.entry_shape), str(s.dtype), s.tokens_per_entry)
                     for s in runner.cache_specs if isinstance(s, PagedCacheSpec)],
-            ranks=(self.parallel.dp_size, self.parallel.dp_rank, self.parallel.tp_size, self.parallel.tp_rank))
+            ranks=(self.parallel.dp_size, self.parallel.dp_rank, self.parallel.tp_size, self.parallel.tp_rank),
+            # sliding-window models: entries hold the full-attention layers' rows only
+            windowed_layers_left_out=runner.swa_layout.window_layers if runner.swa_layout is not None else ())
         tiers = []
         if c.resolved_kv_host_cache_bytes:
             tiers.append(HostMemoryTier(c.resolved_kv_host_cache_bytes))
@@ -146,7 +157,7 @@ class LLMEngine:
             tiers.append(DirectoryTier(c.kv_store_dir, namespace, c.kv_store_capacity_bytes))
         if c.kv_store_url:
             tiers.append(RedisTier(c.kv_store_url, namespace))
-        return TieredKVStore(tiers, runner.bytes_per_block(), c.kv_store_ttl_s)
+        return TieredKVStore(tiers, runner.store_block_bytes(), c.kv_store_ttl_s)
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -232,6 +243,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._keep_window_state()
         req.metrics.finished_time = time.time()
         return self.output_processor.make_output(req)
 
@@ -357,7 +369,16 @@ class LLMEngine:
             out = self.output_processor.make_output(req)
             if out is not None:
                 outputs.append(out)
+        self._keep_window_state()
         return outputs
+
+    def _keep_window_state(self) -> None:
+        """Copy ended requests' window state into host memory now, before their blocks can be reused and before
+        the next lookup (kv_cache/bounded_replay.py; on CUDA the copy waits for the queued step)."""
+        saves = self.kv_manager.state_copies.swa_saves
+        if saves:
+            self.runner.save_window_state(saves)
+            saves.clear()
 
     # ---- introspection ----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -368,6 +389,10 @@ class LLMEngine:
             "prefix_cache_hit_rate": kv.prefix_stats.hit_rate, "prefix_cache_hit_tokens": kv.prefix_stats.hit_tokens,
             "prefix_cache_queried_tokens": kv.prefix_stats.queried_tokens,
             "prefix_cache_store_hit_tokens": kv.prefix_stats.store_hit_tokens,
+            **({"swa_state_hits": kv.prefix_stats.swa_state_hits, "swa_replays": kv.prefix_stats.swa_replays,
+                "swa_replayed_tokens": kv.prefix_stats.swa_replayed_tokens,
+                "swa_state_tier": self.swa_state.stats.as_dict() if self.swa_state is not None else None}
+               if kv.swa is not None else {}),
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),

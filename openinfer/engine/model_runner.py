@@ -8,6 +8,7 @@ or where cache lives: block ids arrive in the SchedulerOutput.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -22,6 +23,7 @@ from openinfer.device_io import D2HCopy, h2d
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.scheduler import SchedulerOutput
+from openinfer.kv_cache.bounded_replay import replay_slot_mappings, window_layer_chunk
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 from openinfer.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -101,6 +103,10 @@ class ModelRunner:
                           for s in self._snapshot_specs()}
         # the prefix-KV store blocks are saved to (the engine sets it; kv_cache/kv_store.py)
         self.kv_store = None
+        # sliding-window models: which layers have a window (the store keeps the others' rows only), and the
+        # host-memory tier their window state goes to (the engine sets it; kv_cache/bounded_replay.py)
+        self.swa_layout = model.swa_layout() if hasattr(model, "swa_layout") else None
+        self.swa_state = None
         # (decode batch bucket, context the graph was captured for) -> (graph, its output)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -128,22 +134,44 @@ class ModelRunner:
                 dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
 
     # ---- prefix-KV store: a block's bytes are every paged cache's rows for it, layer by layer ------------------
-    def _block_rows(self, block_id: int) -> list[torch.Tensor]:
-        return [t[block_id] for s in self.cache_specs if isinstance(s, PagedCacheSpec) for t in self.caches[s.name]]
+    # (sliding-window models: the full-attention layers' only; the windowed layers' travel as window state)
+    def _block_rows(self, block_id: int, window_layers: bool = False) -> list[torch.Tensor]:
+        swa = self.swa_layout
+        return [t[block_id] for s in self.cache_specs if isinstance(s, PagedCacheSpec)
+                for layer, t in enumerate(self.caches[s.name])
+                if swa is None or (layer in swa.window_layers) == window_layers]
 
-    def _load_blocks(self, loads: list[tuple[int, bytes]]) -> None:
+    def store_block_bytes(self) -> int:
+        """Bytes of one block in the prefix-KV store."""
+        return sum(r.numel() * r.element_size() for r in self._block_rows(0))
+
+    def _load_blocks(self, loads: list[tuple[int, bytes]], window_layers: bool = False) -> None:
         """Write blocks read from the store into their (freshly allocated) pool blocks, before the forward."""
         for block_id, payload in loads:
             buf = payload if not memoryview(payload).readonly else bytearray(payload)
             flat = h2d(torch.frombuffer(buf, dtype=torch.uint8), self.device)
             offset = 0
-            for row in self._block_rows(block_id):
+            for row in self._block_rows(block_id, window_layers):
                 n = row.numel() * row.element_size()
                 part = flat[offset:offset + n]
                 if offset % row.element_size():
                     part = part.clone()          # a view as a wider dtype needs an aligned start
                 row.copy_(part.view(row.dtype).view(row.shape))
                 offset += n
+
+    def _load_window_state(self, loads: list[tuple[list[int | None], bytes]]) -> None:
+        """Window state from host memory into the hit's blocks that lack their windowed rows (None: keeps its own)."""
+        for block_ids, payload in loads:
+            per_block = len(payload) // len(block_ids)
+            self._load_blocks([(b, memoryview(payload)[i * per_block:(i + 1) * per_block])
+                               for i, b in enumerate(block_ids) if b is not None], window_layers=True)
+
+    def save_window_state(self, saves: list[tuple[list[int], bytes]]) -> None:
+        """The windowed rows of ended requests' last windows into the host-memory tier, when they end (the engine
+        calls it before the next schedule can reuse their blocks; synchronous: a few MB per request)."""
+        for block_ids, key in saves:
+            rows = [r.reshape(-1).view(torch.uint8) for b in block_ids for r in self._block_rows(b, window_layers=True)]
+            self.swa_state.put(key, torch.cat(rows).cpu().numpy().tobytes(), self.config.kv_store_ttl_s)
 
     def _save_blocks(self, saves: list[tuple[int, bytes, float]]) -> None:
         """Copy blocks this step completed to host memory for the store's writer thread, after the forward.
@@ -348,7 +376,9 @@ class ModelRunner:
         `grammar_bitmask` (structured output) holds the allowed tokens of constrained requests; the sampler
         applies it to the logits after the forward (so CUDA graphs of the forward are unaffected)."""
         dev, bs = self.device, self.block_size
-        self._load_blocks(sched.state_copies.kv_loads)
+        copies = sched.state_copies
+        self._load_blocks(copies.kv_loads)
+        self._load_window_state(copies.swa_loads)
         self._copy_states(sched.state_copies.restores, restore=True)
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -362,6 +392,7 @@ class ModelRunner:
         sampling_reqs = []
         plp_spans = []   # (request, first row, n rows, first token index)
         fix_rows, fix_src = [], []               # rows whose input token is prev's sample
+        replays = []                             # (prefill chunk index, plan): chunks replaying a prefix's end
         row = 0
         sample_rows: list[Request] = []         # the sampler's rows: a request verifying drafts fills several
         row_drafts: list[list[int]] = []        # the drafts each row comes after
@@ -395,9 +426,14 @@ class ModelRunner:
                     decoder_start = req.num_tokens - self.yoco_keep if req.num_tokens > self.yoco_keep else None
                 prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs,
                                              s.state_slot, decoder_start))
+                if s.replay is not None and start < s.replay.end:
+                    replays.append((len(prefills) - 1, s.replay))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # from the row predicting prompt_logprobs_start on (a replay may compute earlier rows)
+                first = max(start, req.sampling_params.prompt_logprobs_start - 1)
                 end = min(start + n, req.num_prompt_tokens - 1)
-                plp_spans.append((req, row, end - start, start + 1))
+                if first < end:
+                    plp_spans.append((req, row + first - start, end - first, first + 1))
             if s.samples:
                 # the last token's row, then one row per draft: row j samples the token after draft j
                 sampling_reqs.append(req)
@@ -431,8 +467,10 @@ class ModelRunner:
             hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
                                          min_batch=plan.graph_batch if plan else 0)
         if hidden is None:
+            views = self._replay_views(slots, pos, prefills, replays) if replays else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
-                                         decode_state_slots, moe_rows=plan.max_tokens if plan else None)
+                                         decode_state_slots, moe_rows=plan.max_tokens if plan else None,
+                                         layer_views=views)
         if self.eplb is not None:
             self.eplb.after_forward()
 
@@ -471,9 +509,23 @@ class ModelRunner:
                                                                                 device=self.device))
         self.eplb.after_forward()
 
+    def _replay_views(self, slots: torch.Tensor, pos: torch.Tensor, prefills: list[PrefillChunk], replays):
+        """(full-attention, windowed) slot mappings and windowed prefill chunks of a step with replaying chunks
+        (kv_cache/bounded_replay.py): replayed rows leave the full layers' block KV and the kept windowed rows
+        untouched (they write to the scratch slot), and windowed chunks start at the replay's window floor."""
+        full, window = slots.numpy().copy(), slots.numpy().copy()
+        window_prefills = list(prefills)
+        for index, plan in replays:
+            chunk = prefills[index]
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            full[rows], window[rows] = replay_slot_mappings(pos.numpy()[rows], full[rows], plan, self.block_size,
+                                                            self.scratch_slot)
+            window_prefills[index] = window_layer_chunk(chunk, plan)
+        return torch.from_numpy(full), torch.from_numpy(window), window_prefills
+
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
-                       moe_valid: torch.Tensor | None = None) -> torch.Tensor:
+                       moe_valid: torch.Tensor | None = None, layer_views=None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
@@ -484,6 +536,11 @@ class ModelRunner:
             meta.max_decode_context_len = max(decode_lens)
             if self.num_state_slots:
                 meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
+        if layer_views is not None:
+            full_slots, window_slots, window_prefills = layer_views
+            meta.layer_views = (dataclasses.replace(meta, slot_mapping=h2d(full_slots, dev)),
+                                dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev),
+                                                    prefills=window_prefills))
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]

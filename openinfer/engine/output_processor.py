@@ -41,6 +41,8 @@ class OutputProcessor:
         top_lp, top_ids = lp.topk(n_top, dim=-1) if n_top > 0 else (None, None)
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
+        # positions served from the prefix cache (SamplingParams.prompt_logprobs_start) have no logits
+        req.prompt_logprobs.extend([None] * (chunk.first_token_index - len(req.prompt_logprobs)))
         for i, tid in enumerate(chunk.token_ids):
             req.prompt_logprobs.append(self._position_logprobs(
                 tid, actual_lp[i].item(), ranks[i],

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from openinfer.engine.cost_model import StepCostModel
 from openinfer.engine.request import Request, RequestStatus
+from openinfer.kv_cache.bounded_replay import ReplayPlan
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager, StateCopies
 
 
@@ -26,6 +27,8 @@ class ScheduledRequest:
     state_slot: int | None = None
     # speculative decoding: draft tokens run after the request's last token, verified by this step's samples
     draft_token_ids: list[int] = field(default_factory=list)
+    # sliding-window models: the request is replaying the end of its prefix hit (kv_cache/bounded_replay.py)
+    replay: ReplayPlan | None = None
 
     @property
     def start(self) -> int:
@@ -115,7 +118,8 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
-                                                      self.kv.state_slot(req.request_id)))
+                                                      self.kv.state_slot(req.request_id),
+                                                      replay=self.kv.replay_plan(req.request_id)))
                 budget -= n
                 i += 1
                 continue
@@ -147,7 +151,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
-                                                  self.kv.state_slot(req.request_id)))
+                                                  self.kv.state_slot(req.request_id),
+                                                  replay=self.kv.replay_plan(req.request_id)))
             budget -= n
         self.waiting.extendleft(reversed(not_ready))
         out.state_copies = self.kv.take_state_copies()
@@ -203,4 +208,5 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = status
+        self.kv.save_window_state(req)
         self.kv.free(req)

@@ -78,6 +78,12 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                        help="prefix-KV store on a Redis server (needs the redis package)"),
         g.add_argument("--kv-host-cache-bytes", type=int, default=None, metavar="BYTES",
                        help="prefix-KV store: host-RAM tier size (default 1 GiB with a store, 0: none)"),
+        g.add_argument("--swa-state-bytes", type=int, default=None, metavar="BYTES",
+                       help="sliding-window models with a store: host memory for window state at prefix "
+                            "boundaries (default 256 MiB with a store, 0: none; docs/kv_cache.md)"),
+        g.add_argument("--swa-replay", choices=["bounded", "exact"], default="bounded",
+                       help="a prefix hit without its window state replays the last window with attention "
+                            "truncated to it (bounded, the spec's) or from the first missing block (exact)"),
     ]
 
 
@@ -110,7 +116,8 @@ def _make_llm(args):
                v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
                engram_tables=args.engram_tables, speculative_config=args.speculative_config,
                kv_store_dir=args.kv_store_dir, kv_store_url=args.kv_store_url,
-               kv_host_cache_bytes=args.kv_host_cache_bytes, batch_invariant=args.batch_invariant)
+               kv_host_cache_bytes=args.kv_host_cache_bytes, batch_invariant=args.batch_invariant,
+               swa_state_bytes=args.swa_state_bytes, swa_replay=args.swa_replay)
 
 
 def cmd_generate(args) -> int:

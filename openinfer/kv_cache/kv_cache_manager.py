@@ -19,6 +19,11 @@ forward. Reading at schedule time leaves no window for an entry to vanish betwee
 bytes in hand, or a miss. Each block registered in the prefix cache for the first time (not one just loaded)
 is queued for saving (`StateCopies.kv_saves`); the runner copies it out after the step's forward.
 Models with per-request state are not stored yet (their window state would need a tier of its own).
+
+Sliding-window models (Gemma-3; kv_cache/bounded_replay.py): the store keeps only the full-attention layers'
+rows, so a block read from it lacks its windowed rows (`KVBlock.window_rows` False). A hit whose last window
+misses rows gets them from the host-memory SWA state tier (saved when a request ends, at its last block
+boundary: `StateCopies.swa_saves` / `swa_loads`) or replays the end of its prefix (`replay_plan`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request
 from openinfer.kv_cache.block_pool import BlockPool, KVBlock
+from openinfer.kv_cache.bounded_replay import ReplayPlan, SlidingWindowLayout, plan_replay, window_blocks
 from openinfer.kv_cache.kv_store import TieredKVStore, resolve_ttl
 
 
@@ -44,6 +50,10 @@ class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
     store_hit_tokens: int = 0     # of hit_tokens, those read from the prefix-KV store
+    # sliding-window models: hits whose window state came from host memory, and replays (bounded_replay.py)
+    swa_state_hits: int = 0
+    swa_replays: int = 0
+    swa_replayed_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -54,22 +64,36 @@ class PrefixCacheStats:
 class StateCopies:
     """Copies for the runner: restores (snapshot -> slot) before the step's forward, saves (slot -> snapshot)
     after it; with a prefix-KV store, kv_loads (block id, its bytes from the store) before the forward and
-    kv_saves (block id, block hash, TTL in seconds) after it."""
+    kv_saves (block id, block hash, TTL in seconds) after it. Sliding-window models: swa_saves (the window's
+    block ids, the hash of its last block), the windowed rows of a request that ended, which the engine copies
+    out at once (LLMEngine._keep_window_state); swa_loads (one block id per window block, None for a block that
+    keeps its rows, the state's bytes), written before the forward."""
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
     kv_saves: list[tuple[int, bytes, float]] = field(default_factory=list)
+    swa_saves: list[tuple[list[int], bytes]] = field(default_factory=list)
+    swa_loads: list[tuple[list[int | None], bytes]] = field(default_factory=list)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0, min_uncached_tokens: int = 1, store: TieredKVStore | None = None):
+                 num_state_snapshots: int = 0, min_uncached_tokens: int = 1, store: TieredKVStore | None = None,
+                 swa: SlidingWindowLayout | None = None, swa_state=None, swa_replay: str = "bounded"):
         """`min_uncached_tokens`: a prefix hit leaves at least this many tokens to compute (1: the token that
         yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6).
-        `store`: the prefix-KV store behind the pool (models without per-request state only)."""
+        `store`: the prefix-KV store behind the pool (models without per-request state only).
+        `swa`: the model's sliding-window layers, with a store: its blocks lack their windowed rows;
+        `swa_state`: the host-memory tier (tiers.HostMemoryTier) for window state, or None; `swa_replay`: the
+        replay mode for a hit without it (bounded_replay.py)."""
         if store is not None and (num_state_slots or not enable_prefix_caching):
             raise ValueError("a prefix-KV store needs prefix caching and a model without per-request state")
         self.store = store
+        self.swa = swa if store is not None else None     # without a store every pool block has its rows
+        self.swa_state = swa_state if self.swa is not None else None
+        self.swa_replay = swa_replay
+        self._replay: dict[str, ReplayPlan] = {}             # request -> its replay, until computed past its end
+        self._swa_loads: dict[str, bytes] = {}               # request -> window state found for its hit
         self._store_hits: dict[str, list[bytes]] = {}          # request -> store blocks after its pool hits
         self._fetched: dict[str, dict[bytes, bytes]] = {}      # request -> blocks read so far (retries reuse)
         self.block_size = block_size
@@ -118,14 +142,19 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute (it yields the logits).
 
-        Requests asking for prompt_logprobs skip the lookup: cached positions would have no logits.
+        Requests asking for prompt_logprobs skip the lookup (cached positions would have no logits), unless they
+        ask for them from a later position on (`prompt_logprobs_start`): the hit stops before the row that
+        predicts it.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if not self.enable_prefix_caching or (params.prompt_logprobs is not None and params.prompt_logprobs_start < 2):
             return [], 0
         if self.num_state_slots and not self.num_state_snapshots:
             return [], 0
         self._extend_hashes(request)
         max_blocks = max(request.num_tokens - self.min_uncached_tokens, 0) // self.block_size
+        if params.prompt_logprobs is not None:
+            max_blocks = min(max_blocks, (params.prompt_logprobs_start - 1) // self.block_size)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -138,6 +167,9 @@ class KVCacheManager:
             self._store_hits[request.request_id] = found
             store_hits = len(found)
             self.prefix_stats.store_hit_tokens += store_hits * self.block_size
+        num_cached = (len(hits) + store_hits) * self.block_size
+        if self.swa is not None:
+            num_cached = self._window_hit(request, [b.window_rows for b in hits] + [False] * store_hits)
         if self.num_state_slots:   # usable up to the last hit block whose end state was kept
             while hits and request.block_hashes[len(hits) - 1] not in self._snapshots:
                 hits.pop()
@@ -145,9 +177,32 @@ class KVCacheManager:
                 h = request.block_hashes[len(hits) - 1]
                 self._snapshots.move_to_end(h)
                 self._restore[request.request_id] = self._snapshots[h]
+            num_cached = len(hits) * self.block_size
         self.prefix_stats.queried_tokens += request.num_tokens
-        self.prefix_stats.hit_tokens += (len(hits) + store_hits) * self.block_size
-        return hits, (len(hits) + store_hits) * self.block_size
+        self.prefix_stats.hit_tokens += num_cached
+        return hits, num_cached
+
+    def _window_hit(self, request: Request, rows_present: list[bool]) -> int:
+        """The hit rule (bounded_replay.py) for a hit of len(rows_present) blocks: its length when the last window's
+        rows are present or in the SWA state tier (then loaded), else where its replay starts."""
+        rid, n, bs = request.request_id, len(rows_present), self.block_size
+        self._replay.pop(rid, None)
+        self._swa_loads.pop(rid, None)
+        if n == 0 or all(rows_present[i] for i in window_blocks(n, bs, self.swa.window)):
+            return n * bs
+        if self.swa_state is not None:
+            payload = self.swa_state.get(request.block_hashes[n - 1])
+            if payload is not None:
+                self._swa_loads[rid] = payload
+                return n * bs
+        plan = plan_replay(rows_present, bs, self.swa.window, self.swa_replay)
+        self._replay[rid] = plan
+        return plan.start
+
+    def replay_plan(self, request_id: str) -> ReplayPlan | None:
+        """The request's replay while its computed tokens have not passed the replayed segment (the runner builds
+        the step's per-layer views from it)."""
+        return self._replay.get(request_id)
 
     def _store_lookup(self, request: Request, start: int, end: int) -> list[bytes]:
         """Blocks start.. of the request found in the store, in order, as bytes; no more than the pool could
@@ -174,7 +229,11 @@ class KVCacheManager:
         pool can't, in which case nothing changed."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
-        if blocks is not None and not computed_blocks and rid not in self._store_hits:
+        plan = self._replay.get(rid)
+        if plan is not None and request.num_computed_tokens >= plan.end and blocks is not None:
+            del self._replay[rid]        # replayed: the rows of its blocks were rebuilt
+            plan = None
+        if blocks is not None and not computed_blocks and rid not in self._store_hits and plan is None:
             # fast path (most decode steps): the tokens fit the last block and no block fills up
             total = request.num_computed_tokens + num_new_tokens
             if (total <= len(blocks) * self.block_size and (self.num_state_slots == 0 or rid in self._state_slot)
@@ -185,8 +244,12 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         loaded = self._store_hits.get(rid, []) if self.store is not None else []
         blocks = self._blocks.setdefault(rid, [])
-        total = request.num_computed_tokens + (len(computed_blocks) + len(loaded)) * self.block_size + num_new_tokens
-        need = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
+        hit_tokens = (len(computed_blocks) + len(loaded)) * self.block_size
+        admitting = bool(hit_tokens)
+        # a replaying request holds its hit blocks but computes from the replay's start
+        cached = (plan.start if plan is not None else hit_tokens) if admitting else 0
+        total = request.num_computed_tokens + cached + num_new_tokens
+        need = -(-max(total, hit_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)   # hits now sitting in the free queue
         need_slot = self.num_state_slots > 0 and rid not in self._state_slot
         if max(need, 0) > self.pool.num_free_blocks - reclaimed or (need_slot and not self._free_state_slots):
@@ -200,11 +263,14 @@ class KVCacheManager:
             no_save = len(computed_blocks) + len(loaded)
             for block, payload in zip(new_blocks[len(computed_blocks):], loaded):
                 self.state_copies.kv_loads.append((block.block_id, payload))
+                block.window_rows = self.swa is None
         if self.store is not None:
             self._store_hits.pop(rid, None)
             self._fetched.pop(rid, None)
         blocks.extend(new_blocks)
         self._block_ids.setdefault(rid, []).extend(b.block_id for b in new_blocks)
+        if self.swa is not None:
+            self._rebuild_window_rows(request, blocks, hit_tokens, total, plan)
         if need_slot:
             self._state_slot[rid] = self._free_state_slots.pop()
         snapshot = self._restore.pop(rid, None)
@@ -213,7 +279,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._extend_hashes(request)
             start = self._num_registered.get(rid, 0)
-            full = min(total, request.num_tokens) // self.block_size
+            full = max(min(total, request.num_tokens), hit_tokens) // self.block_size
             for i in range(start, full):
                 if self.pool.cache(blocks[i], request.block_hashes[i]) and self.store is not None and i >= no_save:
                     ttl = resolve_ttl(request.sampling_params.cache_ttl, self.store.default_ttl_s)
@@ -222,6 +288,45 @@ class KVCacheManager:
             if self.num_state_snapshots:
                 self._snapshot_state(request, total)
         return True
+
+    def _rebuild_window_rows(self, request: Request, blocks: list[KVBlock], hit_tokens: int, total: int,
+                             plan: ReplayPlan | None) -> None:
+        """Windowed rows come back to the hit's blocks: from the SWA state (at admission), or as the replay's
+        tokens are scheduled (a block counts once all its tokens are: the step writes them before any read)."""
+        rid, bs = request.request_id, self.block_size
+        payload = self._swa_loads.pop(rid, None)
+        if payload is not None:
+            window = window_blocks(hit_tokens // bs, bs, self.swa.window)
+            targets = [None if blocks[i].window_rows else blocks[i].block_id for i in window]
+            self.state_copies.swa_loads.append((targets, payload))
+            for i in window:
+                blocks[i].window_rows = True
+            self.prefix_stats.swa_state_hits += 1
+        if plan is None:
+            return
+        if hit_tokens:
+            self.prefix_stats.swa_replays += 1
+            self.prefix_stats.swa_replayed_tokens += plan.num_replayed_tokens
+        for i in range(plan.start // bs, min(total, plan.end) // bs):
+            blocks[i].window_rows = True
+
+    def save_window_state(self, request: Request) -> None:
+        """A request ends: keep the windowed rows of its last window (at its last block boundary) in host memory,
+        so a later hit on this prefix through the store needs no replay (spec 000 §5.3: saved at request end,
+        rounded down to a block boundary). Skipped when the window is incomplete or already kept."""
+        blocks = self._blocks.get(request.request_id)
+        if self.swa_state is None or not blocks:
+            return
+        self._extend_hashes(request)
+        n = min(request.num_computed_tokens, request.num_tokens, len(blocks) * self.block_size) // self.block_size
+        n = min(n, len(request.block_hashes))
+        if n == 0:
+            return
+        window = window_blocks(n, self.block_size, self.swa.window)
+        key = request.block_hashes[n - 1]
+        if not all(blocks[i].window_rows for i in window) or self.swa_state.contains(key):
+            return
+        self.state_copies.swa_saves.append(([blocks[i].block_id for i in window], key))
 
     def _snapshot_state(self, request: Request, total: int) -> None:
         """After this step the request's state is at `total` tokens: keep a copy when that is a block
@@ -263,6 +368,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         rid = request.request_id
         self._restore.pop(rid, None)
+        self._replay.pop(rid, None)
+        self._swa_loads.pop(rid, None)
         self._store_hits.pop(rid, None)
         self._fetched.pop(rid, None)
         unkeyed = self._unkeyed.pop(rid, None)

@@ -71,6 +71,15 @@ class AttentionMetadata:
     moe_rows_per_rank: int | None = None
     moe_valid_rows: torch.Tensor | None = None
     moe_communicate: bool = True
+    # a step with bounded replay (kv_cache/bounded_replay.py): the step as (full-attention layers, windowed
+    # layers) see it, when they differ (other slot mappings, windowed chunks starting later); None: one view
+    layer_views: tuple[AttentionMetadata, AttentionMetadata] | None = None
+
+    def for_layer(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer with this window (None: full attention)."""
+        if self.layer_views is None:
+            return self
+        return self.layer_views[window is not None]
 
     @cached_property
     def decode_context_slots(self) -> torch.Tensor:

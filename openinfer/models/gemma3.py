@@ -13,7 +13,9 @@ What differs from Llama, all as in HF transformers' `Gemma3ForCausalLM`:
 This first step keeps the full KV of every layer in one "kv" cache kind (with kv_cache_dtype="fp8": FP8, its
 scales in "kv_scale"): sliding layers mask out keys before their window but do not free them, so memory is
 that of a full-attention model (memory-bounded window layers come next). A backend without windows
-(`supports_window` False) is refused at build time.
+(`supports_window` False) is refused at build time. With a prefix-KV store the sliding layers' rows are not
+stored; a hit gets them from host memory or by bounded replay (`swa_layout`, kv_cache/bounded_replay.py; the
+attention layers read the step's metadata through `meta.for_layer(window)` for that).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import PagedCacheSpec
 from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
@@ -186,7 +189,7 @@ class Gemma3Attention(nn.Module):
         extra = {} if self.window is None else {"window": self.window}
         if kv_scale is not None:
             extra["kv_scale"] = kv_scale
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **extra)
+        o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.window), self.scale, **extra)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -242,6 +245,13 @@ class Gemma3ForCausalLM(nn.Module):
     def reset_rotary_tables(self, device: torch.device) -> None:
         self.rotary.reset_tables(device)
         self.rotary_local.reset_tables(device)
+
+    def swa_layout(self) -> SlidingWindowLayout | None:
+        """The sliding layers (kv_cache/bounded_replay.py: the prefix-KV store keeps only the other layers' rows,
+        a hit rebuilds the window's from host memory or by replay)."""
+        c = self.config
+        layers = tuple(i for i, t in enumerate(c.layer_types) if t == SLIDING)
+        return SlidingWindowLayout(c.sliding_window, layers) if layers else None
 
     def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
         """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only."""
