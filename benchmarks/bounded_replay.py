@@ -73,6 +73,7 @@ def _seed_store(llm: LLM, prefix: list[int]) -> None:
     llm.generate(prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1, temperature=0),
                  use_tqdm=False)
     llm.engine.kv_store.flush()
+    assert llm.engine.stats()["kv_store_dropped_writes"] == 0, "the store dropped blocks: raise the write buffer"
     assert llm.engine.kv_manager.reset_prefix_cache()
 
 

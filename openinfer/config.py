@@ -115,6 +115,10 @@ class EngineConfig:
     kv_host_cache_bytes: int | None = None
     kv_store_capacity_bytes: int | None = None
     kv_store_ttl_s: float = 7 * 86400.0
+    # host bytes of blocks waiting for the store's writer thread; past it a write is dropped (and counted), so a
+    # step never waits for the store. A long prompt queues all its blocks at once: 1 GiB holds 8K tokens of a
+    # Llama-3-8B-shaped KV
+    kv_store_write_buffer_bytes: int = 1 << 30
     # Sliding-window models (Gemma-3) with a store (kv_cache/bounded_replay.py, docs/kv_cache.md): the store keeps
     # only the full-attention layers' rows; the windowed layers' rows of the last window before a request's
     # last block boundary go to host memory when it ends (swa_state_bytes; None: 256 MiB when a store is set).
@@ -229,6 +233,10 @@ class EngineConfig:
         if self.kv_store_capacity_bytes is not None and (not isinstance(self.kv_store_capacity_bytes, int)
                                                          or self.kv_store_capacity_bytes < 1):
             raise ValueError(f"kv_store_capacity_bytes must be an integer >= 1, got {self.kv_store_capacity_bytes!r}")
+        if (not isinstance(self.kv_store_write_buffer_bytes, int) or isinstance(self.kv_store_write_buffer_bytes, bool)
+                or self.kv_store_write_buffer_bytes < 1):
+            raise ValueError(f"kv_store_write_buffer_bytes must be an integer >= 1, "
+                             f"got {self.kv_store_write_buffer_bytes!r}")
         if not self.kv_store_ttl_s > 0:
             raise ValueError(f"kv_store_ttl_s must be > 0, got {self.kv_store_ttl_s}")
         if self.kv_store_url is not None and not str(self.kv_store_url).startswith(("redis://", "rediss://",

@@ -239,7 +239,7 @@ def test_a_full_write_queue_drops_writes_instead_of_waiting(tmp_path):
             time.sleep(0.05)
             super().put(key, payload, ttl_s)
 
-    store = TieredKVStore([Slow(1 << 20)], payload_bytes=3, default_ttl_s=60.0, queue_size=2)
+    store = TieredKVStore([Slow(1 << 20)], payload_bytes=3, default_ttl_s=60.0, queue_bytes=6)  # 2 blocks
     t0 = time.perf_counter()
     for i in range(20):
         store.put(bytes([i]), lambda: b"abc")

@@ -85,11 +85,20 @@ def fit(samples: list[tuple[list[tuple[int, int]], float]]) -> tuple[StepCostMod
     return model, float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
 
 
-def calibrate(engine, prompt_lengths=(16, 128, 512), contexts=(0, 512), repeats: int = 2) -> dict:
+def calibrate(engine, prompt_lengths=None, contexts=None, repeats: int = 2) -> dict:
     """Time single-sequence prefill steps of q new tokens over c cached ones (the cached context comes from a
     prefix-cache hit on a first request) and decode steps, on the engine's real model; fit the model.
+    Default shapes: on the CPU q in (16, 128, 512), c in (0, 512); on a GPU, where a step under ~1K tokens is
+    mostly fixed cost, q up to 4,096 and c up to 8,192 (an H200 fit on the CPU's shapes had a 124% error), each
+    shape run once untimed first (kernel compiles and autotuning are not step costs).
     Returns {"model": StepCostModel, "rel_rms_error": float, "samples": [...]}."""
     from openinfer.sampling_params import SamplingParams
+
+    on_gpu = engine.runner.device.type == "cuda"
+    if prompt_lengths is None:
+        prompt_lengths = (64, 512, 1024, 2048, 4096) if on_gpu else (16, 128, 512)
+    if contexts is None:
+        contexts = (0, 2048, 8192) if on_gpu else (0, 512)
 
     limit = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
     bs = engine.config.block_size
@@ -108,7 +117,7 @@ def calibrate(engine, prompt_lengths=(16, 128, 512), contexts=(0, 512), repeats:
         for q in prompt_lengths:
             if c + q > engine.max_model_len - 2 or q > limit:
                 continue
-            for _ in range(repeats):
+            for rep in range(repeats + on_gpu):
                 prefix = rng.integers(10, vocab - 1, size=c).tolist()
                 if c:
                     engine.add_request(prefix + [1], SamplingParams(max_tokens=1))
@@ -117,9 +126,10 @@ def calibrate(engine, prompt_lengths=(16, 128, 512), contexts=(0, 512), repeats:
                 rid = engine.add_request(prefix + rng.integers(10, vocab - 1, size=q).tolist(),
                                          SamplingParams(max_tokens=2, ignore_eos=True))
                 ms = timed_step()               # the whole (q, c) prefill in one step (q <= the token budget)
-                samples.append(([(q, c)], ms))
                 dec = timed_step()              # one decode row at context c + q
-                samples.append(([(1, c + q)], dec))
+                if not (on_gpu and rep == 0):  # the warm-up run of this shape
+                    samples.append(([(q, c)], ms))
+                    samples.append(([(1, c + q)], dec))
                 engine.abort_request(rid)
                 while engine.has_unfinished_requests():
                     engine.step()

@@ -157,7 +157,8 @@ class LLMEngine:
             tiers.append(DirectoryTier(c.kv_store_dir, namespace, c.kv_store_capacity_bytes))
         if c.kv_store_url:
             tiers.append(RedisTier(c.kv_store_url, namespace))
-        return TieredKVStore(tiers, runner.store_block_bytes(), c.kv_store_ttl_s)
+        return TieredKVStore(tiers, runner.store_block_bytes(), c.kv_store_ttl_s,
+                             queue_bytes=c.kv_store_write_buffer_bytes)
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings

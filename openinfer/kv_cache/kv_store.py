@@ -7,7 +7,8 @@ size, cache layout, rank layout), so two models never share an entry.
 - `get` (the scheduler, when a request's prefix misses the GPU pool) asks the tiers fastest first and copies
   a hit into the faster tiers (host at once, the slower ones through the writer).
 - `put` (the runner, after the step that computed a block) hands a block to one writer thread through a
-  bounded queue; a full queue drops the write and counts it: a step never waits for the store.
+  queue bounded in bytes (`queue_bytes`: a long prompt registers hundreds of blocks in one step, and they all
+  must fit); a full queue drops the write and counts it: a step never waits for the store.
 - A tier that raises (directory unwritable or full, Redis down or slow, ...) is logged once per kind of
   fault, counted, and left out for `backoff_s`; the request recomputes what the store could not give.
 """
@@ -51,7 +52,7 @@ def namespace_digest(**parts) -> bytes:
 
 
 class TieredKVStore:
-    def __init__(self, tiers: list[KVTier], payload_bytes: int, default_ttl_s: float, queue_size: int = 64,
+    def __init__(self, tiers: list[KVTier], payload_bytes: int, default_ttl_s: float, queue_bytes: int = 1 << 30,
                  backoff_s: float = 10.0):
         self.tiers = tiers
         self.payload_bytes = payload_bytes
@@ -62,7 +63,8 @@ class TieredKVStore:
         self._readers: ThreadPoolExecutor | None = None      # made on the first multi-block read
         self._down_until = {t.name: 0.0 for t in tiers}
         self._logged: set[tuple[str, str]] = set()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # blocks waiting for the writer, at most queue_bytes of them (at least one block)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_bytes // max(payload_bytes, 1)))
         self._writer = threading.Thread(target=self._write_loop, name="openinfer-kv-store-writer", daemon=True)
         self._writer.start()
         atexit.register(_close_at_exit, weakref.ref(self))   # a process ending without shutdown() keeps its writes
