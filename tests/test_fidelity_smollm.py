@@ -19,7 +19,7 @@ PROMPTS = [
     "import numpy as np\n\n# compute the mean of a list of numbers\ndef mean(xs):\n    return",
     "Hi",
 ]
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ REAL_PROMPTS = ["The capital of France is Paris. The capital of Germany is Berli
                 LONG_PREFIX + "Question: what did the shipping company send to the island? Answer:"]
 SECOND_PASS = [LONG_PREFIX + "Question: how much did the sea rise and fall each day? Answer:",
                LONG_PREFIX + "The keeper's daughter became"]
-REAL_NEW = 20
+REAL_NEW = 12
 
 
 @pytest.fixture(scope="module")

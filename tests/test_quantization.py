@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -298,13 +299,17 @@ def test_dummy_load_format_learns_the_published_formats(tmp_path):
 
 
 def _edit(src: Path, dst: Path, name: str | None, fn=None, config: dict | None = None) -> Path:
-    shutil.copytree(src, dst)
+    """A copy of the checkpoint with one shard's tensors and/or the config changed; the files are hard links
+    (an edited file is replaced, never written through the link)."""
+    shutil.copytree(src, dst, copy_function=os.link)
     if config is not None:
+        (dst / "config.json").unlink()
         (dst / "config.json").write_text(json.dumps(config))
     if fn is not None:
         shard = dst / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
         tensors = load_file(str(shard))
         fn(tensors)
+        shard.unlink()
         save_file(tensors, str(shard))
     return dst
 
