@@ -138,6 +138,14 @@ def test_a_store_hit_without_window_state_replays(tiny, tmp_path, mode):
     stats = engine.stats()
     assert stats["swa_replays"] == 1 and stats["swa_replayed_tokens"] == 24 - start
     assert stats["prefix_cache_store_hit_tokens"] >= 24
+    from prometheus_client import generate_latest
+
+    from openinfer.serving.metrics import EngineMetrics
+    metrics = EngineMetrics("tiny", engine)
+    metrics.observe_step(engine, [])
+    text = generate_latest(metrics.registry).decode()
+    assert f'openinfer:swa_replayed_tokens_total{{model_name="tiny"}} {24 - start}.0' in text
+    assert 'openinfer:kv_store_hits_total{model_name="tiny",tier="dir"}' in text
     # ref[p]: the logits at position p (predicting token p + 1)
     if mode == "bounded":
         ref = torch.cat([torch.zeros(16, 49152), oracle_bounded(hf, tokens[:-1], start=16, hit=24, window=W)])
@@ -209,6 +217,13 @@ def test_window_state_from_host_memory_makes_the_hit_exact(tiny, tmp_path):
     stats = llm.engine.stats()
     assert stats["swa_state_hits"] == 1 and stats["swa_replays"] == 0
     assert stats["swa_state_tier"]["hits"] == 1
+    from prometheus_client import generate_latest
+
+    from openinfer.serving.metrics import EngineMetrics
+    metrics = EngineMetrics("tiny", llm.engine)
+    metrics.observe_step(llm.engine, [])
+    assert 'openinfer:kv_store_hits_total{model_name="tiny",tier="swa_state"} 1.0' in \
+        generate_latest(metrics.registry).decode()
     tokens = prompt + list(out.outputs[0].token_ids)
     torch.testing.assert_close(torch.stack(logits), hf_logits(hf, tokens[:-1])[len(prompt) - 1:], atol=1e-4, rtol=0)
     assert_pool_idle(llm.engine)

@@ -69,6 +69,16 @@ class EngineMetrics:
                  "directory, Redis down or slow); the engine recomputes instead."))}
             self.kv_store_dropped = Counter("openinfer:kv_store_dropped_writes", "Prefix-KV store: block writes "
                                             "dropped because the writer was behind.", **label)
+        # sliding-window models with a store (kv_cache/bounded_replay.py): the window-state tier is exported as
+        # tier="swa_state" above; how prefix hits got their window rows
+        self.swa = {}
+        if "swa_replays" in stat():
+            self.swa = {key: Counter(name, doc, **label) for key, name, doc in (
+                ("swa_state_hits", "openinfer:swa_state_hits", "Prefix hits whose window state came from host "
+                 "memory."),
+                ("swa_replays", "openinfer:swa_replays", "Prefix hits that replayed the end of their prefix (window "
+                 "state missing)."),
+                ("swa_replayed_tokens", "openinfer:swa_replayed_tokens", "Tokens recomputed by those replays."))}
         self._num_out: dict[str, int] = {}
 
     def add_load_gauges(self, load: Callable[[], dict], role: str) -> None:
@@ -96,7 +106,10 @@ class EngineMetrics:
             counter.labels(m).inc(value - self._seen[key])
             self._seen[key] = value
         if self.kv_store:
-            for name, counts in st["kv_store_tiers"].items():
+            tiers = dict(st["kv_store_tiers"])
+            if st.get("swa_state_tier") is not None:
+                tiers["swa_state"] = st["swa_state_tier"]
+            for name, counts in tiers.items():
                 for key, counter in self.kv_store.items():
                     seen = self._seen.get((name, key), 0)
                     counter.labels(m, name).inc(max(counts[key] - seen, 0))
@@ -104,6 +117,9 @@ class EngineMetrics:
             dropped = st["kv_store_dropped_writes"]
             self.kv_store_dropped.labels(m).inc(max(dropped - self._seen.get("dropped", 0), 0))
             self._seen["dropped"] = dropped
+        for key, counter in self.swa.items():
+            counter.labels(m).inc(max(st[key] - self._seen.get(key, 0), 0))
+            self._seen[key] = st[key]
         for out in outputs:
             n_new = len(out.outputs[0].token_ids)
             self.generation_tokens.labels(m).inc(n_new)
