@@ -38,15 +38,7 @@ class Tokenizer:
                  eos_token: str | None, extra_eos_ids: list[int] = (), deepseek_encoding_path: str | None = None,
                  deepseek_model: str = "DeepSeek-V4-Pro"):
         self.hf = tokenizer
-        self.hf_plain = HFTokenizer.from_str(tokenizer.to_str())   # encodes special-token spellings as text
-        if deepseek_encoding_path is not None:
-            # DeepSeek's control tokens (<｜User｜>, <think>, V4.1's <｜System｜>) are added tokens not flagged
-            # special; as deepseek-recipe does for plain text, no added token may come out of user text
-            plain = json.loads(tokenizer.to_str())
-            for t in plain["added_tokens"]:
-                t["special"] = True
-            self.hf_plain = HFTokenizer.from_str(json.dumps(plain, ensure_ascii=False))
-        self.hf_plain.encode_special_tokens = True
+        self._hf_plain = None       # made on first use (a second parse of the vocabulary: ~1 s for DeepSeek's)
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -60,6 +52,25 @@ class Tokenizer:
         # the recipe's model name, which picks its encoding and output parsing: DEEPSEEK_V4 or DEEPSEEK_V41
         self.deepseek_model = deepseek_model
         self._deepseek_encoding = None
+
+    @property
+    def hf_plain(self) -> HFTokenizer:
+        """The vocabulary encoding special-token spellings as text (user content). DeepSeek's control tokens
+        (<｜User｜>, <think>, V4.1's <｜System｜>) are added tokens not flagged special; as deepseek-recipe does for
+        plain text, no added token may come out of user text. Built on first use: an engine that never encodes
+        user text (token-id prompts, tests, benchmarks) does not pay for it; two threads racing here build two
+        equal copies, which is harmless."""
+        if self._hf_plain is None:
+            if self.deepseek_tokenizer_path is not None:
+                plain = json.loads(self.hf.to_str())
+                for t in plain["added_tokens"]:
+                    t["special"] = True
+                hf_plain = HFTokenizer.from_str(json.dumps(plain, ensure_ascii=False))
+            else:
+                hf_plain = HFTokenizer.from_str(self.hf.to_str())
+            hf_plain.encode_special_tokens = True
+            self._hf_plain = hf_plain
+        return self._hf_plain
 
     @property
     def is_deepseek(self) -> bool:

@@ -227,7 +227,7 @@ def test_prefix_reuse_restores_window_and_compressor_state(v4, async_scheduling)
     an engine without prefix caching."""
     path, _ = v4
     base = prompts_of(75, seed=6)[0]
-    params = SamplingParams(max_tokens=40, logprobs=0, **GREEDY)
+    params = SamplingParams(max_tokens=24, logprobs=0, **GREEDY)     # the first turn decodes past 96
     engine = engine_for(path, enable_prefix_caching=True, max_num_batched_tokens=48, async_scheduling=async_scheduling)
     cold = engine_for(path, max_num_batched_tokens=48)
     (first, _), = run_recording(engine, [base + [5, 6, 7]], params)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from openinfer.engine.llm_engine import LLMEngine
 from openinfer.loader.model_source import DEEPSEEK_V4_TINY_CONFIG
 from openinfer.models.deepseek_v4 import QuantizedExperts, native_to_hf
 from openinfer.quantization import reference
@@ -251,8 +252,10 @@ def test_bf16_partial_and_fp8_expert_checkpoints_load(tmp_path, published):
     prompt = prompts_of(40, seed=5)[0]
     params = SamplingParams(max_tokens=1, **GREEDY)
 
-    def logits(path):
-        (_, lg), = run_recording(engine_for(path, quantize_activations=False), [prompt], params)
+    def logits(path_or_engine):
+        engine = path_or_engine if isinstance(path_or_engine, LLMEngine) else engine_for(path_or_engine,
+                                                                                          quantize_activations=False)
+        (_, lg), = run_recording(engine, [prompt], params)
         return lg
 
     with torch.no_grad():
@@ -271,13 +274,14 @@ def test_bf16_partial_and_fp8_expert_checkpoints_load(tmp_path, published):
     engine = engine_for(partial, quantize_activations=False)
     assert not isinstance(engine.runner.model.layers[0].self_attn.q_a_proj, Fp8Linear)
     assert isinstance(engine.runner.model.layers[1].self_attn.q_a_proj, Fp8Linear)
-    torch.testing.assert_close(logits(partial), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(engine), want, atol=1e-5, rtol=0)
     fp8_experts = write_published(tmp_path / "fp8experts",
                                   {k: v for k, v in TINY_PUBLISHED.items() if k != "expert_dtype"})
     assert read_headers(fp8_experts)["layers.2.ffn.experts.0.w2.weight"].dtype == "F8_E4M3"
-    experts = engine_for(fp8_experts).runner.model.layers[2].mlp.experts
+    engine = engine_for(fp8_experts, quantize_activations=False)
+    experts = engine.runner.model.layers[2].mlp.experts
     assert isinstance(experts, QuantizedExperts) and experts.fmt == "fp8"
-    assert logits(fp8_experts).isfinite().all()
+    assert logits(engine).isfinite().all()
 
 
 def test_dummy_load_format_learns_the_published_formats(tmp_path):

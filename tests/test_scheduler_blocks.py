@@ -19,9 +19,9 @@ def _run(llm, prompts, **sp):
 
 
 def test_tiny_pool_preempts_and_matches_large_pool(llm, smollm_dir):
-    expected = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, max_tokens=48)]
+    expected = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, max_tokens=32)]
     tiny = LLM(str(smollm_dir), device="cpu", block_size=16, num_kv_blocks=12, enable_prefix_caching=False)
-    outs = _run(tiny, PROMPTS, max_tokens=48)
+    outs = _run(tiny, PROMPTS, max_tokens=32)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_pool_idle(tiny.engine)
