@@ -93,6 +93,36 @@ def test_another_process_and_a_restart_hit_the_first_ones_prefixes(smollm_dir, t
     b.shutdown()
 
 
+def test_a_slow_store_read_delays_only_its_own_request(smollm_dir, tmp_path):
+    """An arriving request's store read runs off the scheduler's thread (prefetch): while a slow tier answers
+    (a busy shared filesystem: 1.5 s per block read, injected around the real directory tier), the other
+    requests' steps go on; the slow request then hits as usual and gives the cold tokens."""
+    first = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
+    cold, _ = _gen(first)
+    first.shutdown()
+    llm = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
+    engine = llm.engine
+    tier = engine.kv_store.tiers[0]
+    real_get = tier.get
+
+    readers = []
+
+    def slow_get(key):
+        readers.append(threading.current_thread())
+        time.sleep(1.5)
+        return real_get(key)
+    tier.get = slow_get
+    slow = engine.add_request(PROMPT, GREEDY)
+    other = engine.add_request([2000 + i for i in range(12)], GREEDY)     # no full block: nothing to read
+    t0, done = time.perf_counter(), {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: (o, time.perf_counter() - t0) for o in engine.step() if o.finished})
+    assert len(readers) == 3 and threading.main_thread() not in readers    # the scheduler never read the store
+    assert done[other][1] < done[slow][1] and done[slow][1] >= 1.5
+    assert done[slow][0].num_cached_tokens == 48 and list(done[slow][0].outputs[0].token_ids) == cold
+    assert_pool_idle(engine)
+
+
 def test_corrupt_and_truncated_entries_are_misses_and_change_nothing(smollm_dir, tmp_path):
     llm = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
     reference, cached = _gen(llm, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, cache_ttl="agent"))

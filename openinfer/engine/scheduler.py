@@ -71,6 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        self.kv.prefetch(request)        # with a prefix-KV store: its blocks are read while it waits
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -126,11 +127,12 @@ class Scheduler:
             break  # req itself was preempted: nothing behind it is left
 
         # 2) Waiting requests, in arrival order, while seats, budget and blocks last. One whose grammar is
-        #    still compiling keeps its place in the queue without holding up those behind it.
+        #    still compiling, or whose prefix is still being read from the store, keeps its place in the queue
+        #    without holding up those behind it.
         not_ready: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if req.waiting_for_grammar:
+            if req.waiting_for_grammar or self.kv.store_read_pending(req):
                 not_ready.append(self.waiting.popleft())
                 continue
             if req.num_pending:      # preempted with a token still on the device: admit once it is read back

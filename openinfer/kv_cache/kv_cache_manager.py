@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request
@@ -95,7 +96,8 @@ class KVCacheManager:
         self._replay: dict[str, ReplayPlan] = {}             # request -> its replay, until computed past its end
         self._swa_loads: dict[str, bytes] = {}               # request -> window state found for its hit
         self._store_hits: dict[str, list[bytes]] = {}          # request -> store blocks after its pool hits
-        self._fetched: dict[str, dict[bytes, bytes]] = {}      # request -> blocks read so far (retries reuse)
+        self._fetched: dict[str, dict[bytes, bytes | None]] = {}   # request -> blocks read so far (None: a miss)
+        self._prefetch: dict[str, tuple[list[bytes], Future]] = {}  # request -> its store read in flight
         self.block_size = block_size
         self.min_uncached_tokens = min_uncached_tokens
         self.enable_prefix_caching = enable_prefix_caching
@@ -152,9 +154,7 @@ class KVCacheManager:
         if self.num_state_slots and not self.num_state_snapshots:
             return [], 0
         self._extend_hashes(request)
-        max_blocks = max(request.num_tokens - self.min_uncached_tokens, 0) // self.block_size
-        if params.prompt_logprobs is not None:
-            max_blocks = min(max_blocks, (params.prompt_logprobs_start - 1) // self.block_size)
+        max_blocks = self._max_hit_blocks(request)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -204,15 +204,59 @@ class KVCacheManager:
         the step's per-layer views from it)."""
         return self._replay.get(request_id)
 
+    def prefetch(self, request: Request) -> None:
+        """A request arrives: start reading the blocks after its pool hits from the store in the background
+        (TieredKVStore.prefetch). Until the read is done the scheduler leaves the request waiting, without
+        holding up the requests behind it (`store_read_pending`), so a slow tier (a busy shared filesystem, a
+        slow Redis) delays that request only."""
+        params = request.sampling_params
+        if self.store is None or (params.prompt_logprobs is not None and params.prompt_logprobs_start < 2):
+            return
+        self._extend_hashes(request)
+        end = self._max_hit_blocks(request)
+        start = 0
+        while start < end and self.pool.lookup(request.block_hashes[start]) is not None:
+            start += 1
+        keys = request.block_hashes[start:end]
+        if keys:
+            self._prefetch[request.request_id] = (keys, self.store.prefetch(keys))
+
+    def store_read_pending(self, request: Request) -> bool:
+        """Whether the request's prefetch is still reading; once done, its blocks (and the first miss) are what
+        the lookup uses."""
+        item = self._prefetch.get(request.request_id)
+        if item is None:
+            return False
+        keys, future = item
+        if not future.done():
+            return True
+        del self._prefetch[request.request_id]
+        payloads = future.result()           # get_prefix turns tier errors into misses: it does not raise
+        fetched = self._fetched.setdefault(request.request_id, {})
+        fetched.update(zip(keys, payloads))
+        if len(payloads) < len(keys):
+            fetched[keys[len(payloads)]] = None
+        return False
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        params = request.sampling_params
+        max_blocks = max(request.num_tokens - self.min_uncached_tokens, 0) // self.block_size
+        if params.prompt_logprobs is not None:
+            max_blocks = min(max_blocks, (params.prompt_logprobs_start - 1) // self.block_size)
+        return max_blocks
+
     def _store_lookup(self, request: Request, start: int, end: int) -> list[bytes]:
         """Blocks start.. of the request found in the store, in order, as bytes; no more than the pool could
-        take now. A request that waits (no room yet) keeps what was read for its next try."""
+        take now. A request that waits (no room yet) keeps what was read for its next try, and what its
+        prefetch read (a miss it saw ends the hit: not read again)."""
         fetched = self._fetched.setdefault(request.request_id, {})
         wanted = request.block_hashes[start:min(end, start + self.pool.num_free_blocks)]
         out: list[bytes] = []
-        for block_hash in wanted:                  # what an earlier try read already
+        for block_hash in wanted:                  # what an earlier try or the prefetch read already
             if block_hash not in fetched:
                 break
+            if fetched[block_hash] is None:
+                return out
             out.append(fetched[block_hash])
         for block_hash, payload in zip(wanted[len(out):], self.store.get_prefix(wanted[len(out):])):
             fetched[block_hash] = payload
@@ -372,6 +416,9 @@ class KVCacheManager:
         self._swa_loads.pop(rid, None)
         self._store_hits.pop(rid, None)
         self._fetched.pop(rid, None)
+        prefetch = self._prefetch.pop(rid, None)
+        if prefetch is not None:
+            prefetch[1].cancel()                 # not started yet: never read; else its result is dropped
         unkeyed = self._unkeyed.pop(rid, None)
         if unkeyed is not None:
             self._free_snapshots.append(unkeyed[1])

@@ -5,7 +5,8 @@ tiers keep them under a namespace digest of whatever makes the bytes of a block 
 size, cache layout, rank layout), so two models never share an entry.
 
 - `get` (the scheduler, when a request's prefix misses the GPU pool) asks the tiers fastest first and copies
-  a hit into the faster tiers (host at once, the slower ones through the writer).
+  a hit into the faster tiers (host at once, the slower ones through the writer). `prefetch` does the same
+  for a request's blocks on a background thread as the request arrives.
 - `put` (the runner, after the step that computed a block) hands a block to one writer thread through a
   queue bounded in bytes (`queue_bytes`: a long prompt registers hundreds of blocks in one step, and they all
   must fit); a full queue drops the write and counts it: a step never waits for the store.
@@ -23,7 +24,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from openinfer.kv_cache.tiers import KVTier
@@ -61,6 +62,7 @@ class TieredKVStore:
         self.dropped_writes = 0
         self.read_threads = max(1, min(8, os.cpu_count() or 1))
         self._readers: ThreadPoolExecutor | None = None      # made on the first multi-block read
+        self._prefetcher: ThreadPoolExecutor | None = None   # made on the first prefetch
         self._down_until = {t.name: 0.0 for t in tiers}
         self._logged: set[tuple[str, str]] = set()
         # blocks waiting for the writer, at most queue_bytes of them (at least one block)
@@ -69,7 +71,14 @@ class TieredKVStore:
         self._writer.start()
         atexit.register(_close_at_exit, weakref.ref(self))   # a process ending without shutdown() keeps its writes
 
-    # ---- reads (scheduler thread) ---------------------------------------------------------------------------
+    # ---- reads (scheduler thread, or the prefetch thread) ------------------------------------------------------
+    def prefetch(self, keys: list[bytes]) -> Future:
+        """`get_prefix(keys)` on a background thread, started when a request arrives, so that a slow tier delays
+        that request only, not the steps of every other (the scheduler looks at the result when it is done)."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="openinfer-kv-prefetch")
+        return self._prefetcher.submit(self.get_prefix, keys)
+
     def get_prefix(self, keys: list[bytes]) -> list:
         """The payloads of the longest run of `keys`, in order, found in the store. Up to `read_threads` blocks
         are read at once (file reads, checksums and copies release the GIL): one thread reads ~1 GB/s on the
@@ -170,6 +179,9 @@ class TieredKVStore:
         return True
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
         if self._readers is not None:
             self._readers.shutdown(wait=True)
             self._readers = None
