@@ -309,6 +309,8 @@ class LLMEngine:
         current = None
         if sched.empty and self._compiling and prev is None:
             next(iter(self._compiling.values())).grammar.wait(0.005)   # nothing to run until a grammar is ready
+        if sched.empty and prev is None:
+            self.kv_manager.wait_for_store_reads(0.005)        # nor until a prefix read from the store is done
         if not sched.empty:
             sampling = [s.request for s in sched.scheduled if s.samples]
             bitmask = None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from openinfer.engine.request import Request
@@ -237,6 +237,12 @@ class KVCacheManager:
         if len(payloads) < len(keys):
             fetched[keys[len(payloads)]] = None
         return False
+
+    def wait_for_store_reads(self, timeout: float) -> None:
+        """Block until a prefetch finishes or `timeout` seconds pass (a step with nothing to run, instead of a
+        busy loop); returns at once when none is in flight."""
+        if self._prefetch:
+            wait([f for _, f in self._prefetch.values()], timeout, return_when=FIRST_COMPLETED)
 
     def _max_hit_blocks(self, request: Request) -> int:
         params = request.sampling_params
