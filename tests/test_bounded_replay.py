@@ -121,11 +121,13 @@ def _forget_pool(llm):
     assert llm.engine.kv_manager.reset_prefix_cache()
 
 
-@pytest.mark.parametrize("mode", ["bounded", "exact"])
-def test_a_store_hit_without_window_state_replays(tiny, tmp_path, mode):
+@pytest.mark.parametrize("mode, budget", [("bounded", 2048), ("exact", 2048), ("bounded", 1)])
+def test_a_store_hit_without_window_state_replays(tiny, tmp_path, mode, budget):
+    """budget 1: every replayed token is a one-token chunk (it must still run as a prefill chunk)."""
     path, hf = tiny
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64,
-              kv_store_dir=str(tmp_path / "store"), swa_state_bytes=0, swa_replay=mode)
+              kv_store_dir=str(tmp_path / "store"), swa_state_bytes=0, swa_replay=mode,
+              max_num_batched_tokens=budget)
     engine = llm.engine
     _run(llm, PREFIX + SUFFIX_1)
     _forget_pool(llm)

@@ -381,7 +381,7 @@ class ModelRunner:
         self._load_window_state(copies.swa_loads)
         self._copy_states(sched.state_copies.restores, restore=True)
         # decodes (single-token rows) first: they share one batched attention call
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 or _replaying(s))
         ids: list[int] = []
         dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
         pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
@@ -407,7 +407,8 @@ class ModelRunner:
             else:
                 ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
                 ids.extend(drafts)
-            if n == 1:
+            replaying = _replaying(s)
+            if n == 1 and not replaying:      # a one-token replay chunk needs the prefill path's per-layer views
                 dec_pos.append(start)
                 dec_slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
@@ -426,7 +427,7 @@ class ModelRunner:
                     decoder_start = req.num_tokens - self.yoco_keep if req.num_tokens > self.yoco_keep else None
                 prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs,
                                              s.state_slot, decoder_start))
-                if s.replay is not None and start < s.replay.end:
+                if replaying:
                     replays.append((len(prefills) - 1, s.replay))
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # from the row predicting prompt_logprobs_start on (a replay may compute earlier rows)
@@ -545,6 +546,12 @@ class ModelRunner:
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
         return self.model(input_ids, h2d(pos, dev), self.caches, meta)
+
+
+def _replaying(s) -> bool:
+    """Whether this scheduled chunk replays the end of a prefix hit (kv_cache/bounded_replay.py): it runs as a
+    prefill chunk, whatever its length, since its layers see the step through different views."""
+    return s.replay is not None and s.start < s.replay.end
 
 
 def _pad_tables(tables: list[list[int]], fill: int) -> np.ndarray:
