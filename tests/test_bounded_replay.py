@@ -249,3 +249,36 @@ def test_swa_options_are_validated():
         EngineConfig(swa_state_bytes=-1)
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         SamplingParams(prompt_logprobs_start=3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "bounded"])
+def test_replay_under_chunking_preemption_and_shared_prefixes(tiny, tmp_path, mode):
+    """Stress the hit rule's bookkeeping: six requests over three shared prefixes, all blocks from the store (the
+    pool emptied), small chunks, a pool small enough to preempt, requests replaying the same blocks at once. Exact
+    replay must give the no-cache engine's tokens and logprobs; bounded replay finishes every request; the pool
+    ends idle either way."""
+    path, _ = tiny
+    rng = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(100, 40000, (n,), generator=rng).tolist() for n in (21, 30, 17)]
+    prompts = [prefixes[i % 3] + torch.randint(100, 40000, (3 + i,), generator=rng).tolist() for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(llm):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                 o.outputs[0].token_ids)])
+                for o in outs]
+
+    reference = run(LLM(str(path), device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False))
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=14, max_num_batched_tokens=8,
+              kv_store_dir=str(tmp_path / "store"), swa_state_bytes=0, swa_replay=mode)
+    llm.generate(prompt_token_ids=prefixes, sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+    _forget_pool(llm)
+    got = run(llm)
+    stats = llm.engine.stats()
+    assert stats["swa_replays"] >= 3 and llm.engine.scheduler.num_preemptions > 0
+    assert all(len(tokens) == 6 for tokens, _ in got)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference if mode == "exact" else []):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+    assert_pool_idle(llm.engine)
