@@ -217,6 +217,9 @@ class EngineConfig:
             if self.async_scheduling:
                 raise ValueError("speculative_config runs with synchronous scheduling for now: leave "
                                  "async_scheduling unset or False")
+            if self.speculative_config.method == "dspark" and self.v41_prefill_mode == "yoco":
+                raise ValueError("speculative_config method 'dspark' needs every prompt row's features: it runs "
+                                 "with v41_prefill_mode='exact' (YOCO skips the decoder layers for most rows)")
         if self.batch_invariant:
             if self.world_size > 1:
                 raise ValueError("batch_invariant is a one-process mode for now (tensor-parallel all-reduces and "

@@ -163,3 +163,56 @@ def test_a_model_without_dspark_stages_is_refused(dspark):
             DSparkDrafter(model, max_requests=1)
     finally:
         model.mtp = mtp
+
+
+def test_engine_drafts_with_dspark_and_keeps_plain_greedy(dspark):
+    """`speculative_config={"method": "dspark"}` in the engine: greedy output equals decoding without drafts
+    (random stages: most drafts are rejected), each request's drafter context gets every accepted position exactly
+    once and never a rejected draft's row, and every block it drafted equals a fresh drafter's given that whole
+    context in one piece."""
+    from openinfer.config import EngineConfig
+    from openinfer.engine.llm_engine import LLMEngine
+
+    path = dspark[1].config.model
+    prompts = prompts_of(40, 23, seed=9)
+    params = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+    plain = v41_engine(path, dtype="bfloat16")
+    ref = [o.outputs[0] for o, _ in run_recording(plain, prompts, params)]
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", block_size=32,
+                                    max_num_batched_tokens=64, enable_prefix_caching=False,
+                                    speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK}))
+    proposer = engine.speculator.features
+    drafter = proposer.drafter
+    extended: dict[int, list] = {}            # slot -> [(position, features row)]
+    drafted = []                              # (slot, P, next token, drafts)
+    extend, propose = drafter.extend, drafter.propose
+
+    def logging_extend(slots, positions, features):
+        for s, p, f in zip(slots.tolist(), positions.tolist(), features):
+            extended.setdefault(s, []).append((p, f.clone()))
+        return extend(slots, positions, features)
+
+    def logging_propose(slots, last, nxt):
+        d = propose(slots, last, nxt)
+        drafted.extend(zip(slots.tolist(), last.tolist(), nxt.tolist(), d.tokens.tolist()))
+        return d
+
+    drafter.extend, drafter.propose = logging_extend, logging_propose
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    for rid, r in zip(ids, ref):
+        assert done[rid].token_ids == r.token_ids
+        assert done[rid].num_draft_tokens > 0
+    for slot, rows in extended.items():
+        assert [p for p, _ in rows] == list(range(len(rows)))     # in order, once each, nothing rolled back
+    assert len(drafted) >= 2 * len(prompts)
+    fresh = DSparkDrafter(engine.runner.model, max_requests=1)
+    for slot, P, nxt, tokens in drafted[-3:]:
+        rows = extended[slot][:P + 1]
+        fresh.reset(torch.tensor([0]))
+        fresh.extend(torch.zeros(P + 1, dtype=torch.long), torch.arange(P + 1), torch.stack([f for _, f in rows]))
+        assert fresh.propose(torch.tensor([0]), torch.tensor([P]), torch.tensor([nxt])).tokens[0].tolist() == tokens

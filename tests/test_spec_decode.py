@@ -13,7 +13,6 @@ import torch
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
-from openinfer.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_idle
 
 TEXT = ("The lighthouse keeper kept a logbook of every ship that passed the northern island, and in spring the "
@@ -200,7 +199,6 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path):
 @pytest.mark.parametrize("spec, match", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
-    ({"method": "dspark", "num_speculative_tokens": 3}, "not available"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "not available"),
     ({"method": "ngram", "num_speculative_tokens": 2, "policy": "best"}, "policy"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
@@ -211,9 +209,21 @@ def test_bad_speculative_config_is_refused_at_start(spec, match):
         EngineConfig(model="unused", device="cpu", speculative_config=spec)
 
 
-def test_speculation_refuses_models_with_per_request_state_and_async():
-    with pytest.raises(ValueError, match="per-request state"):
-        LLMEngine(EngineConfig(model="deepseek-v41-tiny", device="cpu", speculative_config=NGRAM))
+def test_dspark_needs_draft_stages_and_at_most_its_block_size():
+    from openinfer.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="DSpark draft stages"):
+        LLMEngine(EngineConfig(model="deepseek-v4-tiny", device="cpu",
+                               speculative_config={"method": "dspark", "num_speculative_tokens": 1}))
+    with pytest.raises(ValueError, match="block size 2"):          # deepseek-v41-tiny drafts blocks of 2
+        LLMEngine(EngineConfig(model="deepseek-v41-tiny", device="cpu",
+                               speculative_config={"method": "dspark", "num_speculative_tokens": 3}))
+    with pytest.raises(ValueError, match="exact"):
+        EngineConfig(model="unused", device="cpu", v41_prefill_mode="yoco",
+                     speculative_config={"method": "dspark", "num_speculative_tokens": 1})
+
+
+def test_speculation_refuses_async_scheduling():
     with pytest.raises(ValueError, match="synchronous"):
         EngineConfig(model="unused", device="cpu", async_scheduling=True, speculative_config=NGRAM)
 

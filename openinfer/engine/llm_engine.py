@@ -100,14 +100,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.speculator = None
         if config.speculative_config is not None:
-            from openinfer.kv_cache.spec import RequestStateSpec
             from openinfer.spec_decode.speculator import Speculator
 
-            if any(isinstance(s, RequestStateSpec) for s in self.runner.cache_specs):
-                raise ValueError(f"speculative_config: {type(model).__name__} keeps per-request state (window "
-                                 f"rings, compressor state) that rejected drafts would advance; speculation runs on "
-                                 f"models with paged KV only for now")
-            self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs)
+            self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs,
+                                         model, self.runner.num_state_slots)
         if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -372,6 +368,8 @@ class LLMEngine:
             out = self.output_processor.make_output(req)
             if out is not None:
                 outputs.append(out)
+        if self.speculator is not None:
+            self.speculator.after_step(runner_out, self.requests)
         self._keep_window_state()
         return outputs
 

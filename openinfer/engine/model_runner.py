@@ -48,6 +48,10 @@ class RunnerOutput:
     host_copy: D2HCopy | None = None       # `sampled` on its way to pinned host memory
     # speculative decoding: request_id -> the drafts its rows verified (rows sample_index .. + len(drafts))
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # drafters that read the target's hidden features (spec_decode/feature_proposer.py): request_id -> (first
+    # row, first position, rows, state slot) of its rows in this forward, and the features the model kept
+    rows: dict[str, tuple[int, int, int, int | None]] = field(default_factory=dict)
+    captured: dict[int, torch.Tensor] | None = None
 
     def sampled_on_host(self) -> dict[str, torch.Tensor | None]:
         """The sampler's outputs on the host; waits only for this step's GPU work."""
@@ -73,7 +77,9 @@ class ModelRunner:
         # DP groups draw different noise (else the same prompt on two groups samples the same text); the TP
         # ranks of a group share it, so they sample the same tokens from the same logits
         self.generator.manual_seed(config.seed + self.parallel.dp_rank)
-        self.cache_specs = model.cache_specs(self.dtype)
+        # per-request rings keep room for the drafts a verify step may write and then reject
+        spec = config.speculative_config
+        self.cache_specs = model.cache_specs(self.dtype, rollback_rows=spec.num_speculative_tokens if spec else 0)
         # one state slot per running request when the model declares per-request state
         self.num_state_slots = config.max_num_seqs if any(
             isinstance(s, RequestStateSpec) for s in self.cache_specs) else 0
@@ -395,6 +401,7 @@ class ModelRunner:
         replays = []                             # (prefill chunk index, plan): chunks replaying a prefix's end
         row = 0
         sample_rows: list[Request] = []         # the sampler's rows: a request verifying drafts fills several
+        capture = bool(getattr(self.model, "capture_layers", ()))
         row_drafts: list[list[int]] = []        # the drafts each row comes after
         for s in order:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
@@ -435,6 +442,8 @@ class ModelRunner:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 if first < end:
                     plp_spans.append((req, row + first - start, end - first, first + 1))
+            if capture:
+                out.rows[req.request_id] = (row, start, n, s.state_slot)
             if s.samples:
                 # the last token's row, then one row per draft: row j samples the token after draft j
                 sampling_reqs.append(req)
@@ -460,7 +469,9 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         hidden, plan = None, None
-        graphable = not prefills and hasattr(self, "graph_sizes") and len(ids) <= self.graph_sizes[-1]
+        # (a forward that keeps features for a drafter runs eager: the decode graphs keep none)
+        graphable = (not prefills and not capture and hasattr(self, "graph_sizes")
+                     and len(ids) <= self.graph_sizes[-1])
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
@@ -474,6 +485,8 @@ class ModelRunner:
                                          layer_views=views)
         if self.eplb is not None:
             self.eplb.after_forward()
+        if capture:
+            out.captured = self.model.captured
 
         self._copy_states(sched.state_copies.saves, restore=False)
         if sched.state_copies.kv_saves and self.kv_store is not None:

@@ -105,7 +105,7 @@ class Scheduler:
             drafts = []
             if req.spec_token_ids and n == 1 == req.num_tokens_with_pending - req.num_computed_tokens:
                 drafts = req.spec_token_ids[:budget - 1]     # verified after the last token, within the budget
-                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts), num_drafts=len(drafts)):
                     out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), self.kv.block_ids(req.request_id),
                                                           self.kv.state_slot(req.request_id), drafts))
                     budget -= 1 + len(drafts)

@@ -274,9 +274,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size) <= self.pool.num_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed_blocks: list[KVBlock] | None = None, num_drafts: int = 0) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus cache hits); False if the
-        pool can't, in which case nothing changed."""
+        pool can't, in which case nothing changed. `num_drafts`: how many of them are speculative drafts (a
+        verify step), which the next step may roll back."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
         plan = self._replay.get(rid)
@@ -289,7 +290,9 @@ class KVCacheManager:
             if (total <= len(blocks) * self.block_size and (self.num_state_slots == 0 or rid in self._state_slot)
                     and (not self.enable_prefix_caching
                          or min(total, request.num_tokens) // self.block_size <= self._num_registered.get(rid, 0))
-                    and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed))):
+                    and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed
+                                                           or (num_drafts and total // self.block_size
+                                                               > request.num_computed_tokens // self.block_size)))):
                 return True
         computed_blocks = computed_blocks or []
         loaded = self._store_hits.get(rid, []) if self.store is not None else []
@@ -336,7 +339,7 @@ class KVCacheManager:
                     self.state_copies.kv_saves.append((blocks[i].block_id, request.block_hashes[i], ttl))
             self._num_registered[rid] = max(start, full)
             if self.num_state_snapshots:
-                self._snapshot_state(request, total)
+                self._snapshot_state(request, total, num_drafts)
         return True
 
     def _rebuild_window_rows(self, request: Request, blocks: list[KVBlock], hit_tokens: int, total: int,
@@ -378,18 +381,26 @@ class KVCacheManager:
             return
         self.state_copies.swa_saves.append(([blocks[i].block_id for i in window], key))
 
-    def _snapshot_state(self, request: Request, total: int) -> None:
+    def _snapshot_state(self, request: Request, total: int, num_drafts: int = 0) -> None:
         """After this step the request's state is at `total` tokens: keep a copy when that is a block
         boundary. Under async scheduling the block's last token may still be on the device: the copy is
-        taken now and keyed once the token (so the block hash) is known."""
-        rid, hashes = request.request_id, request.block_hashes
-        unkeyed = self._unkeyed.get(rid)
-        if unkeyed is not None and len(hashes) > unkeyed[0]:
-            del self._unkeyed[rid]
-            self._key_snapshot(hashes[unkeyed[0]], unkeyed[1])
-        if total % self.block_size or total == 0:
+        taken now and keyed once the token (so the block hash) is known.
+
+        A verify step (`num_drafts` > 0) keeps a copy when its tokens cross a boundary: the state rings hold
+        the boundary's state for up to `rollback_rows` positions past it (a restored request reads only
+        positions before the boundary), so the copy is good if the drafts up to the boundary are accepted —
+        known at the next step, which keys it or lets it go (`_resolve_unkeyed`)."""
+        rid, hashes, bs = request.request_id, request.block_hashes, self.block_size
+        self._resolve_unkeyed(request)
+        if num_drafts:
+            boundary = total // bs * bs
+            if boundary <= request.num_computed_tokens:
+                return
+        elif total % bs or total == 0:
             return
-        index = total // self.block_size - 1
+        else:
+            boundary = total
+        index = boundary // bs - 1
         if index < len(hashes) and hashes[index] in self._snapshots:
             self._snapshots.move_to_end(hashes[index])
             return
@@ -404,6 +415,20 @@ class KVCacheManager:
             self._key_snapshot(hashes[index], snap)
         else:
             self._unkeyed[rid] = (index, snap)
+
+    def _resolve_unkeyed(self, request: Request) -> None:
+        """Key a pending snapshot once its block's hash is known, or drop it if the request's computed tokens
+        fell back before its boundary (a verify step's drafts there were rejected)."""
+        unkeyed = self._unkeyed.get(request.request_id)
+        if unkeyed is None:
+            return
+        index, snap = unkeyed
+        if request.num_computed_tokens < (index + 1) * self.block_size:
+            del self._unkeyed[request.request_id]
+            self._free_snapshots.append(snap)
+        elif len(request.block_hashes) > index:
+            del self._unkeyed[request.request_id]
+            self._key_snapshot(request.block_hashes[index], snap)
 
     def _key_snapshot(self, block_hash: bytes, snap: int) -> None:
         if block_hash in self._snapshots:      # another request kept the same state meanwhile
@@ -425,6 +450,9 @@ class KVCacheManager:
         prefetch = self._prefetch.pop(rid, None)
         if prefetch is not None:
             prefetch[1].cancel()                 # not started yet: never read; else its result is dropped
+        if rid in self._unkeyed and self.enable_prefix_caching:
+            self._extend_hashes(request)         # a verify step's snapshot whose drafts were accepted: keep it
+            self._resolve_unkeyed(request)
         unkeyed = self._unkeyed.pop(rid, None)
         if unkeyed is not None:
             self._free_snapshots.append(unkeyed[1])

@@ -8,9 +8,13 @@ Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
 - paged, 128-token blocks shared through the prefix cache: CSA main entries (`csa_kv`, one per 4 tokens),
   CSA indexer keys (`csa_index`), HCA entries (`hca_kv`, one per 128 tokens);
 - per running request (state slots): the sliding-window ring of the last W keys of every layer (`swa`,
-  position p at row p % W) and the compressors' raw rows for windows not yet closed (`csa_rows`,
+  position p at row p % R) and the compressors' raw rows for windows not yet closed (`csa_rows`,
   `csa_index_rows`: the current and the previous window, since a CSA entry overlaps two windows;
-  `hca_state`: an online-softmax running state of the open window).
+  `hca_state`: an online-softmax running state of the open window, after each of the last positions).
+  Every state is indexed by position, with `rollback_rows` (speculative decoding's draft count; 0 without it)
+  rows of room: a verify step writes its drafts' rows, and after a rejection the next step simply starts from
+  the last accepted position — the rows the drafts took alias positions no later read sees (spec 000 §5.3's
+  "6 extra slots"; docs/spec_decode.md, "Rolling back DeepSeek state").
 A prefill chunk runs per sequence (any start, any length: windows close wherever the chunk crosses a
 boundary); decode rows run batched. Both read the state a previous step left and write it back.
 
@@ -292,9 +296,11 @@ class Compressor(nn.Module):
 
 
 class RunningCompressor(Compressor):
-    """HCA: entry w pools window w's rows. State: an online-softmax running state of the open window,
-    [3, dim] float32 (per-channel max gate, sum of exp, exp-weighted kv sum), merged across chunks; it is
-    empty at every window (so block) boundary."""
+    """HCA: entry w pools window w's rows. State: online-softmax running states of the open window,
+    [L, 3, dim] float32 (per-channel max gate, sum of exp, exp-weighted kv sum), the state after position p at
+    row p % L, for the last L = 1 + rollback_rows positions: a step reads the state after its first position's
+    predecessor, so a verify step whose drafts were rejected leaves the accepted position's state in place.
+    Empty at every window (so block) boundary."""
 
     @staticmethod
     def _merge(a, b):
@@ -309,8 +315,9 @@ class RunningCompressor(Compressor):
 
     def close_chunk(self, state, cache, new_rows, positions, rope, p) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]); keep the open window's running state in `state` [3, dim]."""
-        r, d, dev = self.ratio, self.dim, new_rows.device
+        ([blocks, entries_per_block, dim]); keep the running state after each of its last L positions in
+        `state` [L, 3, dim]."""
+        r, d, dev, L = self.ratio, self.dim, new_rows.device, state.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         lead, n = start % r, len(new_rows)
         nw = -(-(lead + n) // r)
@@ -322,24 +329,34 @@ class RunningCompressor(Compressor):
         e = torch.exp(gate - m[:, None, :])
         windows = torch.stack((m, e.sum(1), (e * kv).sum(1)), dim=1)         # [nw, 3, d]
         if lead:                                                              # the open window's earlier rows
-            windows[0] = self._merge(state, windows[0])
+            windows[0] = self._merge(state[(start - 1) % L], windows[0])
         closed = end // r - start // r
         if closed:
             ids = torch.arange(start // r, end // r, device=dev)
             cache.view(-1, d)[entry_index(p.block_ids, ids, cache.shape[1])] = self._entries(
                 windows[:closed], ids, rope, cache.dtype)
-        if end % r:
-            state.copy_(windows[-1])
+        if L == 1:
+            if end % r:
+                state[0] = windows[-1]
+            return
+        base = state[(start - 1) % L].clone()
+        for q in range(max(start, end - L), end):      # the state after q: its window's rows up to q
+            wi, upto = divmod(q - start + lead, r)
+            g = gate[wi, :upto + 1]
+            m = g.max(dim=0).values
+            e = torch.exp(g - m)
+            st = torch.stack((m, e.sum(0), (e * kv[wi, :upto + 1]).sum(0)))
+            state[q % L] = self._merge(base, st) if wi == 0 and lead else st
 
     def close_decode(self, state, cache, new_rows, positions, slots, tables, rope) -> None:
         """Decode rows (one token each): fold the row into the running state; rows that end a window write
         its entry, the others write to the runner's scratch block (the last one), so the batch needs no
         host-side branching."""
-        r, d = self.ratio, self.dim
+        r, d, L = self.ratio, self.dim, state.shape[1]
         row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
         fresh = (positions % r == 0)[:, None, None]                         # a window opens: drop the old one
-        merged = torch.where(fresh, row, self._merge(state[slots], row))
-        state[slots] = merged
+        merged = torch.where(fresh, row, self._merge(state[slots, (positions - 1) % L], row))
+        state[slots, positions % L] = merged
         window = ((positions + 1) // r - 1).clamp(min=0)
         dst = torch.where((positions + 1) % r == 0, entry_index(tables, window[:, None], cache.shape[1])[:, 0],
                           (cache.shape[0] - 1) * cache.shape[1])
@@ -350,13 +367,9 @@ class OverlappingCompressor(Compressor):
     """CSA (and its indexer): each row projects to two series; entry w pools the previous window's first
     series with window w's second (2*ratio slots; window 0 has no previous window). State: the raw rows
     (`[kv | gate + position_bias]`, float32) of the open window and the one before, in a ring of 2*ratio
-    positions."""
+    positions (plus rollback_rows: row p % ring length)."""
 
     width_factor = 2
-
-    @property
-    def ring_len(self) -> int:
-        return 2 * self.ratio
 
     def _entries(self, cur, prev, has_prev, windows, rope, dtype):
         """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N]."""
@@ -370,30 +383,30 @@ class OverlappingCompressor(Compressor):
     def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
         ([blocks, entries_per_block, dim]); keep the rows open windows need in `ring` [2*ratio, 2*width]."""
-        r, dev = self.ratio, new_rows.device
+        r, dev, R = self.ratio, new_rows.device, ring.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         first = max(start // r - 1, 0)                            # oldest window whose rows are still needed
         windows = torch.arange(start // r, end // r, device=dev)
         if len(windows):
             hist = torch.arange(first * r, start, device=dev)
-            rows = torch.cat((ring[hist % self.ring_len], new_rows))[:(end // r - first) * r]
+            rows = torch.cat((ring[hist % R], new_rows))[:(end // r - first) * r]
             win = rows.view(-1, r, rows.shape[-1])
             local = windows - first
             entries = self._entries(win[local], win[(local - 1).clamp(min=0)], windows > 0, windows, rope,
                                     cache.dtype)
             cache.view(-1, self.dim)[entry_index(p.block_ids, windows, cache.shape[1])] = entries
-        keep = min(len(new_rows), self.ring_len)
-        ring[positions[-keep:] % self.ring_len] = new_rows[-keep:]
+        keep = min(len(new_rows), R)
+        ring[positions[-keep:] % R] = new_rows[-keep:]
 
     def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
         """Decode rows (one token each): store the row; rows that end a window write its entry, the others
         write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
-        r = self.ratio
-        ring[slots, positions % self.ring_len] = new_rows
+        r, R = self.ratio, ring.shape[1]
+        ring[slots, positions % R] = new_rows
         window = (positions + 1) // r - 1
         j = torch.arange(r, device=positions.device)
-        cur = ring[slots[:, None], (window[:, None] * r + j) % self.ring_len]
-        prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % self.ring_len]
+        cur = ring[slots[:, None], (window[:, None] * r + j) % R]
+        prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % R]
         entries = self._entries(cur, prev, window > 0, window.clamp(min=0), rope, cache.dtype)
         epb = cache.shape[1]
         dst = torch.where((positions + 1) % r == 0, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
@@ -534,19 +547,20 @@ class DeepseekV4Attention(nn.Module):
 
     def _window_keys(self, kv, positions, ring, meta, p):
         """Sliding-window keys and mask; stores the new keys in the ring (after reading what a chunk needs)."""
-        W, dev = self.window, kv.device
-        if p is None:                                                   # decode rows: [B, W, D] each
+        W, dev, R = self.window, kv.device, ring.shape[1]               # R = W + rollback_rows
+        if p is None:                                                   # decode rows: [B, R, D] each
             slots = meta.decode_state_slots
-            ring[slots, positions % W] = kv.to(ring.dtype)
-            kpos = positions[:, None] - (positions[:, None] - torch.arange(W, device=dev)) % W
-            return ring[slots], kpos >= 0, None
+            ring[slots, positions % R] = kv.to(ring.dtype)
+            # the position each row holds; a row a rejected draft wrote reads as R before it: out of the window
+            kpos = positions[:, None] - (positions[:, None] - torch.arange(R, device=dev)) % R
+            return ring[slots], (kpos >= 0) & (kpos > positions[:, None] - W), None
         ring = ring[p.state_slot]                                       # one chunk: [1, W + n, D] shared
         hist = torch.arange(p.context_len - p.query_len - W, p.context_len - p.query_len, device=dev)
-        keys = torch.cat((ring[hist % W], kv.to(ring.dtype)))
+        keys = torch.cat((ring[hist % R], kv.to(ring.dtype)))
         kpos = torch.cat((hist, positions))[None, :]
         mask = (kpos <= positions[:, None]) & (kpos > positions[:, None] - W) & (kpos >= 0)
-        keep = min(len(kv), W)
-        ring[positions[-keep:] % W] = kv[-keep:].to(ring.dtype)
+        keep = min(len(kv), R)
+        ring[positions[-keep:] % R] = kv[-keep:].to(ring.dtype)
         return keys, mask, None
 
     def _compressed_keys(self, positions, rows, index_rows, index_q, rope, state, meta, p):
@@ -893,22 +907,25 @@ class DeepseekV4ForCausalLM(nn.Module):
                 b.data = b.data.float()
         return self
 
-    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
-        c = self.config
+    def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[CacheSpec]:
+        """`rollback_rows`: room each per-request state keeps for rejected drafts (speculative decoding's draft
+        count): the rings grow by that many rows, the HCA running state keeps one per position."""
+        c, E = self.config, rollback_rows
         L, D, Di = c.num_hidden_layers, c.head_dim, c.index_head_dim
         n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))
         r_csa, r_hca = c.compress_rates[CSA], c.compress_rates[HCA]
-        specs: list[CacheSpec] = [RequestStateSpec("swa", L, (c.sliding_window, D), dtype)]
+        specs: list[CacheSpec] = [RequestStateSpec("swa", L, (c.sliding_window + E, D), dtype)]
         if n_csa:
             specs += [PagedCacheSpec("csa_kv", n_csa, (D,), dtype, r_csa),
                       PagedCacheSpec("csa_index", n_csa, (Di,), dtype, r_csa),
-                      RequestStateSpec("csa_rows", n_csa, (2 * r_csa, 4 * D), torch.float32),
-                      RequestStateSpec("csa_index_rows", n_csa, (2 * r_csa, 4 * Di), torch.float32)]
+                      RequestStateSpec("csa_rows", n_csa, (2 * r_csa + E, 4 * D), torch.float32),
+                      RequestStateSpec("csa_index_rows", n_csa, (2 * r_csa + E, 4 * Di), torch.float32)]
         if n_hca:
             specs += [PagedCacheSpec("hca_kv", n_hca, (D,), dtype, r_hca),
-                      RequestStateSpec("hca_state", n_hca, (3, D), torch.float32, needed_at_block_boundary=False)]
+                      RequestStateSpec("hca_state", n_hca, (1 + E, 3, D), torch.float32,
+                                       needed_at_block_boundary=False)]
         if len(self.mtp):
-            specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window, D), dtype))
+            specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window + E, D), dtype))
         return specs
 
     def layer_state(self, caches: dict, i: int) -> dict:

@@ -21,12 +21,15 @@ What V4.1 changes from V4 (deepseek_v4.py), as this file implements it:
 
 Per-forward data the reference keeps in a module-level runtime (the latest source's picks and candidate blocks)
 lives in a `StepShared` made per forward; the caches are per layer kind:
-- `swa` (request state): each layer's ring of the last W window keys (position p at row p % W);
+- `swa` (request state): each layer's ring of the last W window keys (position p at row p % R);
 - `ckv{r}` / `cidx{r}` (paged, one entry per r tokens): compressed entries and index keys of the ratio-r sources;
-- `crows{r}` (request state, r > 1): the source compressors' projected rows of the open group;
-- `ngram` (request state): the compressed ids of the last max_ngram-1 tokens (Engram's look-back).
+- `crows{r}` (request state, r > 1): the source compressors' projected rows of the open group (row p % R);
+- `ngram` (request state): the compressed ids of the last max_ngram-1 tokens (Engram's look-back, row p % R).
 Prefill chunks run per sequence (any start and length); decode rows run batched; both read what the previous
-step left in the state and write it back.
+step left in the state and write it back. Each ring is indexed by position and keeps `rollback_rows` rows
+beyond what it needs (R = need + rollback_rows; speculative decoding's draft count, else 0), so after a verify
+step whose drafts were rejected the next step starts from the last accepted position and never reads what the
+drafts wrote (spec 000 §5.3's extra ring slots; docs/spec_decode.md, "Rolling back DeepSeek state").
 
 Where the reference is not causal (top-k on tied scores) this file is: ties go to the earlier entry.
 """
@@ -65,7 +68,7 @@ class Compressor(nn.Module):
     """A KV source's compressed entries: group g pools tokens [g*r, (g+1)*r) with a per-channel softmax gate
     (float32, weights kept float32), then RMS-norms; ratio 1 is a plain projection + norm. Returns latents
     before RoPE (the indexer keys need them so). State (r > 1): the projected rows of the open group, [r, 2*D]
-    float32 (kv | score), row p % r."""
+    float32 (kv | score), row p % R in a ring of R = r + rollback_rows rows."""
 
     def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
         super().__init__()
@@ -93,15 +96,18 @@ class Compressor(nn.Module):
         r, n = self.ratio, rows.shape[0]
         if r == 1:
             return self.norm(rows), start
+        R, dev = state.shape[0], rows.device
         end = start + n
         first, last = start // r, end // r             # groups [first, last) close in this chunk
         lead = start - first * r                        # rows of group `first` from earlier steps
-        rows_all = torch.cat((state[:lead], rows)) if lead else rows      # positions [first * r, end)
+        if lead:                                        # positions [first * r, end)
+            rows_all = torch.cat((state[torch.arange(first * r, start, device=dev) % R], rows))
+        else:
+            rows_all = rows
         closed = (last - first) * r
         latents = self._pool(rows_all[:closed].view(-1, r, rows.shape[-1]), dtype) if last > first else None
-        tail = end % r
-        if tail:                                        # the open group's rows, at slots p % r = 0 .. tail-1
-            state[:tail] = rows_all[rows_all.shape[0] - tail:]
+        keep = min(n, R)                                # the open group's rows (and room for a rollback)
+        state[torch.arange(end - keep, end, device=dev) % R] = rows[n - keep:]
         return latents, first
 
     def decode(self, rows: torch.Tensor, positions: torch.Tensor, state: torch.Tensor | None,
@@ -111,8 +117,10 @@ class Compressor(nn.Module):
         r = self.ratio
         if r == 1:
             return self.norm(rows), torch.ones_like(positions, dtype=torch.bool)
-        state[slots, positions % r] = rows
-        return self._pool(state[slots], dtype), (positions + 1) % r == 0
+        R = state.shape[1]
+        state[slots, positions % R] = rows
+        group_rows = ((positions + 1) // r - 1)[:, None] * r + torch.arange(r, device=positions.device)
+        return self._pool(state[slots[:, None], group_rows % R], dtype), (positions + 1) % r == 0
 
 
 # ---- the lightning indexer and the two-level top-k ----------------------------------------------------
@@ -259,19 +267,20 @@ class Attention(nn.Module):
         Wc = min(context, W) columns from max(P-W+1, 0) (invalid past P). Stores the new keys in the ring (after
         reading what a chunk needs)."""
         W, dev, ring, codec = self.window, kv.device, state["swa"], state["codecs"]["swa"]
+        R = ring.shape[1]                                       # W + rollback_rows
         if p is None:
             slots = meta.decode_state_slots
-            ring[slots, positions % W] = kv_stored
+            ring[slots, positions % R] = kv_stored
             kpos = positions[:, None] - W + 1 + torch.arange(W, device=dev)
-            return codec.decode(ring[slots[:, None], kpos % W], kv.dtype), None, kpos >= 0
+            return codec.decode(ring[slots[:, None], kpos % R], kv.dtype), None, kpos >= 0
         ring = ring[p.state_slot]
         start = p.context_len - p.query_len
         hist = torch.arange(start - W, start, device=dev)
-        keys = torch.cat((codec.decode(ring[hist % W], kv.dtype), kv))
+        keys = torch.cat((codec.decode(ring[hist % R], kv.dtype), kv))
         wc = min(p.context_len, W)
         kpos = (positions[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
-        keep = min(len(kv), W)
-        ring[positions[-keep:] % W] = kv_stored[-keep:]
+        keep = min(len(kv), R)
+        ring[positions[-keep:] % R] = kv_stored[-keep:]
         valid = kpos <= positions[:, None]
         if self.is_decoder and p.decoder_start is not None:     # YOCO: only the decoder's own tokens
             valid &= kpos >= p.decoder_start
@@ -748,19 +757,20 @@ class DeepseekV41ForCausalLM(nn.Module):
                 parent.experts = QuantizedExperts(shape, fmt, block, self.ops)
 
     # -- caches
-    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+    def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[CacheSpec]:
         """Window rings per layer, compressed entries and index keys per source ratio (paged), the compressors' open
         group and Engram's look-back (per request). Entries are stored as DeepSeek stores them (FP8 window keys
         with an E8M0 scale per 32 values, FP4 compressed entries with an E4M3 scale per 16, FP4 index keys with an
-        E8M0 scale per 32: one uint8 row each) or, unquantized, in `dtype`."""
-        c = self.config
+        E8M0 scale per 32: one uint8 row each) or, unquantized, in `dtype`. Every per-request ring keeps
+        `rollback_rows` more rows for rejected drafts (speculative decoding)."""
+        c, E = self.config, rollback_rows
         D, Di = c.head_dim, c.index_head_dim
         if self.quantized_caches:
             self.codecs = {"swa": Fp8BlockCodec(32), "ckv": Fp4BlockCodec(16, "e4m3"), "cidx": Fp4BlockCodec(32, "e8m0")}
         else:
             self.codecs = {k: IdentityCodec(dtype) for k in ("swa", "ckv", "cidx")}
         sw, ck, ci = self.codecs["swa"], self.codecs["ckv"], self.codecs["cidx"]
-        specs: list[CacheSpec] = [RequestStateSpec("swa", c.n_layers, (c.window_size, sw.stored_dim(D)),
+        specs: list[CacheSpec] = [RequestStateSpec("swa", c.n_layers, (c.window_size + E, sw.stored_dim(D)),
                                                    sw.storage_dtype)]
         for r in c.source_ratios:
             sources = [s for s in c.kv_source_layers if c.ratio(s) == r]
@@ -769,10 +779,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             if owners:
                 specs.append(PagedCacheSpec(f"cidx{r}", len(owners), (ci.stored_dim(Di),), ci.storage_dtype, r))
             if r > 1:
-                specs.append(RequestStateSpec(f"crows{r}", len(sources), (r, 2 * D), torch.float32,
+                specs.append(RequestStateSpec(f"crows{r}", len(sources), (r + E, 2 * D), torch.float32,
                                               needed_at_block_boundary=False))
         if c.engram_layer_ids:
-            specs.append(RequestStateSpec("ngram", 1, (c.engram_max_ngram_size - 1,), torch.int64))
+            specs.append(RequestStateSpec("ngram", 1, (c.engram_max_ngram_size - 1 + E,), torch.int64))
         return specs
 
     def layer_state(self, caches: dict, i: int) -> dict:
@@ -826,22 +836,24 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _engram_hashes(self, input_ids, positions, caches, meta) -> torch.Tensor:
         """Global table rows [T, n_engram_layers, cols] for the step's tokens; advances each request's look-back."""
         h = self.hasher
-        hist_state = caches["ngram"][0]
-        n1 = hist_state.shape[1]
+        ring = caches["ngram"][0]                     # [slots, R]: the compressed id of position p at p % R
+        n1, R = h.n - 1, ring.shape[1]
         comp = h.compress(input_ids)
         back = torch.arange(1, n1 + 1, device=positions.device)
         windows = torch.empty((len(input_ids), n1 + 1), dtype=torch.long, device=input_ids.device)
         for sl, p in spans_of(meta):
             if p is None:
                 slots = meta.decode_state_slots
-                hist = hist_state[slots].masked_fill(positions[sl, None] - back < 0, -1)
+                before = positions[sl, None] - back
+                hist = ring[slots[:, None], before % R].masked_fill(before < 0, -1)
                 windows[sl] = h.windows(comp[sl], hist)
-                hist_state[slots] = torch.cat((comp[sl, None], hist[:, :-1]), dim=1)
+                ring[slots, positions[sl] % R] = comp[sl]
             else:
                 start = p.context_len - p.query_len
-                hist = hist_state[p.state_slot].masked_fill(start - back < 0, -1)
+                hist = ring[p.state_slot, (start - back) % R].masked_fill(start - back < 0, -1)
                 windows[sl] = h.chunk_windows(comp[sl], hist)
-                hist_state[p.state_slot] = h.next_history(comp[sl], hist)
+                keep = min(p.query_len, R)
+                ring[p.state_slot, positions[sl][-keep:] % R] = comp[sl][-keep:]
         return h(windows)
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:

@@ -253,8 +253,9 @@ class Gemma3ForCausalLM(nn.Module):
         layers = tuple(i for i, t in enumerate(c.layer_types) if t == SLIDING)
         return SlidingWindowLayout(c.sliding_window, layers) if layers else None
 
-    def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
-        """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only."""
+    def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
+        """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only. No
+        `rollback_rows`: a rejected draft's paged row is rewritten when its position is computed again."""
         c = self.config
         return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
                               dtype, self.fp8_kv_cache)

@@ -165,8 +165,9 @@ class LlamaForCausalLM(nn.Module):
         """A sliding window this model would need and the engine does not run yet (Mistral-style)."""
         return self.config.sliding_window
 
-    def cache_specs(self, dtype: torch.dtype) -> list[PagedCacheSpec]:
-        """This rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole."""
+    def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
+        """This rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole. Paged KV
+        needs no `rollback_rows`: a rejected draft's row is rewritten when its position is computed again."""
         c = self.config
         return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
                               dtype, self.fp8_kv_cache)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)                 # drafters built so far; "mtp" and "dspark" come with their issue items
+METHODS = ("ngram", "dspark")        # drafters built so far; "mtp" comes with its issue item
 POLICIES = ("fixed", "confidence")
 MAX_NGRAM_DRAFTS = 16                # prompt lookup copies at most this many tokens per step
 
@@ -41,7 +41,7 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not available; built: {list(METHODS)} "
-                             f"(mtp and dspark drafters are not implemented yet)")
+                             f"(the mtp drafter is not implemented yet)")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1 or k > MAX_NGRAM_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_NGRAM_DRAFTS}] for "

@@ -86,7 +86,10 @@ class DSparkDrafter:
 
     def features(self) -> torch.Tensor:
         """The latest forward's target-layer inputs, [rows, n_target * dim]."""
-        cap = self.model.captured
+        return self.features_of(self.model.captured)
+
+    def features_of(self, cap: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target-layer inputs a forward kept (`model.captured` after it), [rows, n_target * dim]."""
         missing = [i for i in self.target_layers if i not in cap]
         if missing:
             raise RuntimeError(f"the model's forward kept no hidden states of layers {missing}: call "

@@ -21,12 +21,36 @@ from openinfer.spec_decode.ngram import NgramProposer
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int, model=None,
+                 num_state_slots: int = 0):
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.features = None          # a drafter over the target's features: drafts made after each step
+        if config.method == "dspark":
+            from openinfer.spec_decode.dspark import DSparkDrafter
+            from openinfer.spec_decode.feature_proposer import FeatureProposer
+
+            if not hasattr(model, "capture_layers") or not getattr(model.config, "dspark_block_size", 0):
+                raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with DSpark draft "
+                                 f"stages; {type(model).__name__} has none")
+            self.features = FeatureProposer(DSparkDrafter(model, num_state_slots), self.k)
+        else:
+            self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.budget = config.verify_budget or max(1, max_num_seqs * self.k // 2)
+
+    def after_step(self, runner_out, requests) -> None:
+        """A step's samples are on the host: a feature drafter extends its context and drafts the next block."""
+        if self.features is not None:
+            try:
+                self.features.after_step(runner_out, requests)
+            except Exception as e:        # drafting stops for the step's requests; the engine goes on
+                for rid in runner_out.rows:
+                    req = requests.get(rid)
+                    if req is not None and not req.spec_disabled:
+                        req.spec_disabled = True
+                        print(f"[openinfer] drafter failed on request {rid} ({e!r}): speculation off for it",
+                              file=sys.stderr, flush=True)
 
     @staticmethod
     def drafts_allowed(req: Request) -> bool:
@@ -46,7 +70,10 @@ class Speculator:
             if room <= 0:
                 continue
             try:
-                drafts, conf = self.proposer.propose(req.all_token_ids, room)
+                if self.features is not None:
+                    drafts, conf = self.features.propose(req, room)
+                else:
+                    drafts, conf = self.proposer.propose(req.all_token_ids, room)
             except Exception as e:          # this request decodes without drafts from now on; others go on
                 req.spec_disabled = True
                 print(f"[openinfer] drafter failed on request {req.request_id} ({e!r}): speculation off for it",

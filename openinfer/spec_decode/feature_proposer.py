@@ -1,0 +1,86 @@
+"""FeatureProposer: runs a drafter that reads the target's own hidden features (DSpark's draft stages,
+`spec_decode/dspark.py`) inside the engine's step loop.
+
+Such a drafter needs, per request, the features of every position the target accepted (its context ring) and
+the token the target sampled last. Both are known only once a step's samples are on the host (synchronous
+scheduling): `after_step` then writes the accepted rows' features into the drafter's rings, drafts one block for
+every request still decoding, and keeps the drafts for the next `Speculator.propose`. Rows of rejected drafts
+are never written (a ring row is overwritten by the position W later, so a rejected row would take the slot of a
+still-visible accepted position).
+
+Context a request did not compute here (a prefix-cache hit, a replay from the KV store) has no features: the
+drafter's ring slots for it are zeroed (`reset`), which makes drafts worse until W new positions are in, never
+wrong outputs (verification is lossless whatever the drafts).
+
+The drafter's request slots are the KV manager's state slots (one per running request), recorded with the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openinfer.engine.request import Request
+
+
+class FeatureProposer:
+    def __init__(self, drafter, num_drafts: int):
+        if num_drafts > drafter.block_size:
+            raise ValueError(f"num_speculative_tokens {num_drafts} is above the drafter's block size "
+                             f"{drafter.block_size} (drafts per step it can make)")
+        self.drafter, self.k = drafter, num_drafts
+        drafter.enable_capture()
+        # request_id -> (its token count when drafted, drafts, confidences): valid while the count is unchanged
+        self.pending: dict[str, tuple[int, list[int], list[float]]] = {}
+        self._context_end: dict[str, int] = {}      # request_id -> the next position its ring expects
+
+    def propose(self, req: Request, room: int) -> tuple[list[int], list[float]]:
+        """The drafts kept for `req` by the last `after_step`, cut to `room` (none if they are stale)."""
+        got = self.pending.get(req.request_id)
+        if got is None or got[0] != req.num_tokens:
+            return [], []
+        return got[1][:room], got[2][:room]
+
+    @torch.inference_mode()
+    def after_step(self, runner_out, requests: dict[str, Request]) -> None:
+        """Extend the rings with the step's accepted rows, then draft for the requests that sampled a token."""
+        if runner_out.captured is None or not runner_out.rows:
+            return
+        features = self.drafter.features_of(runner_out.captured)
+        dev = features.device
+        rows, positions, slots = [], [], []
+        draft_reqs = []
+        for rid, (row, start, n, slot) in runner_out.rows.items():
+            req = requests.get(rid)
+            self.pending.pop(rid, None)
+            if req is None or slot is None:          # finished this step: nothing to draft for
+                self._context_end.pop(rid, None)
+                continue
+            kept = min(n, req.num_computed_tokens - start)          # rows whose tokens the target accepted
+            if kept <= 0:
+                continue
+            if self._context_end.get(rid, 0) != start:            # context computed elsewhere (a prefix hit)
+                self.drafter.reset(torch.tensor([slot], device=dev))
+            self._context_end[rid] = start + kept
+            rows.extend(range(row, row + kept))
+            positions.extend(range(start, start + kept))
+            slots.extend([slot] * kept)
+            if rid in runner_out.sample_index and req.num_computed_tokens == req.num_tokens - 1:
+                draft_reqs.append((req, slot))
+        for rid in [r for r in self._context_end if r not in requests]:
+            del self._context_end[rid]
+        if rows:
+            self.drafter.extend(torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
+                                features[torch.tensor(rows, device=dev)])
+        if not draft_reqs:
+            return
+        draft = self.drafter.propose(torch.tensor([s for _, s in draft_reqs], device=dev),
+                                     torch.tensor([r.num_computed_tokens - 1 for r, _ in draft_reqs], device=dev),
+                                     torch.tensor([r.all_token_ids[-1] for r, _ in draft_reqs], device=dev))
+        tokens = draft.tokens[:, :self.k].tolist()
+        conf = draft.confidences[:, :self.k].float().tolist()
+        for (req, _), t, c in zip(draft_reqs, tokens, conf):
+            self.pending[req.request_id] = (req.num_tokens, t, c)
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self._context_end.pop(request_id, None)
