@@ -199,7 +199,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path):
 @pytest.mark.parametrize("spec, match", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "not available"),
+    ({"method": "eagle", "num_speculative_tokens": 1}, "not available"),
     ({"method": "ngram", "num_speculative_tokens": 2, "policy": "best"}, "policy"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
     ({"num_speculative_tokens": 2}, "needs"),
@@ -209,7 +209,7 @@ def test_bad_speculative_config_is_refused_at_start(spec, match):
         EngineConfig(model="unused", device="cpu", speculative_config=spec)
 
 
-def test_dspark_needs_draft_stages_and_at_most_its_block_size():
+def test_model_drafters_need_their_heads_and_at_most_their_block_size():
     from openinfer.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="DSpark draft stages"):
@@ -218,6 +218,9 @@ def test_dspark_needs_draft_stages_and_at_most_its_block_size():
     with pytest.raises(ValueError, match="block size 2"):          # deepseek-v41-tiny drafts blocks of 2
         LLMEngine(EngineConfig(model="deepseek-v41-tiny", device="cpu",
                                speculative_config={"method": "dspark", "num_speculative_tokens": 3}))
+    with pytest.raises(ValueError, match="MTP heads"):          # V4.1's `mtp.*` are DSpark stages
+        LLMEngine(EngineConfig(model="deepseek-v41-tiny", device="cpu",
+                               speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
     with pytest.raises(ValueError, match="exact"):
         EngineConfig(model="unused", device="cpu", v41_prefill_mode="yoco",
                      speculative_config={"method": "dspark", "num_speculative_tokens": 1})

@@ -121,3 +121,56 @@ def test_rolled_back_drafts_leave_no_trace(model):
     assert warm.num_cached_tokens == (len(prompts[1]) + len(ref[1].token_ids) - 1) // bs * bs > 70
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert_pool_idle(spec)
+
+
+def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows():
+    """`method: mtp` on deepseek-v4-tiny (one MTP head, chained for 3 drafts): greedy output equals decoding
+    without drafts; the head's context gets every accepted position once, in order, never a rejected row; and the
+    head's output the last block was drafted from (so its first draft) equals the head run over the whole accepted
+    context in one chunk — the rows the chained drafts wrote into its ring left no trace."""
+    from openinfer.layers.attention import AttentionMetadata, PrefillChunk
+
+    prompts = prompts_of(37, 52, seed=5)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24, logprobs=1)
+    ref = [o.outputs[0] for o in _generate(_engine("deepseek-v4-tiny", spec=False), prompts, params)]
+    engine = _engine("deepseek-v4-tiny", spec=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    drafter = engine.speculator.features.drafter
+    extended: dict[int, list] = {}
+    drafted = []
+    extend, propose = drafter.extend, drafter.propose
+
+    def logging_extend(slots, positions, features, next_tokens):
+        for s, p, f, t in zip(slots.tolist(), positions.tolist(), features, next_tokens.tolist()):
+            extended.setdefault(s, []).append((p, f.clone(), t))
+        return extend(slots, positions, features, next_tokens)
+
+    def logging_propose(slots, last, nxt):
+        d = propose(slots, last, nxt)
+        drafted.extend(zip(slots.tolist(), last.tolist(), d.tokens.tolist()))
+        return d
+
+    drafter.extend, drafter.propose = logging_extend, logging_propose
+    got = [o.outputs[0] for o in _generate(engine, prompts, params)]
+    for o, r in zip(got, ref):
+        assert o.token_ids == r.token_ids
+        for a, b, t in zip(o.logprobs, r.logprobs, r.token_ids):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+        assert o.num_draft_tokens > 0
+    for rows in extended.values():
+        assert [p for p, _, _ in rows] == list(range(len(rows)))
+    assert_pool_idle(engine)
+
+    # the last block's first draft, recomputed: the head over the whole accepted context in one chunk, in the
+    # runner's spare state slot
+    model, runner = engine.runner.model, engine.runner
+    slot, P, tokens = drafted[-1]
+    rows = extended[slot][:P + 1]
+    spare = runner.num_state_slots
+    meta = AttentionMetadata(block_size=runner.block_size, slot_mapping=torch.zeros(P + 1, dtype=torch.long),
+                             prefills=[PrefillChunk(0, P + 1, P + 1, torch.zeros(0, dtype=torch.long),
+                                                    runner.block_size, spare)])
+    with torch.inference_mode():
+        hidden = model.mtp_hidden(0, torch.stack([f for _, f, _ in rows]), torch.tensor([t for _, _, t in rows]),
+                                  torch.arange(P + 1), runner.caches, meta)
+        assert model.mtp_head(0, hidden[-1:]).argmax(-1).item() == tokens[0]
+    torch.testing.assert_close(drafter._newest[slot], hidden[-1], atol=1e-5, rtol=1e-5)

@@ -103,7 +103,7 @@ class LLMEngine:
             from openinfer.spec_decode.speculator import Speculator
 
             self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs,
-                                         model, self.runner.num_state_slots)
+                                         self.runner)
         if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -828,11 +828,14 @@ class DeepseekV4DecoderLayer(nn.Module):
         return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
 
 
+MTP_INPUT = "mtp_input"          # the key `captured` keeps the MTP heads' input under
+
+
 class MTPLayer(nn.Module):
     """Multi-token prediction head (`mtp.{i}.*`): embeds the next token, mixes it with the main model's
     hidden state (post hc_head, pre final norm), runs one sliding-window decoder block and its own hc_head
-    and norm; the embedding and lm_head are the main model's. Drafting with it comes with speculative
-    decoding; here it is loaded and runnable."""
+    and norm; the embedding and lm_head are the main model's. The `mtp` drafter (spec_decode/mtp.py) chains
+    it for several drafts."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, **moe_kwargs):
         super().__init__()
@@ -888,6 +891,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         # logits shards all-gathered: every TP rank samples from the same full logits (nn.Linear without TP)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.parallel)
         self.mtp = nn.ModuleList(MTPLayer(cfg, ops, **moe_kwargs) for _ in range(cfg.num_nextn_predict_layers))
+        # opt-in (the `mtp` drafter): `forward` keeps the MTP heads' input, forward_streams' output of every row,
+        # in `captured[MTP_INPUT]`
+        self.capture_layers: tuple[str, ...] = ()
+        self.captured: dict[str, torch.Tensor] = {}
         # which index of each cache kind a layer uses
         self._state_index = []
         counts = {CSA: 0, HCA: 0}
@@ -950,19 +957,32 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.hc_head(streams)
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
-        return self.norm(self.forward_streams(input_ids, positions, caches, meta))
+        hidden = self.forward_streams(input_ids, positions, caches, meta)
+        if self.capture_layers:
+            self.captured = {MTP_INPUT: hidden}
+        return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def mtp_logits(self, k: int, prev_hidden, next_ids, positions, caches, meta) -> torch.Tensor:
-        """Logits of MTP head k for the token after `next_ids`, from the main model's hidden states at the
-        positions before (`prev_hidden`, from forward_streams); uses its own sliding-window state."""
+    def mtp_hidden(self, k: int, prev_hidden, next_ids, positions, caches, meta) -> torch.Tensor:
+        """MTP head k's hidden state (its hc_head output, pre norm) for the token after `next_ids` at
+        `positions`, from the main model's hidden states at the positions before (`prev_hidden`, from
+        forward_streams; a chained draft passes this function's own output); uses its own sliding-window
+        state (`mtp_swa`)."""
         m = self.mtp[k]
         x = m.e_proj(m.enorm(self.embed_tokens(next_ids))) + m.h_proj(m.hnorm(prev_hidden))
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         streams = m.layer(streams, next_ids, positions, self.ropes["main"], {"swa": caches["mtp_swa"][k]}, meta)
-        return self.lm_head(m.norm(m.hc_head(streams)))
+        return m.hc_head(streams)
+
+    def mtp_head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from MTP head k's hidden state (its norm, then the shared lm_head)."""
+        return self.lm_head(self.mtp[k].norm(hidden))
+
+    def mtp_logits(self, k: int, prev_hidden, next_ids, positions, caches, meta) -> torch.Tensor:
+        """Logits of MTP head k for the token after `next_ids` (mtp_hidden, then mtp_head)."""
+        return self.mtp_head(k, self.mtp_hidden(k, prev_hidden, next_ids, positions, caches, meta))
 
     def quantize(self, formats: dict[str, str], block: int) -> None:
         """Give the modules named in `formats` ("fp8" | "mxfp4") stored-format weights; called on the meta

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "dspark")        # drafters built so far; "mtp" comes with its issue item
+METHODS = ("ngram", "mtp", "dspark")
 POLICIES = ("fixed", "confidence")
 MAX_NGRAM_DRAFTS = 16                # prompt lookup copies at most this many tokens per step
 
@@ -40,8 +40,7 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not available; built: {list(METHODS)} "
-                             f"(the mtp drafter is not implemented yet)")
+            raise ValueError(f"speculative_config method {self.method!r} is not available; built: {list(METHODS)}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1 or k > MAX_NGRAM_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_NGRAM_DRAFTS}] for "

@@ -1,5 +1,5 @@
 """FeatureProposer: runs a drafter that reads the target's own hidden features (DSpark's draft stages,
-`spec_decode/dspark.py`) inside the engine's step loop.
+`spec_decode/dspark.py`; DeepSeek-V4's MTP head, `spec_decode/mtp.py`) inside the engine's step loop.
 
 Such a drafter needs, per request, the features of every position the target accepted (its context ring) and
 the token the target sampled last. Both are known only once a step's samples are on the host (synchronous
@@ -47,7 +47,7 @@ class FeatureProposer:
             return
         features = self.drafter.features_of(runner_out.captured)
         dev = features.device
-        rows, positions, slots = [], [], []
+        rows, positions, slots, following = [], [], [], []
         draft_reqs = []
         for rid, (row, start, n, slot) in runner_out.rows.items():
             req = requests.get(rid)
@@ -63,14 +63,17 @@ class FeatureProposer:
             self._context_end[rid] = start + kept
             rows.extend(range(row, row + kept))
             positions.extend(range(start, start + kept))
+            following.extend(req.token_ids_slice(start + 1, start + kept + 1))   # the token after each row
             slots.extend([slot] * kept)
             if rid in runner_out.sample_index and req.num_computed_tokens == req.num_tokens - 1:
                 draft_reqs.append((req, slot))
         for rid in [r for r in self._context_end if r not in requests]:
             del self._context_end[rid]
         if rows:
+            extra = {"next_tokens": torch.tensor(following, device=dev)} if getattr(
+                self.drafter, "reads_next_tokens", False) else {}
             self.drafter.extend(torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
-                                features[torch.tensor(rows, device=dev)])
+                                features[torch.tensor(rows, device=dev)], **extra)
         if not draft_reqs:
             return
         draft = self.drafter.propose(torch.tensor([s for _, s in draft_reqs], device=dev),
@@ -81,6 +84,3 @@ class FeatureProposer:
         for (req, _), t, c in zip(draft_reqs, tokens, conf):
             self.pending[req.request_id] = (req.num_tokens, t, c)
 
-    def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self._context_end.pop(request_id, None)

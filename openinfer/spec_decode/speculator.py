@@ -21,8 +21,9 @@ from openinfer.spec_decode.ngram import NgramProposer
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int, model=None,
-                 num_state_slots: int = 0):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int, runner=None):
+        """`runner`: the engine's model runner (drafters over the target's features need its model, its state
+        slots and, for `mtp`, its caches)."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -31,10 +32,17 @@ class Speculator:
             from openinfer.spec_decode.dspark import DSparkDrafter
             from openinfer.spec_decode.feature_proposer import FeatureProposer
 
+            model = runner.model
             if not hasattr(model, "capture_layers") or not getattr(model.config, "dspark_block_size", 0):
                 raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with DSpark draft "
                                  f"stages; {type(model).__name__} has none")
-            self.features = FeatureProposer(DSparkDrafter(model, num_state_slots), self.k)
+            self.features = FeatureProposer(DSparkDrafter(model, runner.num_state_slots), self.k)
+        elif config.method == "mtp":
+            from openinfer.spec_decode.feature_proposer import FeatureProposer
+            from openinfer.spec_decode.mtp import MtpDrafter
+
+            self.features = FeatureProposer(MtpDrafter(runner.model, runner.caches, runner.block_size, self.k),
+                                            self.k)
         else:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.budget = config.verify_budget or max(1, max_num_seqs * self.k // 2)

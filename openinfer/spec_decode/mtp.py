@@ -1,0 +1,103 @@
+"""The `mtp` drafter: DeepSeek-V4's multi-token-prediction head (`mtp.0.*`, already loaded with the model),
+chained for several drafts, run by `FeatureProposer` (feature_proposer.py) after each step.
+
+The head's row q reads the main model's hidden state at q (forward_streams' output, pre final norm) and the
+token at q + 1, runs one sliding-window block over its own window ring (`mtp_swa`, a per-request state of the
+runner's caches) at position q — the main model's positions, input ids shifted by one, as SGLang and vLLM run
+DeepSeek's MTP — and predicts the token at q + 2 (DeepSeek-V3 §2.2's MTP module, depth 1).
+
+- `extend` (the accepted rows of a step): row q's hidden state with the token that followed it runs through the
+  head, one chunk per request, which writes the ring. The newest row's output (at P, the newest accepted
+  position) is the first draft's: kept per slot.
+- `propose`: draft 1 = argmax of that output's logits; drafts 2..k chain the head on itself (its own output
+  hidden state in place of the main model's, the previous draft as the token) at positions P + 1 .. P + k - 1 —
+  the way DeepSeek's MTP is reused for more than one draft (SGLang/vLLM do the same). Confidence of a draft =
+  the head's probability for it (used by the `confidence` policy).
+- Rollback: the chain writes ring rows for positions past P that a rejection makes stale; the ring keeps
+  `rollback_rows` = k rows of room (runner caches), so those rows alias positions no later read sees, and the
+  next `extend` rewrites the accepted ones from the target's real hidden states.
+
+Context the engine did not compute (a prefix-cache hit) is restored with the request's state snapshot (the
+`mtp_swa` ring is a per-request state like the others); a snapshot taken in the step that reached the boundary
+lacks that step's own head rows (the head runs after the step), so drafts right after a hit can be worse —
+never the output (verification is lossless)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from openinfer.layers.attention import AttentionMetadata, PrefillChunk
+from openinfer.models.deepseek_v4 import MTP_INPUT
+from openinfer.spec_decode.config import MAX_NGRAM_DRAFTS
+
+
+class MtpDraft(NamedTuple):
+    tokens: torch.Tensor          # [B, k] long
+    confidences: torch.Tensor     # [B, k] float32: the head's probability of each draft
+
+
+class MtpDrafter:
+    reads_next_tokens = True      # extend needs the token after each row (FeatureProposer passes it)
+    block_size = MAX_NGRAM_DRAFTS  # chained: any number of drafts up to the engine's limit
+
+    def __init__(self, model, caches: dict, block_size: int, num_drafts: int):
+        if len(getattr(model, "mtp", ())) == 0 or not hasattr(model, "mtp_hidden"):
+            raise ValueError(f"speculative_config method 'mtp' needs a DeepSeek-V4 model with MTP heads "
+                             f"(num_nextn_predict_layers > 0); {type(model).__name__} has none")
+        self.model, self.caches, self.kv_block_size, self.num_drafts = model, caches, block_size, num_drafts
+        self._newest: dict[int, torch.Tensor] = {}      # request slot -> the head's hidden at P
+
+    def enable_capture(self) -> None:
+        self.model.capture_layers = (MTP_INPUT,)
+
+    def features_of(self, captured: dict) -> torch.Tensor:
+        return captured[MTP_INPUT]
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Nothing to clear: a request starting past position 0 got its ring with its state snapshot."""
+
+    @torch.inference_mode()
+    def extend(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+               next_tokens: torch.Tensor) -> None:
+        """Rows (slot, position q, main hidden at q, token at q + 1), each request's rows contiguous and in
+        order: run the head over them at their positions, one chunk per request."""
+        if features.shape[0] == 0:
+            return
+        sl, ps = slots.tolist(), positions.tolist()
+        dev, bs = features.device, self.kv_block_size
+        chunks, first = [], 0
+        for i in range(1, len(sl) + 1):
+            if i == len(sl) or sl[i] != sl[first] or ps[i] != ps[i - 1] + 1:
+                chunks.append((first, i - first, ps[first], sl[first]))
+                first = i
+        no_blocks = torch.zeros(0, dtype=torch.long, device=dev)          # the window-only head reads no pages
+        meta = AttentionMetadata(block_size=bs, slot_mapping=torch.zeros(len(sl), dtype=torch.long, device=dev),
+                                 prefills=[PrefillChunk(r0, n, p0 + n, no_blocks, bs, slot)
+                                           for r0, n, p0, slot in chunks])
+        hidden = self.model.mtp_hidden(0, features, next_tokens, positions, self.caches, meta)
+        for r0, n, _, slot in chunks:
+            self._newest[slot] = hidden[r0 + n - 1]
+
+    @torch.inference_mode()
+    def propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> MtpDraft:
+        """`num_drafts` drafts per request whose newest accepted position is `last_positions` (the head already
+        ran there on `next_tokens` in `extend`)."""
+        dev, bs = next_tokens.device, self.kv_block_size
+        B = len(slots)
+        hidden = torch.stack([self._newest[s] for s in slots.tolist()])
+        slots, P = slots.long(), last_positions.long()
+        tokens, conf = [], []
+        for j in range(self.num_drafts):
+            if j:
+                pos = P + j
+                meta = AttentionMetadata(block_size=bs, slot_mapping=torch.zeros(B, dtype=torch.long, device=dev),
+                                         num_decode_tokens=B, decode_state_slots=slots,
+                                         decode_context_lens=pos + 1)
+                hidden = self.model.mtp_hidden(0, hidden, tokens[-1], pos, self.caches, meta)
+            probs = self.model.mtp_head(0, hidden).float().softmax(-1)
+            p, t = probs.max(-1)
+            tokens.append(t)
+            conf.append(p)
+        return MtpDraft(torch.stack(tokens, 1), torch.stack(conf, 1))
