@@ -173,3 +173,51 @@ def test_hf_features_equal_openinfer_residual_stream(target, llm):
         assert rows.shape == (len(ids), hidden)
         ref = hf_feats[0, :, k * hidden:(k + 1) * hidden]
         assert ((rows - ref).norm() / ref.norm()).item() < 1e-4, f"layer {i}"
+
+
+def test_engine_drafts_with_the_trained_head_and_keeps_plain_greedy(smollm_dir, trained, tmp_path):
+    """`speculative_config={"method": "draft_head", "draft_model": DIR}`: the engine feeds the head openinfer's own
+    Llama features of the accepted rows (every position once, in order, never a rejected row), its drafts are
+    verified and some kept (on prompts the head trained on), and greedy output equals decoding without drafts. A
+    request whose prompt starts with a cached block starts its head context there (its ring reset)."""
+    from openinfer import LLM, SamplingParams
+
+    head = trained[0]
+    head.save(tmp_path / "head")
+    messages = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16)
+    ref = [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16,
+              speculative_config={"method": "draft_head", "num_speculative_tokens": BLOCK,
+                                  "draft_model": str(tmp_path / "head")})
+    drafter = llm.engine.speculator.features.drafter
+    extended: dict[int, list[int]] = {}
+    extend = drafter.extend
+
+    def logging_extend(slots, positions, features):
+        for s, p in zip(slots.tolist(), positions.tolist()):
+            extended.setdefault(s, []).append(p)
+        return extend(slots, positions, features)
+
+    drafter.extend = logging_extend
+    outs = [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5
+    assert sum(o.num_accepted_tokens for o in outs) >= 1
+    for positions in extended.values():      # from 0, or from a prefix-cache hit's block boundary (shared template)
+        assert positions[0] % 16 == 0 and positions == list(range(positions[0], positions[0] + len(positions)))
+    assert min(p[0] for p in extended.values()) == 0
+    llm.shutdown()
+
+
+def test_draft_head_config_errors_are_named(smollm_dir, tmp_path):
+    from openinfer.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(model="unused", device="cpu",
+                     speculative_config={"method": "draft_head", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(model="unused", device="cpu",
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"})

@@ -1,4 +1,5 @@
-"""`openinfer bench spec`: speculative decoding (prompt lookup, `ngram`) vs plain decoding on real tasks.
+"""`openinfer bench spec`: speculative decoding (prompt lookup `ngram`, a trained draft head `draft_head`, DeepSeek's
+`mtp` and `dspark` heads) vs plain decoding on real tasks.
 
 Tasks (fixed texts in this module, chat template applied through `LLM.chat`, EOS not ignored):
 
@@ -169,7 +170,13 @@ MODES = {
     "fixed-2": {"method": "ngram", "num_speculative_tokens": 2, "policy": "fixed"},
     "fixed-4": {"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"},
     "confidence-4": {"method": "ngram", "num_speculative_tokens": 4, "policy": "confidence"},  # + verify_budget
+    # model drafters (not in the default set: each needs its model)
+    "head-4": {"method": "draft_head", "num_speculative_tokens": 4, "policy": "fixed"},        # + draft_model
+    "head-confidence-4": {"method": "draft_head", "num_speculative_tokens": 4, "policy": "confidence"},
+    "mtp-2": {"method": "mtp", "num_speculative_tokens": 2, "policy": "fixed"},                # DeepSeek-V4
+    "dspark-2": {"method": "dspark", "num_speculative_tokens": 2, "policy": "fixed"},          # DeepSeek-V4.1
 }
+DEFAULT_MODES = ("none", "fixed-2", "fixed-4", "confidence-4")
 
 
 def add_typos(text: str, seed: int, every: int = 7) -> str:
@@ -223,7 +230,8 @@ class SpecBenchConfig:
     concurrency: tuple[int, ...] = (1, 4, 16)
     sampled_concurrency: tuple[int, ...] | None = None   # None: all of `concurrency`
     tasks: tuple[str, ...] = TASKS
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = DEFAULT_MODES
+    draft_model: str | None = None                       # the `head-*` modes' trained head (spec_decode/train.py)
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_tokens: int = 128
     min_requests: int = 4
@@ -368,6 +376,11 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
             spec = MODES[mode]
             if spec is not None and spec["policy"] == "confidence":
                 spec = dict(spec, verify_budget=cfg.budget_per_seq * c)
+            if spec is not None and spec["method"] == "draft_head":
+                if cfg.draft_model is None:
+                    raise ValueError(f"mode {mode!r} needs --draft-model (a head trained by "
+                                     f"python -m openinfer.spec_decode.train)")
+                spec = dict(spec, draft_model=cfg.draft_model)
             t0 = time.perf_counter()
             llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=c,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
@@ -483,7 +496,8 @@ def add_cli_args(p) -> None:
     p.add_argument("--sampled-concurrency", default=None,
                    help="concurrencies that also run the sampled temperature (default: all)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--draft-model", default=None, help="the head-* modes' draft head directory (spec_decode/train.py)")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (checked against none)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-requests", type=int, default=4, help="requests per cell: max(concurrency, this)")
@@ -508,6 +522,7 @@ def cli_main(args) -> int:
         concurrency=_ints(args.concurrency),
         sampled_concurrency=None if args.sampled_concurrency is None else _ints(args.sampled_concurrency),
         tasks=tuple(t for t in args.tasks.split(",") if t), modes=tuple(m for m in args.modes.split(",") if m),
+        draft_model=args.draft_model,
         temperatures=tuple(float(t) for t in args.temperatures.split(",") if t), max_tokens=args.max_tokens,
         min_requests=args.min_requests, budget_per_seq=args.budget_per_seq,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

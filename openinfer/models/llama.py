@@ -159,6 +159,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # opt-in (a draft head over the target's features, spec_decode/draft_head.py): layer ids whose input —
+        # the residual stream entering the layer, transformers' hidden_states[i] — `forward` keeps in `captured`
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: dict[int, torch.Tensor] = {}
 
     @property
     def unsupported_window(self) -> int | None:
@@ -179,7 +183,11 @@ class LlamaForCausalLM(nn.Module):
         an FP8 cache)."""
         x, residual = self.embed_tokens(input_ids), None
         scales = caches.get("kv_scale", [None] * len(self.layers))
-        for layer, kv_cache, kv_scale in zip(self.layers, caches["kv"], scales):
+        if self.capture_layers:
+            self.captured = {}
+        for i, (layer, kv_cache, kv_scale) in enumerate(zip(self.layers, caches["kv"], scales)):
+            if i in self.capture_layers:
+                self.captured[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, kv_scale)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "mtp", "dspark")
+METHODS = ("ngram", "draft_head", "mtp", "dspark")
 POLICIES = ("fixed", "confidence")
 MAX_NGRAM_DRAFTS = 16                # prompt lookup copies at most this many tokens per step
 
@@ -21,6 +21,8 @@ class SpeculativeConfig:
     # ngram (prompt lookup): the longest suffix n-gram in [min, max] that occurred earlier is matched
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # draft_head: the directory of a head trained by `python -m openinfer.spec_decode.train`
+    draft_model: str | None = None
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -45,6 +47,9 @@ class SpeculativeConfig:
         if not isinstance(k, int) or k < 1 or k > MAX_NGRAM_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_NGRAM_DRAFTS}] for "
                              f"{self.method!r}, got {k!r}")
+        if (self.method == "draft_head") != (self.draft_model is not None):
+            raise ValueError("speculative_config: method 'draft_head' needs draft_model (a directory written by "
+                             "python -m openinfer.spec_decode.train), and draft_model needs method 'draft_head'")
         if self.policy not in POLICIES:
             raise ValueError(f"speculative_config policy must be one of {list(POLICIES)}, got {self.policy!r}")
         if self.verify_budget is not None and self.verify_budget < 1:

@@ -336,13 +336,29 @@ class DraftHeadDrafter:
     """Drafts with a `DraftHead` for up to `max_requests` requests (slots 0 .. max_requests - 1); the API of
     `DSparkDrafter`: `extend` the accepted rows' context, `propose` a block per request."""
 
-    def __init__(self, head: DraftHead, max_requests: int):
+    def __init__(self, head: DraftHead, max_requests: int, target=None):
+        """`target`: the engine's model, whose forward keeps the features (`capture_layers`, as openinfer's
+        Llama does) — needed only for `enable_capture`."""
         cfg = head.cfg
+        self.target = target
         self.head, self.block_size, self.window = head.eval(), cfg.block_size, cfg.window
         dev = head.main_proj.weight.device
         # [layer, request slot, ring slot, k|v, heads, head_dim]; ring slot W is scratch for rows not kept
         self.rings = torch.zeros((cfg.num_layers, max_requests, cfg.window + 1, 2, cfg.num_heads, cfg.head_dim),
                                  dtype=head.param_dtype, device=dev)
+
+    def enable_capture(self) -> None:
+        if not hasattr(self.target, "capture_layers"):
+            raise ValueError(f"the draft head reads its target's layer inputs; {type(self.target).__name__} "
+                             f"does not expose them (capture_layers)")
+        layers = len(getattr(self.target, "layers", ()))
+        if max(self.head.cfg.target_layer_ids) >= layers:
+            raise ValueError(f"the draft head reads layers {self.head.cfg.target_layer_ids}; the target has {layers}")
+        self.target.capture_layers = self.head.cfg.target_layer_ids
+
+    def features_of(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target-layer inputs a forward kept, concatenated in the head's order: [rows, n_target * hidden]."""
+        return torch.cat([captured[i] for i in self.head.cfg.target_layer_ids], dim=-1).to(self.rings.dtype)
 
     @torch.inference_mode()
     def extend(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:

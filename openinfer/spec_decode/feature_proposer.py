@@ -12,18 +12,23 @@ Context a request did not compute here (a prefix-cache hit, a replay from the KV
 drafter's ring slots for it are zeroed (`reset`), which makes drafts worse until W new positions are in, never
 wrong outputs (verification is lossless whatever the drafts).
 
-The drafter's request slots are the KV manager's state slots (one per running request), recorded with the step.
+The drafter's request slots are the KV manager's state slots (one per running request, recorded with the step)
+when the model has per-request state (the `mtp` head's ring is one of them); otherwise the proposer keeps its own
+map from requests to `num_slots` drafter slots, the least recently scheduled request giving its slot up (its
+context then starts over: `reset`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from collections import OrderedDict
+
 from openinfer.engine.request import Request
 
 
 class FeatureProposer:
-    def __init__(self, drafter, num_drafts: int):
+    def __init__(self, drafter, num_drafts: int, num_slots: int = 0):
         if num_drafts > drafter.block_size:
             raise ValueError(f"num_speculative_tokens {num_drafts} is above the drafter's block size "
                              f"{drafter.block_size} (drafts per step it can make)")
@@ -32,6 +37,21 @@ class FeatureProposer:
         # request_id -> (its token count when drafted, drafts, confidences): valid while the count is unchanged
         self.pending: dict[str, tuple[int, list[int], list[float]]] = {}
         self._context_end: dict[str, int] = {}      # request_id -> the next position its ring expects
+        self._own_slots: OrderedDict[str, int] = OrderedDict()   # models without state slots: request -> slot
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+
+    def _slot(self, rid: str, state_slot: int | None) -> int | None:
+        if state_slot is not None or not (self._own_slots or self._free_slots):
+            return state_slot
+        if rid in self._own_slots:
+            self._own_slots.move_to_end(rid)
+            return self._own_slots[rid]
+        if not self._free_slots:
+            evicted, slot = self._own_slots.popitem(last=False)
+            self._context_end.pop(evicted, None)
+            self._free_slots.append(slot)
+        self._own_slots[rid] = slot = self._free_slots.pop()
+        return slot
 
     def propose(self, req: Request, room: int) -> tuple[list[int], list[float]]:
         """The drafts kept for `req` by the last `after_step`, cut to `room` (none if they are stale)."""
@@ -49,11 +69,16 @@ class FeatureProposer:
         dev = features.device
         rows, positions, slots, following = [], [], [], []
         draft_reqs = []
-        for rid, (row, start, n, slot) in runner_out.rows.items():
+        for rid, (row, start, n, state_slot) in runner_out.rows.items():
             req = requests.get(rid)
             self.pending.pop(rid, None)
-            if req is None or slot is None:          # finished this step: nothing to draft for
+            if req is None:                          # finished this step: nothing to draft for
                 self._context_end.pop(rid, None)
+                if rid in self._own_slots:
+                    self._free_slots.append(self._own_slots.pop(rid))
+                continue
+            slot = self._slot(rid, state_slot)
+            if slot is None:
                 continue
             kept = min(n, req.num_computed_tokens - start)          # rows whose tokens the target accepted
             if kept <= 0:
@@ -69,6 +94,8 @@ class FeatureProposer:
                 draft_reqs.append((req, slot))
         for rid in [r for r in self._context_end if r not in requests]:
             del self._context_end[rid]
+        for rid in [r for r in self._own_slots if r not in requests]:     # aborted between steps
+            self._free_slots.append(self._own_slots.pop(rid))
         if rows:
             extra = {"next_tokens": torch.tensor(following, device=dev)} if getattr(
                 self.drafter, "reads_next_tokens", False) else {}

@@ -37,6 +37,18 @@ class Speculator:
                 raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with DSpark draft "
                                  f"stages; {type(model).__name__} has none")
             self.features = FeatureProposer(DSparkDrafter(model, runner.num_state_slots), self.k)
+        elif config.method == "draft_head":
+            from openinfer.spec_decode.draft_head import DraftHead, DraftHeadDrafter
+            from openinfer.spec_decode.feature_proposer import FeatureProposer
+
+            model = runner.model
+            if not hasattr(model, "embed_tokens") or not hasattr(model, "lm_head"):
+                raise ValueError(f"speculative_config method 'draft_head' runs on Llama-family targets; "
+                                 f"{type(model).__name__} is not one")
+            head = DraftHead.load(config.draft_model, model.embed_tokens.weight, model.lm_head.weight)
+            slots = max_num_seqs if runner.num_state_slots == 0 else runner.num_state_slots
+            self.features = FeatureProposer(DraftHeadDrafter(head, 2 * slots, target=model), self.k,
+                                            num_slots=2 * slots if runner.num_state_slots == 0 else 0)
         elif config.method == "mtp":
             from openinfer.spec_decode.feature_proposer import FeatureProposer
             from openinfer.spec_decode.mtp import MtpDrafter
