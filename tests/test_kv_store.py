@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from openinfer import LLM, SamplingParams
@@ -187,9 +188,34 @@ def test_a_read_only_store_directory_faults_but_the_engine_serves_on(smollm_dir,
         store.chmod(0o700)
 
 
-def test_a_model_with_per_request_state_is_refused():
-    with pytest.raises(ValueError, match="per-request state"):
-        LLM("deepseek-v4-tiny", device="cpu", num_kv_blocks=16, max_num_seqs=4, kv_store_dir="/tmp/unused")
+@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
+def test_deepseek_state_travels_with_its_blocks_through_the_store(model, tmp_path):
+    """DeepSeek-V4/V4.1 keep per-request state (window rings, compressor rows, Engram look-back): a restarted
+    engine's hit through the store restores the state kept at the hit's last block, so a second turn decodes as a
+    cold engine does — also from a boundary the first turn crossed while decoding."""
+    store = str(tmp_path / "kv")
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(2, 129000, (83,), generator=g).tolist()
+    opts = dict(device="cpu", block_size=32, max_num_batched_tokens=64, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    a = LLM(model, kv_store_dir=store, **opts)
+    first = a.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids
+    a.shutdown()                                          # the queued writes finish first
+
+    turn2 = prompt + list(first)[:-1] + [5, 6, 7]         # 115 tokens: blocks to 96 (crossed while decoding)
+    b = LLM(model, kv_store_dir=store, **opts)
+    warm = b.generate(prompt_token_ids=[turn2], sampling_params=sp, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 96
+    st = b.engine.stats()
+    assert st["prefix_cache_store_hit_tokens"] == 96 and st["kv_store_tiers"]["dir"]["hits"] == 3 + 1  # 3 blocks, 1 state
+    assert_pool_idle(b.engine)
+    b.shutdown()
+    cold = LLM(model, enable_prefix_caching=False, **opts)
+    ref = cold.generate(prompt_token_ids=[turn2], sampling_params=sp, use_tqdm=False)[0].outputs[0]
+    cold.shutdown()
+    assert warm.outputs[0].token_ids == ref.token_ids
+    for a_, b_, t in zip(warm.outputs[0].logprobs, ref.logprobs, ref.token_ids):
+        assert abs(a_[t].logprob - b_[t].logprob) < 1e-4
 
 
 def test_store_options_are_validated():

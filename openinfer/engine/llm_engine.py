@@ -81,6 +81,14 @@ class LLMEngine:
             check(config.v41_prefill_keep_tokens)
         self.kv_store = self._make_kv_store(model) if config.kv_store_enabled else None
         self.runner.kv_store = self.kv_store
+        # models with per-request state: the state at a stored block boundary, in the same tiers
+        self.state_store = None
+        if self.kv_store is not None and self.runner.num_state_slots:
+            from openinfer.kv_cache.kv_store import TieredKVStore
+
+            self.state_store = TieredKVStore(self.kv_store.tiers, self.runner.state_snapshot_bytes(),
+                                             config.kv_store_ttl_s, queue_bytes=config.kv_store_write_buffer_bytes)
+        self.runner.state_store = self.state_store
         # sliding-window models with a store: window state in host memory (kv_cache/bounded_replay.py)
         self.swa_state = None
         if self.kv_store is not None and self.runner.swa_layout is not None and config.resolved_swa_state_bytes:
@@ -93,7 +101,8 @@ class LLMEngine:
                                          num_state_slots=self.runner.num_state_slots,
                                          num_state_snapshots=self.runner.num_state_snapshots,
                                          min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1,
-                                         store=self.kv_store, swa=self.runner.swa_layout, swa_state=self.swa_state,
+                                         store=self.kv_store, state_store=self.state_store,
+                                         swa=self.runner.swa_layout, swa_state=self.swa_state,
                                          swa_replay=config.swa_replay)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
@@ -130,11 +139,10 @@ class LLMEngine:
         from openinfer.kv_cache.tiers import DirectoryTier, HostMemoryTier, RedisTier
 
         c, runner = self.config, self.runner
-        if runner.num_state_slots:
+        if runner.num_state_slots and not runner.num_state_snapshots:
             raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: {type(model).__name__} keeps "
-                             f"per-request state (sliding-window rings, compressor state) that a stored prefix "
-                             f"would need too; its state tier is not built yet, so the prefix-KV store serves "
-                             f"models with paged KV only (Llama family, Gemma-3)")
+                             f"per-request state, which a stored prefix needs as of its last block: that state is "
+                             f"kept with prefix caching (enable_prefix_caching and num_state_snapshots > 0)")
         config_json = self.model_dir / "config.json"
         namespace = namespace_digest(
             model=self.model_dir.name, model_class=type(model).__name__,
@@ -143,6 +151,8 @@ class LLMEngine:
             load_format=c.load_format, block_size=c.block_size,
             caches=[(s.name, s.num_layers, tuple(s.entry_shape), str(s.dtype), s.tokens_per_entry)
                     for s in runner.cache_specs if isinstance(s, PagedCacheSpec)],
+            # per-request state stored at block boundaries (DeepSeek-V4/V4.1): its layout, rollback room included
+            state=[(s.name, s.num_layers, tuple(s.state_shape), str(s.dtype)) for s in runner._snapshot_specs()],
             ranks=(self.parallel.dp_size, self.parallel.dp_rank, self.parallel.tp_size, self.parallel.tp_rank),
             # sliding-window models: entries hold the full-attention layers' rows only
             windowed_layers_left_out=runner.swa_layout.window_layers if runner.swa_layout is not None else ())
@@ -256,6 +266,8 @@ class LLMEngine:
             self._structured = None
         if self.kv_store is not None:
             self.kv_store.close()        # the queued writes finish first
+        if self.state_store is not None:
+            self.state_store.close()
         self.runner = None
 
     def memory_stats(self) -> dict:

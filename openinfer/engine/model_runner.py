@@ -107,8 +107,10 @@ class ModelRunner:
         self.snapshots = {s.name: [self._zeros((self.num_state_snapshots, *s.state_shape), s.dtype)
                                    for _ in range(s.num_layers)]
                           for s in self._snapshot_specs()}
-        # the prefix-KV store blocks are saved to (the engine sets it; kv_cache/kv_store.py)
+        # the prefix-KV store blocks are saved to (the engine sets it; kv_cache/kv_store.py), and where the
+        # per-request state at a stored block boundary goes (models with state slots)
         self.kv_store = None
+        self.state_store = None
         # sliding-window models: which layers have a window (the store keeps the others' rows only), and the
         # host-memory tier their window state goes to (the engine sets it; kv_cache/bounded_replay.py)
         self.swa_layout = model.swa_layout() if hasattr(model, "swa_layout") else None
@@ -128,6 +130,53 @@ class ModelRunner:
         live = sum(s.bytes_per_slot() for s in self.cache_specs if isinstance(s, RequestStateSpec))
         return (self.num_state_slots + 1) * live + self.num_state_snapshots * sum(
             s.bytes_per_slot() for s in self._snapshot_specs())
+
+    def state_snapshot_bytes(self) -> int:
+        """Bytes of one request's state as kept at a block boundary (a snapshot; in the store, one entry)."""
+        return sum(s.bytes_per_slot() for s in self._snapshot_specs())
+
+    def _load_states(self, loads: list[tuple[int, bytes]]) -> None:
+        """State read from the store into request slots, before the forward (the layout of `_save_states`)."""
+        for slot, payload in loads:
+            buf = payload if not memoryview(payload).readonly else bytearray(payload)
+            flat = h2d(torch.frombuffer(buf, dtype=torch.uint8), self.device)
+            offset = 0
+            for name in self.snapshots:
+                for live in self.caches[name]:
+                    row = live[slot]
+                    n = row.numel() * row.element_size()
+                    part = flat[offset:offset + n]
+                    if offset % row.element_size():
+                        part = part.clone()
+                    row.copy_(part.view(row.dtype).view(row.shape))
+                    offset += n
+
+    def _save_states(self, saves: list[tuple[int, bytes, float]]) -> None:
+        """Snapshots keyed this step into the store (after the step's slot -> snapshot copies)."""
+        for snap, key, ttl in saves:
+            if not self.state_store.can_accept():
+                self.state_store.dropped_writes += 1
+                continue
+            flat = torch.cat([t[snap].reshape(-1).view(torch.uint8) for snaps in self.snapshots.values()
+                              for t in snaps])
+            self._queue_store_write(self.state_store, flat, key, ttl)
+
+    def _queue_store_write(self, store, flat: torch.Tensor, key: bytes, ttl: float) -> None:
+        """Hand bytes to the store's writer thread: on the CPU a copy now; on CUDA a copy queued on the stream
+        into pinned memory (it reads the tensor before any later step changes it), the writer waits for it."""
+        if self.device.type == "cpu":
+            payload = flat.numpy().tobytes()
+            store.put(key, lambda p=payload: p, ttl)
+            return
+        host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def read(host=host, event=event) -> bytes:
+            event.synchronize()
+            return host.numpy().tobytes()
+        store.put(key, read, ttl)
 
     def _copy_states(self, pairs: list[tuple[int, int]], restore: bool) -> None:
         if not pairs:
@@ -189,19 +238,7 @@ class ModelRunner:
                 store.dropped_writes += 1      # the writer is behind: drop rather than make the step wait
                 continue
             flat = torch.cat([row.reshape(-1).view(torch.uint8) for row in self._block_rows(block_id)])
-            if self.device.type == "cpu":
-                payload = flat.numpy().tobytes()
-                store.put(key, lambda p=payload: p, ttl)
-                continue
-            host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-
-            def read(host=host, event=event) -> bytes:
-                event.synchronize()
-                return host.numpy().tobytes()
-            store.put(key, read, ttl)
+            self._queue_store_write(store, flat, key, ttl)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -386,6 +423,7 @@ class ModelRunner:
         self._load_blocks(copies.kv_loads)
         self._load_window_state(copies.swa_loads)
         self._copy_states(sched.state_copies.restores, restore=True)
+        self._load_states(copies.state_loads)
         # decodes (single-token rows) first: they share one batched attention call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 or _replaying(s))
         ids: list[int] = []
@@ -489,6 +527,8 @@ class ModelRunner:
             out.captured = self.model.captured
 
         self._copy_states(sched.state_copies.saves, restore=False)
+        if copies.state_saves and self.state_store is not None:
+            self._save_states(copies.state_saves)
         if sched.state_copies.kv_saves and self.kv_store is not None:
             self._save_blocks(sched.state_copies.kv_saves)
         if plp_spans:

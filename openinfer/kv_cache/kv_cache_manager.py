@@ -18,7 +18,10 @@ runner with the step (`StateCopies.kv_loads`), which writes them into freshly al
 forward. Reading at schedule time leaves no window for an entry to vanish between "hit" and "load": a hit is
 bytes in hand, or a miss. Each block registered in the prefix cache for the first time (not one just loaded)
 is queued for saving (`StateCopies.kv_saves`); the runner copies it out after the step's forward.
-Models with per-request state are not stored yet (their window state would need a tier of its own).
+Models with per-request state (DeepSeek-V4/V4.1) keep it in the store too: a snapshot keyed by a block hash is
+also written to `state_store` (same tiers, its own key: `state_key`), and a hit through the store ends at the last
+block whose state is found, in a snapshot slot or in the store (`StateCopies.state_loads`, written into the
+request's slot before the forward).
 
 Sliding-window models (Gemma-3; kv_cache/bounded_replay.py): the store keeps only the full-attention layers'
 rows, so a block read from it lacks its windowed rows (`KVBlock.window_rows` False). A hit whose last window
@@ -75,21 +78,36 @@ class StateCopies:
     kv_saves: list[tuple[int, bytes, float]] = field(default_factory=list)
     swa_saves: list[tuple[list[int], bytes]] = field(default_factory=list)
     swa_loads: list[tuple[list[int | None], bytes]] = field(default_factory=list)
+    # models with per-request state and a store: (slot, state bytes) before the forward; (snapshot, key, TTL)
+    # after it (after that step's saves)
+    state_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    state_saves: list[tuple[int, bytes, float]] = field(default_factory=list)
+
+
+def state_key(block_hash: bytes) -> bytes:
+    """The store key of the per-request state at the end of this block (apart from the block's own key)."""
+    return hashlib.sha256(b"openinfer-request-state:" + block_hash).digest()
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
                  num_state_snapshots: int = 0, min_uncached_tokens: int = 1, store: TieredKVStore | None = None,
-                 swa: SlidingWindowLayout | None = None, swa_state=None, swa_replay: str = "bounded"):
+                 swa: SlidingWindowLayout | None = None, swa_state=None, swa_replay: str = "bounded",
+                 state_store: TieredKVStore | None = None):
         """`min_uncached_tokens`: a prefix hit leaves at least this many tokens to compute (1: the token that
         yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6).
-        `store`: the prefix-KV store behind the pool (models without per-request state only).
+        `store`: the prefix-KV store behind the pool; `state_store`: where models with per-request state keep it
+        at stored block boundaries (required for them with a store).
         `swa`: the model's sliding-window layers, with a store: its blocks lack their windowed rows;
         `swa_state`: the host-memory tier (tiers.HostMemoryTier) for window state, or None; `swa_replay`: the
         replay mode for a hit without it (bounded_replay.py)."""
-        if store is not None and (num_state_slots or not enable_prefix_caching):
-            raise ValueError("a prefix-KV store needs prefix caching and a model without per-request state")
+        if store is not None and (not enable_prefix_caching or (
+                num_state_slots and (state_store is None or not num_state_snapshots))):
+            raise ValueError("a prefix-KV store needs prefix caching, and for a model with per-request state, state "
+                             "snapshots and a state store")
         self.store = store
+        self.state_store = state_store if num_state_slots else None
+        self._state_loads: dict[str, bytes] = {}             # request -> state read from the store for its hit
         self.swa = swa if store is not None else None     # without a store every pool block has its rows
         self.swa_state = swa_state if self.swa is not None else None
         self.swa_replay = swa_replay
@@ -171,16 +189,44 @@ class KVCacheManager:
         if self.swa is not None:
             num_cached = self._window_hit(request, [b.window_rows for b in hits] + [False] * store_hits)
         if self.num_state_slots:   # usable up to the last hit block whose end state was kept
-            while hits and request.block_hashes[len(hits) - 1] not in self._snapshots:
-                hits.pop()
-            if hits:
-                h = request.block_hashes[len(hits) - 1]
-                self._snapshots.move_to_end(h)
-                self._restore[request.request_id] = self._snapshots[h]
-            num_cached = len(hits) * self.block_size
+            n = self._state_hit(request, len(hits) + store_hits)
+            del hits[n:]
+            if self.store is not None:
+                found = self._store_hits[request.request_id]
+                del found[max(n - len(hits), 0):]
+                self.prefix_stats.store_hit_tokens -= (store_hits - len(found)) * self.block_size
+                store_hits = len(found)
+            num_cached = (len(hits) + store_hits) * self.block_size
         self.prefix_stats.queried_tokens += request.num_tokens
         self.prefix_stats.hit_tokens += num_cached
         return hits, num_cached
+
+    def _state_hit(self, request: Request, n: int, store_tries: int = 4) -> int:
+        """How many of the n hit blocks are usable: up to the last one whose end state is kept — in a snapshot slot
+        (restored before the step) or, with a store, in the store (read now; at most `store_tries` reads, newest
+        block first)."""
+        rid = request.request_id
+        self._restore.pop(rid, None)
+        self._state_loads.pop(rid, None)
+        tries = 0
+        while n:
+            h = request.block_hashes[n - 1]
+            if h in self._snapshots:
+                self._snapshots.move_to_end(h)
+                self._restore[rid] = self._snapshots[h]
+                return n
+            if self.state_store is not None and tries < store_tries:
+                tries += 1
+                fetched = self._fetched.setdefault(rid, {})      # a waiting request's next try reads no more
+                key = state_key(h)
+                if key not in fetched:
+                    fetched[key] = self.state_store.get(key)
+                payload = fetched[key]
+                if payload is not None:
+                    self._state_loads[rid] = payload
+                    return n
+            n -= 1
+        return 0
 
     def _window_hit(self, request: Request, rows_present: list[bool]) -> int:
         """The hit rule (bounded_replay.py) for a hit of len(rows_present) blocks: its length when the last window's
@@ -327,8 +373,11 @@ class KVCacheManager:
         if need_slot:
             self._state_slot[rid] = self._free_state_slots.pop()
         snapshot = self._restore.pop(rid, None)
-        if snapshot is not None and computed_blocks:
+        if snapshot is not None and (computed_blocks or loaded):
             self.state_copies.restores.append((snapshot, self._state_slot[rid]))
+        state = self._state_loads.pop(rid, None)
+        if state is not None and (computed_blocks or loaded):
+            self.state_copies.state_loads.append((self._state_slot[rid], state))
         if self.enable_prefix_caching:
             self._extend_hashes(request)
             start = self._num_registered.get(rid, 0)
@@ -408,11 +457,13 @@ class KVCacheManager:
             snap = self._free_snapshots.pop()
         elif self._snapshots:
             snap = self._snapshots.popitem(last=False)[1]
+            # a store write of its old content not yet made would read the new one: drop it
+            self.state_copies.state_saves = [s for s in self.state_copies.state_saves if s[0] != snap]
         else:
             return
         self.state_copies.saves.append((self._state_slot[rid], snap))
         if index < len(hashes):
-            self._key_snapshot(hashes[index], snap)
+            self._key_snapshot(hashes[index], snap, request)
         else:
             self._unkeyed[rid] = (index, snap)
 
@@ -428,13 +479,16 @@ class KVCacheManager:
             self._free_snapshots.append(snap)
         elif len(request.block_hashes) > index:
             del self._unkeyed[request.request_id]
-            self._key_snapshot(request.block_hashes[index], snap)
+            self._key_snapshot(request.block_hashes[index], snap, request)
 
-    def _key_snapshot(self, block_hash: bytes, snap: int) -> None:
+    def _key_snapshot(self, block_hash: bytes, snap: int, request: Request) -> None:
         if block_hash in self._snapshots:      # another request kept the same state meanwhile
             self._free_snapshots.append(snap)
-        else:
-            self._snapshots[block_hash] = snap
+            return
+        self._snapshots[block_hash] = snap
+        if self.state_store is not None:
+            ttl = resolve_ttl(request.sampling_params.cache_ttl, self.state_store.default_ttl_s)
+            self.state_copies.state_saves.append((snap, state_key(block_hash), ttl))
 
     def take_state_copies(self) -> StateCopies:
         copies, self.state_copies = self.state_copies, StateCopies()
@@ -445,6 +499,7 @@ class KVCacheManager:
         self._restore.pop(rid, None)
         self._replay.pop(rid, None)
         self._swa_loads.pop(rid, None)
+        self._state_loads.pop(rid, None)
         self._store_hits.pop(rid, None)
         self._fetched.pop(rid, None)
         prefetch = self._prefetch.pop(rid, None)
