@@ -352,3 +352,29 @@ def test_redis_tier_round_trip_and_corruption(tmp_path):
         store.close()
     finally:
         server.kill()
+
+
+def test_deferred_puts_are_visible_before_their_copy_is_done():
+    """DeferredPutTier (the SWA state tier on CUDA): an entry whose device copy is still queued counts as present,
+    `settle` stores only finished copies, and `get` of a pending one waits for that copy and returns it."""
+    from openinfer.kv_cache.tiers import DeferredPutTier
+
+    tier = DeferredPutTier(HostMemoryTier(1 << 20))
+    done = {"a": False, "b": True}
+    reads = []
+
+    def reader(k):
+        def read():
+            reads.append(k)
+            return k.encode() * 4
+        return read
+
+    for k in ("a", "b"):
+        tier.put_later(k.encode(), lambda k=k: done[k], reader(k), 60.0)
+    assert tier.contains(b"a") and tier.contains(b"b") and not tier.tier.contains(b"a")
+    tier.settle()                                     # only b's copy is done
+    assert reads == ["b"] and tier.tier.contains(b"b") and not tier.tier.contains(b"a")
+    assert tier.get(b"a") == b"aaaa" and reads == ["b", "a"]     # waited for a's copy
+    tier.put_later(b"c", lambda: False, reader("c"), 60.0)
+    tier.settle(wait=True)
+    assert tier.get(b"c") == b"cccc" and tier.stats.hits == 2

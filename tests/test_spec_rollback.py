@@ -174,3 +174,16 @@ def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows():
                                   torch.arange(P + 1), runner.caches, meta)
         assert model.mtp_head(0, hidden[-1:]).argmax(-1).item() == tokens[0]
     torch.testing.assert_close(drafter._newest[slot], hidden[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_preempted_requests_with_drafts_recompute_to_plain_greedy():
+    """A pool too small for every request: requests with drafts get preempted and recompute their state (rings
+    written again from position 0); greedy output still equals plain decoding's, and the pool ends idle."""
+    prompts = prompts_of(45, 70, 33, 52, seed=8)
+    ref = [o.outputs[0].token_ids for o in _generate(_engine("deepseek-v4-tiny", spec=False), prompts)]
+    engine = _engine("deepseek-v4-tiny", spec=True, num_kv_blocks=7)
+    engine.speculator.proposer = ScriptedDrafter([p + r for p, r in zip(prompts, ref)], K)
+    got = [o.outputs[0].token_ids for o in _generate(engine, prompts)]
+    assert got == ref
+    assert engine.scheduler.num_preemptions > 0
+    assert_pool_idle(engine)

@@ -92,9 +92,9 @@ class LLMEngine:
         # sliding-window models with a store: window state in host memory (kv_cache/bounded_replay.py)
         self.swa_state = None
         if self.kv_store is not None and self.runner.swa_layout is not None and config.resolved_swa_state_bytes:
-            from openinfer.kv_cache.tiers import HostMemoryTier
+            from openinfer.kv_cache.tiers import DeferredPutTier, HostMemoryTier
 
-            self.swa_state = HostMemoryTier(config.resolved_swa_state_bytes)
+            self.swa_state = DeferredPutTier(HostMemoryTier(config.resolved_swa_state_bytes))
             self.swa_state.name = "swa_state"
         self.runner.swa_state = self.swa_state
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -305,6 +305,8 @@ class LLMEngine:
         a step reads back first. Requests whose grammar is still compiling wait in the queue (the scheduler
         skips them); a grammar that fails or times out aborts its request with the reason in stop_reason."""
         outputs: list[RequestOutput] = []
+        if self.swa_state is not None:
+            self.swa_state.settle()          # window state copies (CUDA) that are done go into the tier
         if self._compiling:
             outputs += self._retire_failed_grammars()
         prev, self._in_flight = self._in_flight, None

@@ -223,10 +223,25 @@ class ModelRunner:
 
     def save_window_state(self, saves: list[tuple[list[int], bytes]]) -> None:
         """The windowed rows of ended requests' last windows into the host-memory tier, when they end (the engine
-        calls it before the next schedule can reuse their blocks; synchronous: a few MB per request)."""
+        calls it before the next schedule can reuse their blocks). On CUDA the copy is queued on the stream into
+        pinned memory (it reads the blocks before any later step can write them) and stored once it is done
+        (`DeferredPutTier`): no wait for the step in flight."""
+        ttl = self.config.kv_store_ttl_s
         for block_ids, key in saves:
             rows = [r.reshape(-1).view(torch.uint8) for b in block_ids for r in self._block_rows(b, window_layers=True)]
-            self.swa_state.put(key, torch.cat(rows).cpu().numpy().tobytes(), self.config.kv_store_ttl_s)
+            flat = torch.cat(rows)
+            if self.device.type == "cpu" or not hasattr(self.swa_state, "put_later"):
+                self.swa_state.put(key, flat.cpu().numpy().tobytes(), ttl)
+                continue
+            host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+
+            def read(host=host, event=event) -> bytes:
+                event.synchronize()
+                return host.numpy().tobytes()
+            self.swa_state.put_later(key, event.query, read, ttl)
 
     def _save_blocks(self, saves: list[tuple[int, bytes, float]]) -> None:
         """Copy blocks this step completed to host memory for the store's writer thread, after the forward.

@@ -24,7 +24,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 MAGIC = b"OIKVBLK1"
 VERSION = 2   # 2: CRC-32 checksums (1: BLAKE2b, 4x slower to check than reading the entry)
@@ -93,6 +93,51 @@ def unpack_entry(namespace: bytes, entry: bytes) -> tuple[bytes | None, str]:
     if _checksum(payload) != digest:
         return None, "corrupt"
     return payload, ""          # a view: no copy (a writable one when `entry` is a bytearray)
+
+
+class DeferredPutTier:
+    """A tier whose puts may wait for a device-to-host copy still on the stream (the SWA state a request leaves on
+    CUDA, kv_cache/bounded_replay.py): `put_later(key, ready, read, ttl)` keeps the entry pending; `settle()` stores
+    those whose copy is done (each step, without waiting), and `get` / `contains` see pending entries too (`get`
+    waits for that one copy). So saving costs the step nothing and a lookup never misses a saved state."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self._pending: dict[bytes, tuple[Callable[[], bool], Callable[[], bytes], float]] = {}
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.tier.name = value
+
+    @property
+    def stats(self) -> "TierStats":
+        return self.tier.stats
+
+    def put(self, key: bytes, payload: bytes, ttl_s: float) -> None:
+        self._pending.pop(key, None)
+        self.tier.put(key, payload, ttl_s)
+
+    def put_later(self, key: bytes, ready: Callable[[], bool], read: Callable[[], bytes], ttl_s: float) -> None:
+        self._pending[key] = (ready, read, ttl_s)
+
+    def settle(self, wait: bool = False) -> None:
+        for key, (ready, read, ttl_s) in list(self._pending.items()):
+            if wait or ready():
+                del self._pending[key]
+                self.tier.put(key, read(), ttl_s)
+
+    def get(self, key: bytes) -> bytes | None:
+        item = self._pending.pop(key, None)
+        if item is not None:
+            self.tier.put(key, item[1](), item[2])
+        return self.tier.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._pending or self.tier.contains(key)
 
 
 class HostMemoryTier:
