@@ -18,7 +18,7 @@ from openinfer.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
 
 K = 4                                    # drafts per step: the rings keep 4 rows of rollback room
-PARAMS = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, logprobs=1)
+PARAMS = SamplingParams(temperature=0, ignore_eos=True, max_tokens=32, logprobs=1)
 
 
 def prompts_of(*lengths, seed=1):

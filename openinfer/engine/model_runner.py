@@ -162,21 +162,24 @@ class ModelRunner:
             self._queue_store_write(self.state_store, flat, key, ttl)
 
     def _queue_store_write(self, store, flat: torch.Tensor, key: bytes, ttl: float) -> None:
-        """Hand bytes to the store's writer thread: on the CPU a copy now; on CUDA a copy queued on the stream
-        into pinned memory (it reads the tensor before any later step changes it), the writer waits for it."""
+        """Hand bytes to the store's writer thread (`read` runs there)."""
+        store.put(key, self._to_host(flat)[1], ttl)
+
+    def _to_host(self, flat: torch.Tensor):
+        """(ready, read) for a uint8 tensor's bytes: on the CPU a copy now; on CUDA a copy queued on the stream into
+        pinned memory (it reads the tensor before any later step changes it), `read` waits for it."""
         if self.device.type == "cpu":
             payload = flat.numpy().tobytes()
-            store.put(key, lambda p=payload: p, ttl)
-            return
+            return (lambda: True), (lambda: payload)
         host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
 
-        def read(host=host, event=event) -> bytes:
+        def read() -> bytes:
             event.synchronize()
             return host.numpy().tobytes()
-        store.put(key, read, ttl)
+        return event.query, read
 
     def _copy_states(self, pairs: list[tuple[int, int]], restore: bool) -> None:
         if not pairs:
@@ -229,19 +232,11 @@ class ModelRunner:
         ttl = self.config.kv_store_ttl_s
         for block_ids, key in saves:
             rows = [r.reshape(-1).view(torch.uint8) for b in block_ids for r in self._block_rows(b, window_layers=True)]
-            flat = torch.cat(rows)
+            ready, read = self._to_host(torch.cat(rows))
             if self.device.type == "cpu" or not hasattr(self.swa_state, "put_later"):
-                self.swa_state.put(key, flat.cpu().numpy().tobytes(), ttl)
-                continue
-            host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-
-            def read(host=host, event=event) -> bytes:
-                event.synchronize()
-                return host.numpy().tobytes()
-            self.swa_state.put_later(key, event.query, read, ttl)
+                self.swa_state.put(key, read(), ttl)
+            else:
+                self.swa_state.put_later(key, ready, read, ttl)
 
     def _save_blocks(self, saves: list[tuple[int, bytes, float]]) -> None:
         """Copy blocks this step completed to host memory for the store's writer thread, after the forward.

@@ -467,6 +467,19 @@ class KVCacheManager:
         else:
             self._unkeyed[rid] = (index, snap)
 
+    def _register_computed(self, request: Request) -> None:
+        """A request leaves (finished or preempted): offer the prefix cache the blocks its computed tokens filled
+        since its last schedule — with speculative decoding, drafts accepted in its last step can fill a block
+        that no later schedule registers — and key a verify step's snapshot whose drafts were accepted. (GPU pool
+        only: the block is free from now on, so it is not queued for the store.)"""
+        self._extend_hashes(request)
+        blocks, hashes = self._blocks[request.request_id], request.block_hashes
+        start = self._num_registered.get(request.request_id, 0)
+        full = min(request.num_computed_tokens, request.num_tokens, len(blocks) * self.block_size) // self.block_size
+        for i in range(start, min(full, len(hashes))):
+            self.pool.cache(blocks[i], hashes[i])
+        self._resolve_unkeyed(request)
+
     def _resolve_unkeyed(self, request: Request) -> None:
         """Key a pending snapshot once its block's hash is known, or drop it if the request's computed tokens
         fell back before its boundary (a verify step's drafts there were rejected)."""
@@ -505,9 +518,8 @@ class KVCacheManager:
         prefetch = self._prefetch.pop(rid, None)
         if prefetch is not None:
             prefetch[1].cancel()                 # not started yet: never read; else its result is dropped
-        if rid in self._unkeyed and self.enable_prefix_caching:
-            self._extend_hashes(request)         # a verify step's snapshot whose drafts were accepted: keep it
-            self._resolve_unkeyed(request)
+        if self.enable_prefix_caching and rid in self._blocks:
+            self._register_computed(request)
         unkeyed = self._unkeyed.pop(rid, None)
         if unkeyed is not None:
             self._free_snapshots.append(unkeyed[1])

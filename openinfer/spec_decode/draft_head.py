@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.spec_decode.dspark import DSparkDraft
+from openinfer.layers.basic import RMSNorm
+from openinfer.spec_decode.dspark import DSparkDraft, ring_rows
 
 CONFIG_FILE = "draft_head.json"
 WEIGHTS_FILE = "draft_head.safetensors"
@@ -129,17 +130,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
 class DraftLayer(nn.Module):
@@ -368,10 +358,7 @@ class DraftHeadDrafter:
         if features.shape[0] == 0:
             return
         slots, positions = slots.long(), positions.long()
-        newest = torch.full((self.rings.shape[1],), -1, dtype=torch.long, device=positions.device)
-        newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
-        keep = positions > newest[slots] - self.window
-        dst = torch.where(keep, positions % self.window, self.window)
+        dst = ring_rows(slots, positions, self.rings.shape[1], self.window)
         for layer, (k, v) in enumerate(self.head.context_keys_values(features, positions)):
             self.rings[layer, slots, dst] = torch.stack([k, v], dim=1).to(self.rings.dtype)
 

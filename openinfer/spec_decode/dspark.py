@@ -46,6 +46,16 @@ import torch
 from openinfer.quantization.kv_formats import Fp8BlockCodec, IdentityCodec
 
 
+def ring_rows(slots: torch.Tensor, positions: torch.Tensor, num_slots: int, window: int) -> torch.Tensor:
+    """Ring row of each (request slot, position) a drafter's `extend` writes: position p at row p % W when it is
+    among its request's newest W positions of the call, else row W (the scratch row: an older row would be
+    overwritten by a newer one of the same call anyway)."""
+    newest = torch.full((num_slots,), -1, dtype=torch.long, device=positions.device)
+    newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
+    keep = positions > newest[slots] - window
+    return torch.where(keep, positions % window, window)
+
+
 class DSparkDraft(NamedTuple):
     tokens: torch.Tensor          # [B, n] long: drafts for positions P + 2 .. P + n + 1
     confidences: torch.Tensor     # [B, n] float32 in [0, 1]: sigmoid(scores)
@@ -104,10 +114,7 @@ class DSparkDrafter:
         if features.shape[0] == 0:
             return
         slots, positions = slots.long(), positions.long()
-        newest = torch.full((self.rings.shape[1],), -1, dtype=torch.long, device=positions.device)
-        newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
-        keep = positions > newest[slots] - self.window
-        dst = torch.where(keep, positions % self.window, self.window)      # the rest to the scratch slot
+        dst = ring_rows(slots, positions, self.rings.shape[1], self.window)
         main_x = self.stages[0].context(features.to(self.dtype))
         for k, stage in enumerate(self.stages):
             self.rings[k, slots, dst] = stage.context_keys(main_x, positions, self.model.ropes, self.codec)
