@@ -123,7 +123,7 @@ def _fillers(n: int) -> list[tuple[str, SamplingParams]]:
     out = []
     for i in range(n):
         text = " ".join(rng.choice(words) for _ in range(rng.choice([2, 9, 30, 70])))
-        out.append((f"Continue: {text}", SamplingParams(max_tokens=rng.randrange(4, 48), ignore_eos=True,
+        out.append((f"Continue: {text}", SamplingParams(max_tokens=rng.randrange(4, 32), ignore_eos=True,
                                                         temperature=rng.choice([0.0, 1.0]), seed=i)))
     return out
 

@@ -185,7 +185,7 @@ def test_engine_drafts_with_the_trained_head_and_keeps_plain_greedy(smollm_dir, 
     head = trained[0]
     head.save(tmp_path / "head")
     messages = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS[:4]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16)
     ref = [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
     plain.shutdown()

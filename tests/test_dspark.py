@@ -176,8 +176,7 @@ def test_engine_drafts_with_dspark_and_keeps_plain_greedy(dspark):
     path = dspark[1].config.model
     prompts = prompts_of(40, 23, seed=9)
     params = SamplingParams(max_tokens=10, logprobs=0, **GREEDY)
-    plain = v41_engine(path, dtype="bfloat16")
-    ref = [o.outputs[0] for o, _ in run_recording(plain, prompts, params)]
+    ref = [o.outputs[0] for o, _ in run_recording(dspark[1], prompts, params)]      # the plain engine
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", block_size=32,
                                     max_num_batched_tokens=64, enable_prefix_caching=False,
                                     speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK}))
