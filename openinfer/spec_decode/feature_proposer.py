@@ -20,9 +20,9 @@ context then starts over: `reset`).
 
 from __future__ import annotations
 
-import torch
-
 from collections import OrderedDict
+
+import torch
 
 from openinfer.engine.request import Request
 
@@ -67,6 +67,7 @@ class FeatureProposer:
             return
         features = self.drafter.features_of(runner_out.captured)
         dev = features.device
+        reads_next = getattr(self.drafter, "reads_next_tokens", False)
         rows, positions, slots, following = [], [], [], []
         draft_reqs = []
         for rid, (row, start, n, state_slot) in runner_out.rows.items():
@@ -88,7 +89,8 @@ class FeatureProposer:
             self._context_end[rid] = start + kept
             rows.extend(range(row, row + kept))
             positions.extend(range(start, start + kept))
-            following.extend(req.token_ids_slice(start + 1, start + kept + 1))   # the token after each row
+            if reads_next:                                          # the token after each row (mtp)
+                following.extend(req.token_ids_slice(start + 1, start + kept + 1))
             slots.extend([slot] * kept)
             if rid in runner_out.sample_index and req.num_computed_tokens == req.num_tokens - 1:
                 draft_reqs.append((req, slot))
@@ -97,8 +99,7 @@ class FeatureProposer:
         for rid in [r for r in self._own_slots if r not in requests]:     # aborted between steps
             self._free_slots.append(self._own_slots.pop(rid))
         if rows:
-            extra = {"next_tokens": torch.tensor(following, device=dev)} if getattr(
-                self.drafter, "reads_next_tokens", False) else {}
+            extra = {"next_tokens": torch.tensor(following, device=dev)} if reads_next else {}
             self.drafter.extend(torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
                                 features[torch.tensor(rows, device=dev)], **extra)
         if not draft_reqs:

@@ -46,9 +46,9 @@ class Speculator:
                 raise ValueError(f"speculative_config method 'draft_head' runs on Llama-family targets; "
                                  f"{type(model).__name__} is not one")
             head = DraftHead.load(config.draft_model, model.embed_tokens.weight, model.lm_head.weight)
-            slots = max_num_seqs if runner.num_state_slots == 0 else runner.num_state_slots
-            self.features = FeatureProposer(DraftHeadDrafter(head, 2 * slots, target=model), self.k,
-                                            num_slots=2 * slots if runner.num_state_slots == 0 else 0)
+            own = 0 if runner.num_state_slots else 2 * max_num_seqs     # models without state slots: its own map
+            self.features = FeatureProposer(DraftHeadDrafter(head, runner.num_state_slots or own, target=model),
+                                            self.k, num_slots=own)
         elif config.method == "mtp":
             from openinfer.spec_decode.feature_proposer import FeatureProposer
             from openinfer.spec_decode.mtp import MtpDrafter
