@@ -535,3 +535,102 @@ def test_gemma3_window_replay_on_cuda_follows_the_hf_oracle(tmp_path, mode):
     ref = rows[:-1].log_softmax(-1)[torch.arange(len(prompt) - 49), torch.tensor(prompt[49:])]
     assert (got - ref).abs().max() < 1e-3
     llm.shutdown()
+
+
+# ---- speculative decoding ---------------------------------------------------------------------------------
+class _ScriptedDrafter:
+    """Drafts a plain run's own continuation, wrong from a depth cycling through 0..k (k: all right), so verify
+    steps accept runs of every length and reject at every depth (as tests/test_spec_rollback.py, vocab 2000)."""
+
+    def __init__(self, sequences: list[list[int]], k: int):
+        self.sequences, self.k, self.calls = sequences, k, 0
+
+    def propose(self, token_ids, max_drafts=None):
+        token_ids = list(token_ids)
+        seq = next(s for s in self.sequences if s[:len(token_ids)] == token_ids)
+        drafts = seq[len(token_ids):len(token_ids) + min(self.k, max_drafts or self.k)]
+        wrong = self.calls % (self.k + 1)
+        self.calls += 1
+        if wrong < len(drafts):
+            drafts[wrong] = 2 + (drafts[wrong] - 1) % 1998           # any other token of the vocabulary
+        return drafts, [0.5] * len(drafts)
+
+
+def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir):
+    """A verify step on a model without per-request state runs its token + k drafts as decode rows (each row
+    attends to the keys up to its own position) inside the decode CUDA graphs — more rows than max_num_seqs —
+    and greedy tokens and logprobs equal plain decoding in graphs (fp32), with rejections at every depth."""
+    k = 3
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 2000, (int(n),), generator=g).tolist() for n in (5, 40, 130, 17, 66, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+
+    def run(spec, sequences=None):
+        llm = LLM(tiny_dummy_dir, device="cuda", dtype="float32", load_format="dummy", block_size=16, max_num_seqs=4,
+                  speculative_config=spec, kv_cache_memory_bytes=256 << 20)
+        if spec is not None:
+            llm.engine.speculator.proposer = _ScriptedDrafter(sequences, k)
+        outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+        runner, kv = llm.engine.runner, llm.engine.kv_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        llm.shutdown()
+        del llm
+        gc.collect()
+        return outs, runner
+
+    plain, plain_runner = run(None)
+    assert plain_runner.max_graph_rows <= 4
+    spec, runner = run({"method": "ngram", "num_speculative_tokens": k},
+                       [p + o.token_ids for p, o in zip(prompts, plain)])
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-4
+    drafted, accepted = sum(o.num_draft_tokens for o in spec), sum(o.num_accepted_tokens for o in spec)
+    assert accepted > 40 and drafted - accepted > 20
+    assert runner.max_graph_rows > 4 and runner.graph_replays >= 40 // (k + 1)
+
+
+def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_path):
+    """The draft head reads the target's features of the accepted rows; with decode and verify steps replayed in
+    CUDA graphs those features are the graphs' own outputs. An untrained head (its drafts mostly rejected): greedy
+    tokens equal plain decoding (fp32), every position reaches the head once, in order."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openinfer.benchmarks.spec import CHAT_QUESTIONS
+    from openinfer.spec_decode.draft_head import DraftHead, DraftHeadConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(hf.config, noise_token_id=tok.unk_token_id, block_size=3, window=16,
+                                     intermediate_size=256, markov_rank=32)
+    DraftHead(cfg, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight).save(tmp_path / "head")
+    del hf
+    messages = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS[:4]]   # one slot each
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(smollm_dir, device="cuda", dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=1 << 30)
+    ref = [o.outputs[0].token_ids for o in plain.chat(messages, sp, use_tqdm=False)]
+    plain.shutdown()
+    del plain
+    gc.collect()
+    llm = LLM(smollm_dir, device="cuda", dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=1 << 30,
+              speculative_config={"method": "draft_head", "num_speculative_tokens": 3,
+                                  "draft_model": str(tmp_path / "head")})
+    drafter = llm.engine.speculator.features.drafter
+    extended: dict[int, list[int]] = {}
+    extend = drafter.extend
+
+    def logging_extend(slots, positions, features):
+        for s, p in zip(slots.tolist(), positions.tolist()):
+            extended.setdefault(s, []).append(p)
+        return extend(slots, positions, features)
+
+    drafter.extend = logging_extend
+    outs = [o.outputs[0] for o in llm.chat(messages, sp, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5
+    runner = llm.engine.runner
+    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    for positions in extended.values():
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+    llm.shutdown()

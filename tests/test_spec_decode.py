@@ -28,6 +28,36 @@ def _run(llm, prompts, sp):
     return [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
+def _ngram_reference(toks: list[int], k: int, min_n: int, max_n: int):
+    """Prompt lookup as spec_decode/ngram.py's docstring defines it, by brute force."""
+    L = len(toks)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        follow = [i + n for i in range(L - n) if toks[i:i + n] == toks[L - n:]]
+        if follow:
+            drafts = toks[follow[-1]:follow[-1] + k]
+            conf, alive = [], follow
+            for i, d in enumerate(drafts):
+                alive = [f for f in alive if f + i < L]
+                agree = [f for f in alive if toks[f + i] == d]
+                conf.append((len(agree) + 1) / (len(alive) + 2))
+                alive = agree
+            return drafts, conf
+    return [], []
+
+
+def test_ngram_proposer_equals_brute_force():
+    from openinfer.spec_decode.ngram import NgramProposer
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        toks = rng.integers(0, rng.choice([2, 3, 6, 50]), rng.integers(0, 50)).tolist()
+        k, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        got = NgramProposer(k, min_n, max_n).propose(np.asarray(toks, dtype=np.int64))
+        want = _ngram_reference(toks, k, min_n, max_n) if len(toks) >= min_n + 1 else ([], [])
+        assert got[0] == want[0] and np.allclose(got[1], want[1]), (toks, k, min_n, max_n)
+
+
 @pytest.fixture(scope="module")
 def plain_greedy(smollm_dir):
     llm = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16)

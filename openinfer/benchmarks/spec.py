@@ -392,9 +392,13 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
                 result["model"] = cfg.model
                 result["dtype"] = str(llm.config.torch_dtype)
             counter = _StepCounter(llm.engine)
-            # warm-up: every batch size up to c once, on prompts not in the workload
+            # warm-up, on prompts not in the workload: every batch size up to c once, and each task's prompt
+            # lengths at batch c (on the GPU the first long prefills compile kernels: seconds in a timed cell)
             llm.chat([[{"role": "user", "content": f"Say hello number {i}."}] for i in range(c)],
                      SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            for task in cfg.tasks:
+                llm.chat([[{"role": "user", "content": q}] for q in task_prompts(task, n + c)[n:]],
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
             engines[mode] = (llm, counter, spec, time.perf_counter() - t0)
         for temp in cfg.temperatures:
             if temp != 0 and c not in sampled_c:

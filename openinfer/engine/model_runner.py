@@ -307,13 +307,22 @@ class ModelRunner:
 
         Models whose decode reads a context-sized gather (DeepSeek-V4's compressed entries:
         `decode_graph_context_buckets`) get one graph per (batch bucket, power-of-two context bucket),
-        captured the first time a step needs it; the others, one per batch bucket at max_model_len, now."""
-        sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-                 if b <= self.config.max_num_seqs] or [1]
-        if sizes[-1] < self.config.max_num_seqs:
-            sizes.append(self.config.max_num_seqs)
+        captured the first time a step needs it; the others, one per batch bucket at max_model_len, now.
+
+        With speculative decoding a verify step runs 1 + k decode rows per request (`_as_decode_rows`): the
+        buckets then reach max_num_seqs * (1 + k) rows (at most max_num_batched_tokens)."""
+        rows = self.config.max_num_seqs
+        spec = self.config.speculative_config
+        if spec is not None and not self.num_state_slots:
+            rows = max(rows, min(rows * (1 + spec.num_speculative_tokens), self.config.max_num_batched_tokens))
+        buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                   *range(640, 1025, 128), *range(1280, 4097, 256))
+        sizes = [b for b in buckets if b <= rows] or [1]
+        if sizes[-1] < rows:
+            sizes.append(rows)
         dev, bs, n = self.device, self.block_size, sizes[-1]
         self.graph_sizes, self.max_graph_context = sizes, max_model_len
+        self.graph_replays = self.max_graph_rows = 0    # steps replayed with real rows, the most rows in one
         self.context_buckets = getattr(self.model, "decode_graph_context_buckets", False)
         self.g_valid = torch.zeros((), dtype=torch.long, device=dev)   # EP: rows of the bucket that are real
         self._g_live = 0      # rows holding a real request since the last replay (the rest are padding)
@@ -364,7 +373,10 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             hidden = self.model(self.g_ids[:b], self.g_pos[:b], self.caches, meta)
-        self.graphs[(b, context)] = (graph, hidden)
+        # a drafter reading the target's features (spec_decode/feature_proposer.py): the graph's own copies,
+        # rewritten by each replay
+        captured = dict(self.model.captured) if getattr(self.model, "capture_layers", ()) else None
+        self.graphs[(b, context)] = (graph, hidden, captured)
 
     def _pad_rows(self, start: int, end: int) -> None:
         """Make graph rows [start, end) padding rows: they read and write only the scratch page and slot."""
@@ -377,13 +389,14 @@ class ModelRunner:
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
                        tables: list[list[int]], lens: list[int], fixups=None, state_slots=None,
-                       min_batch: int = 0) -> torch.Tensor | None:
+                       min_batch: int = 0) -> tuple[torch.Tensor | None, dict[int, torch.Tensor] | None]:
         """Replay the graph of the smallest bucket holding max(len(ids), min_batch) rows (expert parallelism:
-        the bucket all ranks agreed on; an idle rank replays it with padding rows only)."""
+        the bucket all ranks agreed on; an idle rank replays it with padding rows only). Returns the hidden
+        rows and the features the model kept for a drafter (None: no bucket / none kept)."""
         b = len(ids)
         bucket = next((s for s in self.graph_sizes if s >= max(b, min_batch)), None)
         if bucket is None:
-            return None
+            return None, None
         if self.step_sync is not None:
             self.g_valid.fill_(b)
         context = self.max_graph_context
@@ -398,10 +411,10 @@ class ModelRunner:
         if self._g_live > b:
             self._pad_rows(b, self._g_live)
         self._g_live = b
-        graph, hidden = self.graphs[(bucket, context)]
+        graph, hidden, captured = self.graphs[(bucket, context)]
         if b == 0:
             graph.replay()
-            return hidden[:0]
+            return hidden[:0], None
         host_tables = _pad_tables(tables, fill=self.num_blocks)
         width = host_tables.shape[1]
         dev = self.device
@@ -418,9 +431,20 @@ class ModelRunner:
         if state_slots is not None and self.num_state_slots:
             self.g_state_slots[:b].copy_(h2d(torch.tensor(state_slots, dtype=torch.long), dev))
         graph.replay()
-        return hidden[:b]
+        self.graph_replays += 1
+        self.max_graph_rows = max(self.max_graph_rows, b)
+        return hidden[:b], None if captured is None else {k: v[:b] for k, v in captured.items()}
 
     # ---- one step ---------------------------------------------------------------------------------------
+    def _as_decode_rows(self, s) -> bool:
+        """Whether a scheduled request runs as decode rows (one query each, attending to the keys up to its own
+        position) rather than as a prefill chunk: a decode, and a verify step's token + drafts on a model without
+        per-request state — its rows are then decode rows too, so verify steps replay the decode CUDA graphs
+        (bucketed by rows) instead of running eager. (A model with per-request state advances it per chunk.)"""
+        if _replaying(s):      # a replay chunk needs the prefill path's per-layer views, even of one token
+            return False
+        return s.num_new_tokens == 1 or (bool(s.draft_token_ids) and not self.num_state_slots)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev: RunnerOutput | None = None,
                 grammar_bitmask: GrammarBitmask | None = None) -> RunnerOutput:
@@ -434,8 +458,8 @@ class ModelRunner:
         self._load_window_state(copies.swa_loads)
         self._copy_states(sched.state_copies.restores, restore=True)
         self._load_states(copies.state_loads)
-        # decodes (single-token rows) first: they share one batched attention call
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 or _replaying(s))
+        # decode rows first: they share one batched attention call (and the decode CUDA graphs)
+        order = sorted(sched.scheduled, key=lambda s: not self._as_decode_rows(s))
         ids: list[int] = []
         dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
         pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
@@ -463,12 +487,13 @@ class ModelRunner:
                 ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
                 ids.extend(drafts)
             replaying = _replaying(s)
-            if n == 1 and not replaying:      # a one-token replay chunk needs the prefill path's per-layer views
-                dec_pos.append(start)
-                dec_slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-                decode_state_slots.append(s.state_slot)
+            if self._as_decode_rows(s):
+                for p in range(start, start + n):     # a verify step's rows: each sees the keys up to its own
+                    dec_pos.append(p)
+                    dec_slots.append(table[p // bs] * bs + p % bs)
+                    decode_tables.append(table)
+                    decode_lens.append(p + 1)
+                    decode_state_slots.append(s.state_slot)
             else:
                 positions = np.arange(start, start + n)
                 np_table = np.asarray(table, dtype=np.int64)
@@ -517,15 +542,14 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         hidden, plan = None, None
-        # (a forward that keeps features for a drafter runs eager: the decode graphs keep none)
-        graphable = (not prefills and not capture and hasattr(self, "graph_sizes")
-                     and len(ids) <= self.graph_sizes[-1])
+        graphable = not prefills and hasattr(self, "graph_sizes") and len(ids) <= self.graph_sizes[-1]
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
+        captured = None
         if graphable:
-            hidden = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
-                                         min_batch=plan.graph_batch if plan else 0)
+            hidden, captured = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups,
+                                                   decode_state_slots, min_batch=plan.graph_batch if plan else 0)
         if hidden is None:
             views = self._replay_views(slots, pos, prefills, replays) if replays else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
@@ -534,7 +558,7 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.after_forward()
         if capture:
-            out.captured = self.model.captured
+            out.captured = self.model.captured if captured is None else captured
 
         self._copy_states(sched.state_copies.saves, restore=False)
         if copies.state_saves and self.state_store is not None:

@@ -14,7 +14,6 @@ observation each way so that a single occurrence does not claim certainty.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -29,12 +28,18 @@ class NgramProposer:
         L = len(toks)
         if k <= 0 or L < self.min_n + 1:
             return [], []
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(toks[:L - 1], n)          # n-grams that end before the last token
-            starts = np.flatnonzero((windows == toks[L - n:]).all(axis=1))
-            if len(starts) == 0:
+        # Ends of earlier occurrences of the last token (before it), then kept while the tokens before them match
+        # too: one vectorized pass over the sequence and a few over the candidates, instead of one n-gram
+        # comparison over the whole sequence per n (a long prompt at every step of every request).
+        ends = [np.flatnonzero(toks[:L - 1] == toks[L - 1])]
+        for j in range(1, min(self.max_n, L - 1)):
+            e = ends[-1]
+            e = e[e >= j]
+            ends.append(e[toks[e - j] == toks[L - 1 - j]])
+        for n in range(len(ends), self.min_n - 1, -1):
+            if len(ends[n - 1]) == 0:
                 continue
-            follow = starts + n                                      # first token after each occurrence
+            follow = ends[n - 1] + 1                                 # first token after each occurrence
             src = int(follow[-1])                                    # most recent occurrence
             drafts = toks[src:min(src + k, L)].tolist()
             return drafts, self._confidences(toks, follow, drafts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 from openinfer.engine.request import Request
@@ -57,6 +58,9 @@ class Speculator:
                                             self.k)
         else:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        # ngram: each running request's tokens as an int64 array, extended by the new tokens only (a long prompt
+        # is not converted again at every step)
+        self._token_arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
         self.budget = config.verify_budget or max(1, max_num_seqs * self.k // 2)
 
     def after_step(self, runner_out, requests) -> None:
@@ -93,7 +97,7 @@ class Speculator:
                 if self.features is not None:
                     drafts, conf = self.features.propose(req, room)
                 else:
-                    drafts, conf = self.proposer.propose(req.all_token_ids, room)
+                    drafts, conf = self.proposer.propose(self._token_array(req), room)
             except Exception as e:          # this request decodes without drafts from now on; others go on
                 req.spec_disabled = True
                 print(f"[openinfer] drafter failed on request {req.request_id} ({e!r}): speculation off for it",
@@ -106,8 +110,28 @@ class Speculator:
             if drafts:
                 req.spec_token_ids, req.spec_confidences = drafts, conf
                 drafting.append(req)
+        if len(self._token_arrays) > len(running):     # requests that left
+            live = {r.request_id for r in running}
+            for rid in [r for r in self._token_arrays if r not in live]:
+                del self._token_arrays[rid]
         if self.config.policy == "confidence" and drafting:
             self._apply_confidence_policy(drafting)
+
+    def _token_array(self, req: Request) -> np.ndarray:
+        """`req`'s tokens as an int64 array (a view of a buffer kept per request, grown geometrically; a request's
+        tokens never change once appended, so only the new ones are copied in)."""
+        owner, buf, have = self._token_arrays.get(req.request_id, (None, None, 0))
+        n = req.num_tokens
+        if owner is not req or have > n:      # (an id reused by a new request starts over)
+            buf, have = np.empty(max(2 * n, 256), dtype=np.int64), 0
+        elif len(buf) < n:
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        if have < n:
+            buf[have:n] = req.token_ids_slice(have, n)
+        self._token_arrays[req.request_id] = (req, buf, n)
+        return buf[:n]
 
     def _apply_confidence_policy(self, reqs: list[Request]) -> None:
         from openinfer.spec_decode.policy import confidence_lengths
