@@ -177,7 +177,7 @@ def test_serves_as_deepseek_v41_flash_over_http(llm):
 def test_data_parallel_equals_one_process_and_tp_is_refused_up_front():
     """Attention DP over 2 gloo ranks (one worker process each, its own requests and caches) gives each request
     what one process gives it (unquantized caches and activations: the ranks' batches differ, and no FP8/FP4
-    rounding step may turn that into a visible difference); TP/EP are not wired for V4.1 and say so before any
+    rounding step may turn that into a visible difference); TP is not wired for V4.1 and says so before any
     worker starts."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 129000, (n,), generator=g).tolist() for n in (40, 70, 25, 90)]
@@ -198,5 +198,5 @@ def test_data_parallel_equals_one_process_and_tp_is_refused_up_front():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids):
             assert abs(x[t].logprob - y[t].logprob) < 1e-4
-    with pytest.raises(ValueError, match="data_parallel_size only"):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not wired"):
         LLM(NAME, device="cpu", tensor_parallel_size=2)

@@ -14,6 +14,7 @@ import torch
 
 from openinfer.distributed.eplb import (ExpertPlacement, LoadWindow, apply_moves, moe_lb, num_physical_experts,
                                         rank_loads, rebalance)
+from openinfer.distributed.expert_parallel import ExpertRouting
 from openinfer.distributed.parallel_state import ParallelContext
 
 _MEASURE_EVERY = 64     # forwards between moe_lb readings (each reads the window back to the host)
@@ -21,10 +22,10 @@ _MEASURE_EVERY = 64     # forwards between moe_lb readings (each reads the windo
 
 class EplbController:
     def __init__(self, model, ctx: ParallelContext, config):
-        from openinfer.models.deepseek_v4 import MoE
-
         self.ctx = ctx
-        self.moes = [m for m in model.modules() if isinstance(m, MoE) and hasattr(m, "routing")]
+        # the expert-parallel MoE layers (DeepSeek-V4's and V4.1's: any module with an ExpertRouting and the
+        # stacked `experts` whose slots it maps), in model order
+        self.moes = [m for m in model.modules() if isinstance(getattr(m, "routing", None), ExpertRouting)]
         num_logical = model.config.n_routed_experts
         self.num_physical = num_physical_experts(num_logical, ctx.num_redundant_experts, ctx.ep_size)
         device = self.moes[0].routing.load.device

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from openinfer.distributed.collectives import ep_all_gather, ep_reduce_scatter
+from openinfer.distributed.eplb import ExpertPlacement, num_physical_experts
 from openinfer.distributed.parallel_state import ParallelContext
 
 
@@ -53,6 +54,39 @@ class ExpertRouting(nn.Module):
         local = phys - self.ep_rank * self.slots_per_rank
         here = valid & (local >= 0) & (local < self.slots_per_rank)
         return torch.where(here, local, -1)
+
+
+def initial_layout(num_layers: int, num_logical: int, ctx: ParallelContext):
+    """(placement, (slots per rank, most replicas one expert can have)) of `num_layers` expert-parallel MoE
+    layers, first as a plain checkpoint split (`ExpertPlacement.initial`); None without expert parallelism.
+    The placement is a host tensor even while the model is built on "meta"."""
+    if ctx.ep_size == 1:
+        return None
+    physical = num_physical_experts(num_logical, ctx.num_redundant_experts, ctx.ep_size)
+    with torch.device("cpu"):
+        placement = ExpertPlacement.initial(num_layers, num_logical, physical, ctx.ep_size)
+    return placement, (placement.slots_per_rank, physical - num_logical + 1)
+
+
+def checkpoint_slots(placement: ExpertPlacement, ep_rank: int) -> dict[int, list[int]]:
+    """Logical expert -> this rank's slots holding it (in the initial placement every layer's is the same):
+    where a loader copies checkpoint expert e; an expert absent here is skipped."""
+    slots: dict[int, list[int]] = {}
+    for slot, e in enumerate(placement.local_logical(ep_rank)[0].tolist()):
+        slots.setdefault(e, []).append(slot)
+    return slots
+
+
+def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting,
+                        routed, meta, ctx: ParallelContext) -> torch.Tensor:
+    """One MoE layer's routed experts under expert parallelism: exchange every rank's rows with their routing,
+    `routed(rows, local slot ids [N, k] (-1: another rank's), weights)` computes this rank's slots' partial
+    sums, and the partial sums of this rank's T rows come back summed. `meta`: the step's AttentionMetadata
+    (moe_rows_per_rank, moe_valid_rows, moe_communicate: the lockstep sizes the runner agreed on)."""
+    T = x.shape[0]
+    xa, ea, wa = exchange_tokens(x, experts, weights, meta.moe_rows_per_rank or T, meta.moe_valid_rows, ctx,
+                                 meta.moe_communicate)
+    return combine_tokens(routed(xa, routing.local_slots(ea), wa), T, ctx, meta.moe_communicate)
 
 
 def exchange_tokens(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows_per_rank: int,

@@ -34,10 +34,15 @@ def check_layout(config: EngineConfig, model_dir: Path) -> None:
     if is_deepseek_v41(hf):
         from openinfer.models.deepseek_v41_config import DeepseekV41Config
 
-        DeepseekV41Config.from_dict(hf)               # an inconsistent schedule fails here, not on every rank
-        if tp > 1 or config.enable_expert_parallel:
-            raise ValueError("DeepSeek-V4.1 runs with data_parallel_size only for now (tensor and expert "
-                             "parallelism are not wired for it yet)")
+        from openinfer.loader.deepseek_v41 import V41_NO_TP
+
+        cfg = DeepseekV41Config.from_dict(hf)         # an inconsistent schedule fails here, not on every rank
+        if tp > 1:
+            raise ValueError(V41_NO_TP)
+        if config.enable_expert_parallel:             # the backbone's experts; DSpark stages stay replicated
+            from openinfer.distributed.eplb import num_physical_experts
+
+            num_physical_experts(cfg.n_routed_experts, config.num_redundant_experts, world)
         return
     from openinfer.models.llama import LlamaConfig
 

@@ -26,6 +26,8 @@ from openinfer.models.deepseek_v41_config import INFERENCE_FORM_KEYS, DeepseekV4
 from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
 from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 
+V41_NO_TP = ("DeepSeek-V4.1 runs with data_parallel_size (attention DP), optionally with enable_expert_parallel; "
+             "tensor_parallel_size > 1 is not wired for it yet")
 V41_BLOCK = 32            # the released V4.1 weights: 32x32 FP8 blocks (inference form has no quantization_config)
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
@@ -78,9 +80,8 @@ def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
                        parallel: ParallelContext, quantized_caches: bool = True,
                        engram_on_host: bool = False) -> DeepseekV41ForCausalLM:
     """`engram_on_host`: Engram tables in pinned host memory (CUDA reads them in place), the rest on `device`."""
-    if parallel.tp_size > 1 or parallel.ep_size > 1:
-        raise ValueError("DeepSeek-V4.1 runs with data_parallel_size only for now (tensor and expert "
-                         "parallelism are not wired for it yet)")
+    if parallel.tp_size > 1:
+        raise ValueError(V41_NO_TP)
     cfg = DeepseekV41Config.from_dict(hf)
     if cfg.vision_n_layers > 0:
         print(f"[openinfer] {model_dir.name}: DeepSeek-V4.1 loads text-only (the {cfg.vision_n_layers}-layer vision "
@@ -90,7 +91,7 @@ def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     scheme = quant_scheme(hf, cfg)
     engram = engram_hasher(cfg, model_dir)
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, ops, engram and engram[0], quantized_caches).cast(dtype)
+        model = DeepseekV41ForCausalLM(cfg, ops, engram and engram[0], quantized_caches, parallel).cast(dtype)
     if dummy:
         fp8, experts = published_modules(model, scheme)
         headers = None
@@ -120,7 +121,7 @@ def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     else:
         from openinfer.loader.weights import iter_safetensors
 
-        load_weights(model, iter_safetensors(model_dir))
+        load_weights(model, iter_safetensors(model_dir, keep=model_keeps(model)))
     if engram is not None:
         model.attach_hasher(engram[1].to(device))
     return model.eval()
@@ -167,11 +168,51 @@ def checkpoint_to_param(name: str) -> tuple[str, tuple[int, str] | None]:
     return name, None
 
 
+def _local_slots(model: DeepseekV41ForCausalLM) -> dict[int, list[int]] | None:
+    """Expert parallelism: checkpoint expert e -> this rank's slots of every backbone stack holding it; None: every
+    stack holds all its experts (one process, and always the DSpark stages)."""
+    if model.expert_placement is None:
+        return None
+    from openinfer.distributed.expert_parallel import checkpoint_slots
+
+    return checkpoint_slots(model.expert_placement, model.parallel.ep_rank)
+
+
+def _ep_stack(model: DeepseekV41ForCausalLM, name: str) -> bool:
+    """Whether parameter (or checkpoint tensor) `name` belongs to an expert-parallel stack: a backbone layer's
+    experts under expert parallelism."""
+    return model.expert_placement is not None and name.startswith("layers.") and ".ffn.experts." in name
+
+
+def model_keeps(model: DeepseekV41ForCausalLM):
+    """A name filter for reading the checkpoint: with expert parallelism the backbone experts other ranks hold
+    are never read from disk; None: read everything."""
+    local = _local_slots(model)
+    if local is None:
+        return None
+
+    def keep(name: str) -> bool:
+        m = _EXPERT.match(name)
+        return m is None or not _ep_stack(model, name) or int(m.group(2)) in local
+    return keep
+
+
 def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
                  dry_run: bool = False) -> None:
     """Every parameter covered exactly once, shapes and stored formats checked (quantized tensors are copied as
-    bytes, never read as floats). The DSpark stages' `embed`/`head` copies must equal the backbone's."""
+    bytes, never read as floats). The DSpark stages' `embed`/`head` copies must equal the backbone's. With expert
+    parallelism a backbone expert goes to this rank's slots holding it (none: skipped); the loading pass needs this
+    rank's experts only (`model_keeps` leaves the others unread), the `dry_run` over the headers all of them."""
     params = dict(model.named_parameters())
+    local = _local_slots(model)
+    n_routed = model.config.n_routed_experts
+
+    def num_experts(name: str, stack: torch.Tensor) -> int:
+        return n_routed if _ep_stack(model, name) else stack.shape[0]
+
+    def expected_experts(name: str, stack: torch.Tensor):
+        return local.keys() if _ep_stack(model, name) and not dry_run else range(num_experts(name, stack))
+
     loaded, shared = set(), []
     for ckpt_name, tensor in weights:
         if _SHARED_WITH_BACKBONE.match(ckpt_name):
@@ -180,33 +221,39 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
         name, part = checkpoint_to_param(ckpt_name)
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in DeepseekV41ForCausalLM")
-        dst = params[name].data
+        dsts = [params[name].data]
         key = name
         if part is not None:
             e, w = part
-            if e >= dst.shape[0]:
-                raise ValueError(f"checkpoint expert {e} of {ckpt_name!r} is beyond the layer's {dst.shape[0]} experts")
-            half = dst.shape[1] // 2
-            dst = dst[e] if w == "w2" else dst[e, :half] if w == "w1" else dst[e, half:]
+            stack = dsts[0]
+            n = num_experts(name, stack)
+            if e >= n:
+                raise ValueError(f"checkpoint expert {e} of {ckpt_name!r} is beyond the layer's {n} experts")
+            half = stack.shape[1] // 2
+            slots = local.get(e, []) if _ep_stack(model, name) else [e]
+            dsts = [stack[i] if w == "w2" else stack[i, :half] if w == "w1" else stack[i, half:] for i in slots]
             key = f"{name}#{e}.{w}"
         raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
-        if raw != (dst.dtype.itemsize == 1):
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored {tensor.dtype} but its place holds "
-                             f"{dst.dtype}: one module, one format, and quantized weights are never read as floats")
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(dst.shape)}")
+        for dst in dsts:
+            if raw != (dst.dtype.itemsize == 1):
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored {tensor.dtype} but its place holds "
+                                 f"{dst.dtype}: one module, one format, and quantized weights are never read as "
+                                 f"floats")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dst.shape)}")
         if key in loaded:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored twice")
         if not dry_run:
-            dst.copy_(tensor.view(dst.dtype) if raw else tensor.to(dst.dtype))
+            for dst in dsts:
+                dst.copy_(tensor.view(dst.dtype) if raw else tensor.to(dst.dtype))
         loaded.add(key)
     expected = set()
     for n, p in params.items():
         if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):
-            expected |= {f"{n}#{e}.{w}" for e in range(p.shape[0]) for w in ("w1", "w3")}
+            expected |= {f"{n}#{e}.{w}" for e in expected_experts(n, p) for w in ("w1", "w3")}
         elif n.endswith(("experts.down_proj", "experts.down_proj_scale")):
-            expected |= {f"{n}#{e}.w2" for e in range(p.shape[0])}
+            expected |= {f"{n}#{e}.w2" for e in expected_experts(n, p)}
         else:
             expected.add(n)
     missing = sorted(expected - loaded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -28,14 +28,18 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every stored tensor, one at a time; cast to `dtype` if given, else as stored."""
+def iter_safetensors(model_dir: Path, dtype: torch.dtype | None = None,
+                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every stored tensor, one at a time; cast to `dtype` if given, else as stored. `keep`: read
+    only the tensors it accepts (expert parallelism: this rank's experts)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
+                if keep is not None and not keep(name):
+                    continue
                 t = sf.get_tensor(name)
                 yield name, t if dtype is None else t.to(dtype)
 

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.collectives import tp_all_reduce
-from openinfer.distributed.eplb import ExpertPlacement, num_physical_experts
-from openinfer.distributed.expert_parallel import ExpertRouting, combine_tokens, exchange_tokens
+from openinfer.distributed.expert_parallel import (ExpertRouting, checkpoint_slots, expert_parallel_moe,
+                                                   initial_layout)
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
@@ -754,12 +754,8 @@ class MoE(nn.Module):
         experts, weights = self.gate(x, input_ids)
         if self.parallel.ep_size == 1:     # (tensor parallelism: partial sums, one all-reduce)
             return tp_all_reduce(self.experts(x, experts, weights) + self.shared_experts(x), self.parallel)
-        T = x.shape[0]
-        per_rank = meta.moe_rows_per_rank or T
-        xa, ea, wa = exchange_tokens(x, experts, weights, per_rank, meta.moe_valid_rows, self.parallel,
-                                     meta.moe_communicate)
-        partial = self.experts(xa, self.routing.local_slots(ea), wa)
-        return combine_tokens(partial, T, self.parallel, meta.moe_communicate) + self.shared_experts(x)
+        return (expert_parallel_moe(x, experts, weights, self.routing, self.experts, meta, self.parallel)
+                + self.shared_experts(x))
 
 
 # ---- mHC ----------------------------------------------------------------------------------------------
@@ -875,15 +871,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                     "compress": InterleavedRope(cfg.compress_rope, rd, mp)})
         moe_kwargs = {"parallel": self.parallel}
         self.expert_placement = None
-        if self.parallel.ep_size > 1:       # this rank's expert slots, first as a plain checkpoint split
-            num_moe = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-            physical = num_physical_experts(cfg.n_routed_experts, self.parallel.num_redundant_experts,
-                                            self.parallel.ep_size)
-            with torch.device("cpu"):       # a host-side table even while the model is built on "meta"
-                self.expert_placement = ExpertPlacement.initial(num_moe, cfg.n_routed_experts, physical,
-                                                                self.parallel.ep_size)
-            moe_kwargs["ep_layout"] = (self.expert_placement.slots_per_rank,
-                                       physical - cfg.n_routed_experts + 1)
+        layout = initial_layout(cfg.num_hidden_layers + cfg.num_nextn_predict_layers, cfg.n_routed_experts,
+                                self.parallel)
+        if layout is not None:              # this rank's expert slots, first as a plain checkpoint split
+            self.expert_placement, moe_kwargs["ep_layout"] = layout
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m, ops, **moe_kwargs)
                                     for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
         self.hc_head = HyperHead(cfg)
@@ -1020,10 +1011,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         n_experts = self.config.n_routed_experts
         local_slots = None
         if self.expert_placement is not None:    # expert e -> the slots of this rank that hold it
-            local_slots = {}
+            local_slots = checkpoint_slots(self.expert_placement, self.parallel.ep_rank)
             local_logical = self.expert_placement.local_logical(self.parallel.ep_rank)[0]
-            for slot, e in enumerate(local_logical.tolist()):
-                local_slots.setdefault(e, []).append(slot)
         loaded = set()
         for name, tensor in weights:
             name, part = native_to_hf(name)

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, torch_hc_weights
@@ -439,13 +441,24 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (stacked; MXFP4 as published or bf16) + the shared expert, summed in float32. The routing
     weight scales the intermediate activation before `w2` (the reference's order, which matters once that
-    activation is FP8-quantized for the quantized GEMM)."""
+    activation is FP8-quantized for the quantized GEMM).
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
+    Expert parallelism (`ep_layout`, as DeepSeek-V4's MoE): this rank holds `slots` of the physical expert slots
+    (`routing` maps logical experts to them, EPLB moves them); every rank's rows are exchanged
+    (distributed/expert_parallel.py), this rank computes its slots' float32 partial sums, and they come back
+    summed onto each row's rank. The shared expert runs where its rows are."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS,
+                 parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer)
         self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale)
-        shape = _ExpertShape(n_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.parallel = parallel or ParallelContext.single()
+        slots = n_experts
+        if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
+            slots, max_replicas = ep_layout
+            self.routing = ExpertRouting(n_experts, max_replicas, slots, self.parallel.ep_rank)
+        shape = _ExpertShape(slots, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
         self.ops = ops
         self.experts = Experts(shape, ops)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
@@ -457,28 +470,44 @@ class MoE(nn.Module):
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (F.silu(gate) * up * weights[:, None]).to(dtype)
 
-    def forward(self, x):
+    def forward(self, x, meta: AttentionMetadata | None = None):
+        """`meta`: the step's metadata, read with expert parallelism only (the exchange's lockstep sizes)."""
         experts, weights = self.gate(x)
+        if hasattr(self, "routing"):
+            y = expert_parallel_moe(x, experts, weights, self.routing, self.routed, meta, self.parallel)
+        else:
+            y = self.routed(x, experts, weights)
+        return (y + self.shared_experts(x).float()).to(x.dtype)
+
+    def routed(self, x, experts, weights) -> torch.Tensor:
+        """float32 [T, dim]: the routed experts' weighted sum for rows x [T, dim]; experts [T, k] slot ids of this
+        layer's stack (-1: computed on another rank), weights [T, k] float32."""
         ex = self.experts
         quantized = isinstance(ex, QuantizedExperts) and self.ops.quantize_activations
         xin = act_qdq(x) if quantized else x
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if ex.grouped:
             T, k = experts.shape
-            flat = experts.flatten()
-            order = flat.argsort(stable=True)
             n = ex.gate_up_proj.shape[0]
-            counts = torch.zeros(n, dtype=torch.int32, device=x.device)
-            offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+            flat = experts.flatten()
+            skip = flat < 0                      # other ranks' experts: sorted last, past the final offset
+            flat = torch.where(skip, n, flat)
+            order = flat.argsort(stable=True)
+            counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
+            offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(
+                0, dtype=torch.int32)[:n]
             h = self._act(ex.grouped_mm(xin[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
-            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
-            y.index_add_(0, order // k, out.float())
+            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs).float()
+            # rows past the last offset hold whatever memory held
+            y.index_add_(0, order // k, torch.where(skip[order, None], 0.0, out))
         else:
             for e in experts.unique().tolist():
+                if e < 0:
+                    continue
                 tok, j = torch.where(experts == e)
                 h = self._act(ex.expert_linear(xin[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
                 y.index_add_(0, tok, ex.expert_linear(act_qdq(h) if quantized else h, "down_proj", e).float())
-        return (y + self.shared_experts(x).float()).to(x.dtype)
+        return y
 
 
 class _ExpertShape:
@@ -513,12 +542,13 @@ class Block(nn.Module):
     from its own input streams, but its `pre` collapses the streams for the *next* sublayer: attention uses the
     previous block's FFN pre-mix, the FFN uses this attention's."""
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS, **moe_kwargs):
+        """`moe_kwargs`: `parallel` and `ep_layout` of an expert-parallel MoE (backbone layers only)."""
         super().__init__()
         self.layer, self.ops = layer, ops
         self.hc, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
         self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer, ops)
+        self.ffn = MoE(cfg, layer, ops, **moe_kwargs)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
@@ -555,7 +585,7 @@ class Block(nn.Module):
                       close_groups)
         streams = self.expand(h, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
-        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)))
+        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta)
         return self.expand(h, streams, post, comb), ffn_pre
 
 
@@ -571,7 +601,9 @@ class DSparkStage(Block):
       request's context ring (slot order) and every key of the block (the block attends to itself in both
       directions: it is drafted in one pass, not causally);
     - `draft_head` (last stage): logits + the Markov bias of the previous token, greedy drafts left to right,
-      and the confidence head's raw score per draft."""
+      and the confidence head's raw score per draft.
+    Its MoE is replicated on every rank, also with expert parallelism (its own expert count, and drafting runs
+    per rank, outside the lockstep forwards; speculation is refused with parallelism for now)."""
 
     def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
         super().__init__(cfg, layer, ops)
@@ -672,13 +704,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             layer.engram.embed.gathered_by_device(dev) for layer in self.layers if layer.engram is not None)
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
-                 quantized_caches: bool = True):
+                 quantized_caches: bool = True, parallel: ParallelContext | None = None):
         """`engram_layout`: the Engram tables' bucket layout (required when the config has Engram layers); the
         n-gram hasher, which needs the tokenizer's compressed token map, is attached once the weights live
         where they run (`attach_hasher`). `quantized_caches`: False keeps window keys, compressed entries and
-        indexer keys/queries unrounded (EngineConfig.kv_cache_dtype set to the model dtype)."""
+        indexer keys/queries unrounded (EngineConfig.kv_cache_dtype set to the model dtype). `parallel`: this
+        rank's place; with expert parallelism the backbone's routed experts are split over the EP ranks as
+        DeepSeek-V4's are (`expert_placement`: the initial slots, which the loader fills)."""
         super().__init__()
         self.config, self.ops = cfg, ops
+        self.parallel = parallel or ParallelContext.single()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
         yarn = {"rope_type": "yarn", "rope_theta": cfg.compress_rope_theta, "factor": cfg.rope_factor,
@@ -688,7 +723,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             "main": InterleavedRope({"rope_type": "default", "rope_theta": cfg.rope_theta}, rd, mp),
             "compress": InterleavedRope(yarn if cfg.original_seq_len > 0 else
                                         {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}, rd, mp)})
-        self.layers = nn.ModuleList(Block(cfg, i, ops) for i in range(cfg.n_layers))
+        moe_kwargs, self.expert_placement = {}, None
+        layout = initial_layout(cfg.n_layers, cfg.n_routed_experts, self.parallel)
+        if layout is not None:
+            self.expert_placement, ep_layout = layout
+            moe_kwargs = {"parallel": self.parallel, "ep_layout": ep_layout}
+        self.layers = nn.ModuleList(Block(cfg, i, ops, **moe_kwargs) for i in range(cfg.n_layers))
         for layer in self.layers:
             layer.attn.quantized_caches = quantized_caches
         self.quantized_caches = quantized_caches
@@ -880,6 +920,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                                      state, meta)
                 rows, meta = self._decoder_rows(meta, streams.device)
                 if len(rows) == 0:      # every token of the step precedes its decoder tail
+                    if self.expert_placement is not None:   # the other EP ranks' MoE exchanges still need ours
+                        for later in self.layers[i:]:
+                            later.ffn(streams.new_zeros((0, c.dim)), meta)
                     return streams.new_zeros((len(input_ids), c.dim))
                 streams, pre_mix, positions = streams[rows], pre_mix[rows], positions[rows]
                 if hashes is not None:
