@@ -172,31 +172,3 @@ def test_serves_as_deepseek_v41_flash_over_http(llm):
         assert r.usage.prompt_tokens == len(enc.encode(conv.conversation))
         assert r.usage.completion_tokens <= 4 and r.choices[0].finish_reason in ("length", "stop")
         assert server.wait_idle()
-
-
-def test_data_parallel_equals_one_process_and_tp_is_refused_up_front():
-    """Attention DP over 2 gloo ranks (one worker process each, its own requests and caches) gives each request
-    what one process gives it (unquantized caches and activations: the ranks' batches differ, and no FP8/FP4
-    rounding step may turn that into a visible difference); TP is not wired for V4.1 and says so before any
-    worker starts."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 129000, (n,), generator=g).tolist() for n in (40, 70, 25, 90)]
-    params = SamplingParams(max_tokens=6, logprobs=0, **GREEDY)
-    opts = dict(device="cpu", kv_cache_dtype="float32", quantize_activations=False)
-    one = LLM(NAME, **opts)
-    try:
-        ref = one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    finally:
-        one.shutdown()
-    dp = LLM(NAME, **opts, data_parallel_size=2)
-    try:
-        assert len(dp.engine._procs) == 2
-        outs = dp.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    finally:
-        dp.shutdown()
-    for a, b in zip(outs, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids):
-            assert abs(x[t].logprob - y[t].logprob) < 1e-4
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not wired"):
-        LLM(NAME, device="cpu", tensor_parallel_size=2)

@@ -1,8 +1,9 @@
 """DeepSeek-V4.1 with attention DP + expert parallelism (2 gloo ranks, real worker processes), as DeepSeek-V4 runs
 it (tests/test_parallel.py): each rank loads only its expert slots (published MXFP4 and bf16 checkpoints alike);
 greedy tokens and logprobs equal one process through chunked prefill and prefix hits; EPLB moves experts between
-the ranks without changing outputs; layouts V4.1 cannot run fail before any worker starts. Engine start-ups are
-the cost here (two worker processes each): one one-process engine and one DP2+EP2 engine in all."""
+the ranks without changing outputs; layouts V4.1 cannot run fail before any worker starts. Forwards of the tiny
+V4.1 are slow on CPU and engine start-ups cost two worker processes: one one-process engine and one DP2+EP2 engine
+in all, a few short requests."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from openinfer import LLM
 from openinfer.config import default_cache_dir
-from openinfer.distributed.eplb_controller import _MEASURE_EVERY
 from openinfer.distributed.expert_parallel import initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.loader.deepseek_v41 import build_deepseek_v41
 from openinfer.loader.model_source import generated_model_dir
 from openinfer.loader.weights import read_hf_config
-from tests.test_parallel import EP2, assert_ranks_idle, assert_same_outputs, params, rank_stats
+from tests.test_parallel import EP2, assert_ranks_idle, assert_same_outputs, params
 from tests.test_deepseek_v4 import prompts_of
 
 NAME = "deepseek-v41-tiny"
@@ -53,16 +53,16 @@ def make_skewed_v41(path: Path) -> Path:
     return path
 
 
-def generate(llm: LLM, prompts, max_tokens: int = 6):
+def generate(llm: LLM, prompts, max_tokens: int = 4):
     return llm.generate(prompt_token_ids=prompts, sampling_params=params(max_tokens), use_tqdm=False)
 
 
 def workload(llm: LLM):
-    """Five prompts of varied lengths together (chunks of 32), then two sharing a 70-token prefix one after the
+    """Three prompts together (one in three 32-token chunks), then two sharing a 66-token prefix one after the
     other (the second hits the first's two cached blocks)."""
-    base = prompts_of(70, seed=11)[0]
-    batch = generate(llm, prompts_of(5, 40, 77, 13, 100, seed=3))
-    return batch + generate(llm, [base + [5, 6, 7]]) + generate(llm, [base + [9, 10, 11, 12]])
+    base = prompts_of(66, seed=11)[0]
+    batch = generate(llm, prompts_of(9, 75, 30, seed=3))
+    return batch + generate(llm, [base + [5, 6]]) + generate(llm, [base + [9, 10, 11]])
 
 
 # ---- loading: this rank's slots only ---------------------------------------------------------------------------
@@ -99,48 +99,33 @@ def test_each_rank_loads_only_its_expert_slots(fmt, tmp_path):
 
 
 # ---- DP2 + EP2 (+ EPLB) equals one process ----------------------------------------------------------------------
-def test_dp_ep_and_eplb_equal_one_process_with_chunks_and_prefix_hits(tmp_path):
-    """The published-format tiny model (skewed in its first layers) on DP2 + EP2 with EPLB: the workload's greedy
-    tokens and logprobs equal one process; skewed requests then flow until EPLB moves experts (every rank the
-    same placement, moe_lb lower), and those requests and the workload after the move still equal one process."""
+def test_dp_ep_equals_one_process_before_and_after_eplb_moves_experts(tmp_path):
+    """The published-format tiny model (skewed in its first layers) on DP2 + EP2 with one redundant expert: greedy
+    tokens and logprobs equal one process through chunked prefill and a prefix hit, both DP ranks serving; EPLB
+    (run at once on every rank) then moves experts to the same placement everywhere, lowering moe_lb, and the same
+    requests still give the same outputs. (Replaces V4.1's plain-DP test: attention DP is this test's too.)"""
     path = make_skewed_v41(tmp_path / "skewed")
-    skew = prompts_of(9, 14, 6, 20, seed=12)
-    one = LLM(str(path), **OPTS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # as each worker runs (2 cores): more threads than cores crawl on a busy host
     try:
+        one = LLM(str(path), **OPTS)
         ref = workload(one)
-        ref_skew = generate(one, skew, max_tokens=24)
-    finally:
         one.shutdown()
-    interval = 2 * _MEASURE_EVERY      # moe_lb is read every _MEASURE_EVERY forwards: one reading before
-    llm = LLM(str(path), **OPTS, **EP2, enable_eplb=True, num_redundant_experts=1, eplb_window_steps=8,
-              eplb_rebalance_interval_steps=interval)
+    finally:
+        torch.set_num_threads(threads)
+    llm = LLM(str(path), **OPTS, **EP2, enable_eplb=True, num_redundant_experts=1,
+              eplb_rebalance_interval_steps=10**6)      # EPLB runs when the test says
     try:
-        engine = llm.engine
         outs = workload(llm)
-        assert engine.stats()["eplb_rebalances"] == 0
         assert_same_outputs(outs, ref)
         assert outs[-1].num_cached_tokens >= 64                  # the shared prefix's two blocks were reused
-        assert all(s["prefix_cache_queried_tokens"] > 0 for s in engine.stats()["per_rank"])  # both DP ranks
-        done, ids, lb_before = {}, [], []
-        for rnd in range(12):
-            ids += [engine.add_request(p, params(24), request_id=f"skew{rnd}-{i}") for i, p in enumerate(skew)]
-            while engine.has_unfinished_requests():
-                for o in engine.step():
-                    if o.finished:
-                        done[o.request_id] = o
-                st = engine.stats()
-                if st["eplb_rebalances"] == 0 and st["moe_lb"] == st["moe_lb"]:     # measured, not NaN
-                    lb_before.append(st["moe_lb"])
-            if engine.stats()["eplb_rebalances"] >= 1:
-                break
-        stats = engine.stats()
-        assert stats["eplb_rebalances"] >= 1
-        assert lb_before, "no moe_lb reading before the rebalance"
-        assert len({s["moe_lb"] for s in rank_stats(llm)}) == 1       # every rank computed the same placement
-        assert stats["moe_lb"] < min(lb_before) - 0.2, (stats["moe_lb"], lb_before)
-        for k, rid in enumerate(ids):
-            assert_same_outputs([done[rid]], [ref_skew[k % len(skew)]])
+        assert all(s["prefix_cache_queried_tokens"] > 0 for s in llm.engine.stats()["per_rank"])  # both DP ranks
+        moves = llm.engine.call_ranks("rebalance_experts")
+        assert len(set(moves)) == 1, moves                        # every rank the same placement
+        before, after, moved = moves[0]
+        assert moved and after < before - 0.2, moves              # the skewed layers' hot experts spread out
         assert_same_outputs(workload(llm), ref)
+        assert llm.engine.stats()["eplb_rebalances"] == 1
         assert_ranks_idle(llm)
     finally:
         llm.shutdown()

@@ -396,6 +396,16 @@ class LLMEngine:
             saves.clear()
 
     # ---- introspection ----------------------------------------------------------------------------------
+    def rebalance_experts(self) -> tuple[float, float, bool]:
+        """EPLB now rather than at its next interval (tests, benchmarks: every EP rank at once, between steps, as
+        `call_ranks` runs it): (moe_lb before, moe_lb after, whether experts moved)."""
+        eplb = self.runner.eplb
+        if eplb is None:
+            raise ValueError("rebalance_experts needs enable_expert_parallel")
+        before = eplb.measure()
+        moved = eplb.rebalance()
+        return before, eplb.moe_lb, moved
+
     def stats(self) -> dict:
         kv = self.kv_manager
         return {
