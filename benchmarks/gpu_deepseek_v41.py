@@ -116,17 +116,28 @@ def flash_subset(tokenizer_json: str, layers: int, engram_rows_m: float, root: P
                compress_ratios=[0] + [2] * (r2 - 1) + [1] * (layers - r2),
                kv_source_layers=[1, r2], index_source_layers=[1, r2, r2 + 2], candidate_source_layer=r2,
                engram_layer_ids=[1, r2 - 1], vision_n_layers=0)
+    shrink_engram(cfg, engram_rows_m)
+    return write_model_dir(cfg, tokenizer_json, root / f"v41-flash-{layers}l")
+
+
+def shrink_engram(cfg: dict, engram_rows_m: float) -> None:
+    """Engram tables of about `engram_rows_m` million rows each (the release: 384 M): bucket ranges start above
+    engram_vocab_size, so it shrinks with them."""
     from openinfer.layers.engram import EngramLayout
-    # bucket ranges start above engram_vocab_size: shrink it so each table holds ~engram_rows_m M rows
+
     n_buckets = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"]
     cfg["engram_vocab_size"] = int(engram_rows_m * 1e6 / n_buckets)
     layout = EngramLayout.build(cfg["engram_layer_ids"], cfg["engram_max_ngram_size"], cfg["engram_n_heads"],
-                                cfg["engram_head_dim"], cfg["engram_vocab_size"], [1 << 40] * 2)
+                                cfg["engram_head_dim"], cfg["engram_vocab_size"], [1 << 40] * len(cfg["engram_layer_ids"]))
     cfg["engram_num_embeddings"] = [sum(p for per in layer for p in per) for layer in layout.primes]
-    path = root / f"v41-flash-{layers}l"
+
+
+def write_model_dir(cfg: dict, tokenizer_json: str, path: Path) -> Path:
+    """A dummy-weights model directory: the config and the tokenizer (Engram hashes its compressed vocabulary)."""
+    import shutil
+
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    import shutil
     shutil.copy(tokenizer_json, path / "tokenizer.json")
     return path
 
@@ -142,17 +153,20 @@ def weight_bytes(model) -> dict:
     return out
 
 
-def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict) -> tuple[float, dict]:
+def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict, routed_tokens: int | None = None,
+             expert_share: float = 1.0) -> tuple[float, dict]:
     """max(bytes / copy BW, flops / bf16 peak) of one forward: the dense weights, the experts the step's tokens
     touch, every sequence's cache reads (window rows FP8 528 B, picked compressed entries FP4 288 B, the index
-    keys an index source scores, 68 B each), Engram rows; flops of the active parameters and the attention."""
+    keys an index source scores, 68 B each), Engram rows; flops of the active parameters and the attention.
+    Expert parallelism (as gpu_deepseek_v4.floor_ms): `expert_share` of the experts live here and `routed_tokens`
+    (all ranks' tokens) route to them. `model`: the one-process model (meta tensors are fine)."""
     c = model.config
     wb = weight_bytes(model)
     T = sum(tokens_per_seq)
     E, k = c.n_routed_experts, c.n_activated_experts
     per_expert = wb["experts"] / c.n_layers / E
-    touched = E * (1 - (1 - k / E) ** T)
-    bytes_w = wb["other"] + c.n_layers * touched * per_expert
+    touched = E * (1 - (1 - k / E) ** (routed_tokens or T))
+    bytes_w = wb["other"] + c.n_layers * touched * per_expert * expert_share
     bytes_kv = flops_attn = 0.0
     D, H, Di, Hi, W = c.head_dim, c.n_heads, c.index_head_dim, c.index_n_heads, c.window_size
     for i in range(c.n_layers):

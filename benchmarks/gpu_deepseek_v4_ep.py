@@ -63,8 +63,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def sweep_point(llm: LLM, c: int, input_len: int, output_len: int, gpus: int, floor_model, ceil: dict,
-                seed: int) -> dict:
+def sweep_point(llm: LLM, c: int, input_len: int, output_len: int, gpus: int, floor, seed: int) -> dict:
+    """One InferenceX point: `c` random prompts submitted at once. `floor(per_gpu requests, context, routed
+    tokens)` -> (ms, detail): one GPU's decode-step floor (the model's own byte and flop counts)."""
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
@@ -98,8 +99,7 @@ def sweep_point(llm: LLM, c: int, input_len: int, output_len: int, gpus: int, fl
     # floor of one decode step on one GPU: its c/gpus requests at mid-generation context, all c tokens routed
     per_gpu = max(1, c // gpus)
     ctx = input_len + output_len // 2
-    fl, detail = floor_ms(floor_model, [1] * per_gpu, [ctx] * per_gpu, ceil, routed_tokens=c,
-                          expert_share=1.0 / gpus)
+    fl, detail = floor(per_gpu, ctx, c)
     stats = eng.stats()
     out_tokens = sum(ntok.values())
     return {"concurrency": c, "requests": c, "input_len": input_len, "output_len": output_len, "wall_s": wall,
@@ -144,6 +144,10 @@ def main() -> None:
     path = model_dir(args.tokenizer_json, **PUBLISHED, **flash_layout(args.layers), num_nextn_predict_layers=1,
                      num_hash_layers=3)
     floor_model = meta_model(path, mtp=False)
+
+    def floor(per_gpu: int, ctx: int, routed: int):
+        return floor_ms(floor_model, [1] * per_gpu, [ctx] * per_gpu, ceil, routed_tokens=routed,
+                        expert_share=1.0 / args.gpus)
     max_len = args.input_len + args.output_len + 128
     max_c = max(int(c) for c in args.concurrency.split(","))
     t0 = time.perf_counter()
@@ -159,7 +163,7 @@ def main() -> None:
     result["sweep"] = []
     try:
         for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-            row = sweep_point(llm, c, args.input_len, args.output_len, args.gpus, floor_model, ceil, seed=i)
+            row = sweep_point(llm, c, args.input_len, args.output_len, args.gpus, floor, seed=i)
             row["moe_lb_per_rank"] = [s.get("moe_lb") for s in llm.engine.stats()["per_rank"]]
             result["sweep"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "floor_detail"}), flush=True)
