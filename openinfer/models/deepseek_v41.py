@@ -477,7 +477,9 @@ class MoE(nn.Module):
             y = expert_parallel_moe(x, experts, weights, self.routing, self.routed, meta, self.parallel)
         else:
             y = self.routed(x, experts, weights)
-        return (y + self.shared_experts(x).float()).to(x.dtype)
+        if len(x):          # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)
 
     def routed(self, x, experts, weights) -> torch.Tensor:
         """float32 [T, dim]: the routed experts' weighted sum for rows x [T, dim]; experts [T, k] slot ids of this
