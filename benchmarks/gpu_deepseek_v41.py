@@ -127,8 +127,9 @@ def shrink_engram(cfg: dict, engram_rows_m: float) -> None:
 
     n_buckets = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"]
     cfg["engram_vocab_size"] = int(engram_rows_m * 1e6 / n_buckets)
-    layout = EngramLayout.build(cfg["engram_layer_ids"], cfg["engram_max_ngram_size"], cfg["engram_n_heads"],
-                                cfg["engram_head_dim"], cfg["engram_vocab_size"], [1 << 40] * len(cfg["engram_layer_ids"]))
+    ids = cfg["engram_layer_ids"]
+    layout = EngramLayout.build(ids, cfg["engram_max_ngram_size"], cfg["engram_n_heads"], cfg["engram_head_dim"],
+                                cfg["engram_vocab_size"], [1 << 40] * len(ids))
     cfg["engram_num_embeddings"] = [sum(p for per in layer for p in per) for layer in layout.primes]
 
 
