@@ -296,6 +296,11 @@ class ModelRunner:
         else:
             running = c.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
             num_window = c.num_window_kv_blocks or 2 * running
+            least = -(-(window - 1) // bs) + 2 + -(-c.max_num_batched_tokens // bs)    # one request's full step
+            if num_window < least:
+                raise ValueError(f"num_window_kv_blocks={num_window} cannot hold one request's window and step "
+                                 f"({least} blocks of {bs} tokens for window {window} and max_num_batched_tokens="
+                                 f"{c.max_num_batched_tokens})")
         if c.num_kv_blocks is not None:
             if window is not None and c.num_window_kv_blocks is None:
                 num_window = min(num_window, c.num_kv_blocks)

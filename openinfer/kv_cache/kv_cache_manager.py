@@ -377,7 +377,9 @@ class KVCacheManager:
         if self.window is not None:   # the window group's entries from the step's first query's window on
             first_w = self.window.first_needed(request.num_computed_tokens + cached,
                                                plan.window_floor if plan is not None else 0)
-            planned = self.window.plan(rid, len(blocks) + len(computed_blocks) + max(need, 0), first_w,
+            self.window.release(rid, first_w)     # no step reads them again (a refused step is preempted)
+            upto = -(-max(total, hit_tokens if plan is None else 0) // self.block_size)
+            planned = self.window.plan(rid, len(blocks) + len(computed_blocks) + max(need, 0), first_w, upto,
                                        request.block_hashes[:hit_tokens // self.block_size])
         if (max(need, 0) > self.pool.num_free_blocks - reclaimed or (need_slot and not self._free_state_slots)
                 or (planned is not None and not self.window.can_take(planned))):

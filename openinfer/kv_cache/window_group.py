@@ -34,7 +34,8 @@ class WindowGroup:
         self.null_id = num_blocks                     # the scratch page: released entries point at it
         self._blocks: dict[str, list[KVBlock | None]] = {}
         self._ids: dict[str, list[int]] = {}
-        self._released: dict[str, int] = {}           # leading entries released (None)
+        self._released: dict[str, int] = {}           # leading entries released (None; later None entries: not
+        #                                               allocated yet, a replay's rows not reached)
         self._registered: dict[str, int] = {}         # leading entries offered to the prefix cache
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -55,37 +56,43 @@ class WindowGroup:
         """Per hit block: whether this pool still holds its windowed rows."""
         return [self.pool.lookup(h) is not None for h in hashes]
 
-    def plan(self, request_id: str, num_entries: int, first: int, hashes: list[bytes]) -> list[KVBlock | None]:
-        """What entries len(table).. num_entries-1 (those from `first` on) would take: a cached block found under
-        its hash (entries below len(hashes), at admission), or None for a fresh one."""
+    def plan(self, request_id: str, num_entries: int, first: int, upto: int,
+             hashes: list[bytes]) -> dict[int, KVBlock | None]:
+        """What the entries from `first` on of a table of `num_entries` would take: a cached block found under its
+        hash (entries below len(hashes), at admission: a replay's kept blocks are taken then, before the pool can
+        reuse them), or None for a fresh block, for entries below `upto` (those the step writes or loads). Entries
+        held already are left out; the others stay unallocated (at `null_id`) until a step reaches them."""
         table = self._blocks.get(request_id, [])
-        return [self.pool.lookup(hashes[i]) if i < len(hashes) else None
-                for i in range(max(first, len(table)), num_entries)]
+        out: dict[int, KVBlock | None] = {}
+        for i in range(first, num_entries):
+            if i < len(table) and table[i] is not None:
+                continue
+            block = self.pool.lookup(hashes[i]) if i < len(hashes) else None
+            if block is not None or i < upto:
+                out[i] = block
+        return out
 
-    def can_take(self, planned: list[KVBlock | None]) -> bool:
-        fresh = sum(b is None for b in planned)
-        reclaimed = sum(1 for b in planned if b is not None and b.ref_cnt == 0)   # cached, in the free queue
+    def can_take(self, planned: dict[int, KVBlock | None]) -> bool:
+        fresh = sum(b is None for b in planned.values())
+        reclaimed = sum(1 for b in planned.values() if b is not None and b.ref_cnt == 0)   # cached, in the free queue
         return fresh <= self.pool.num_free_blocks - reclaimed
 
     def extend(self, request_id: str, num_entries: int, first: int,
-               planned: list[KVBlock | None]) -> dict[int, int]:
-        """Grow the table to `num_entries` with the planned blocks (entries before `first` released); returns
+               planned: dict[int, KVBlock | None]) -> dict[int, int]:
+        """Grow the table to `num_entries` and take the planned blocks (entries before `first` released); returns
         {entry: block id} of the fresh blocks."""
         table = self._blocks.setdefault(request_id, [])
         ids = self._ids.setdefault(request_id, [])
-        self.pool.touch([b for b in planned if b is not None])
-        fresh = iter(self.pool.allocate(sum(b is None for b in planned)))
-        start = max(first, len(table))
-        if len(table) < start:
-            table.extend([None] * (start - len(table)))
-            ids.extend([self.null_id] * (start - len(ids)))
+        table.extend([None] * (num_entries - len(table)))
+        ids.extend([self.null_id] * (num_entries - len(ids)))
+        self.pool.touch([b for b in planned.values() if b is not None])
+        fresh = iter(self.pool.allocate(sum(b is None for b in planned.values())))
         new: dict[int, int] = {}
-        for i, block in enumerate(planned, start):
+        for i, block in planned.items():
             if block is None:
                 block = next(fresh)
                 new[i] = block.block_id
-            table.append(block)
-            ids.append(block.block_id)
+            table[i], ids[i] = block, block.block_id
         self.release(request_id, first)
         return new
 
