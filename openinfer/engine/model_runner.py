@@ -652,7 +652,8 @@ class ModelRunner:
                 positions = np.arange(start, start + n)
                 np_table = np.asarray(table, dtype=np.int64)
                 pre_slots.append(np_table[positions // bs] * bs + positions % bs)
-                chunks.append(dataclasses.replace(prefills[len(chunks)], block_ids=h2d(torch.from_numpy(np_table), dev)))
+                chunks.append(dataclasses.replace(prefills[len(chunks)],
+                                                  block_ids=h2d(torch.from_numpy(np_table), dev)))
         return np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]), dec_tables, chunks
 
     def _layer_views(self, slots: torch.Tensor, pos: torch.Tensor, prefills: list[PrefillChunk], replays, window):
