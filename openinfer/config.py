@@ -55,6 +55,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV pool budget; None: 2 GiB on CPU, see gpu_memory_utilization
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the engine may use in total
     num_kv_blocks: int | None = None      # exact pool size (overrides the byte budget; tests use it)
+    # sliding-window models: exact size of the window group's pool (kv_cache/window_group.py; None: sized by
+    # ModelRunner._pool_sizes from max_num_seqs, max_num_batched_tokens and the window)
+    num_window_kv_blocks: int | None = None
     # models with per-request state (DeepSeek-V4's sliding window, compressor rows): how many copies of that
     # state, taken at 128-token block boundaries, the prefix cache keeps (None: 2 x max_num_seqs)
     num_state_snapshots: int | None = None
@@ -166,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_window_kv_blocks is not None and self.num_window_kv_blocks < 1:
+            raise ValueError(f"num_window_kv_blocks must be >= 1, got {self.num_window_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -39,6 +39,8 @@ def llm(smollm_dir):
 
 
 def assert_pool_idle(engine):
-    """No request holds a block: every block is free (cached ones included)."""
+    """No request holds a block: every block is free (cached ones included), in every pool."""
     assert not engine.has_unfinished_requests()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    window = engine.kv_manager.window
+    assert window is None or window.pool.num_free_blocks == window.pool.num_blocks

@@ -345,7 +345,9 @@ def test_tiny_gemma3_fp8_equals_hf_over_quantized_kv(tmp_path, smollm_dir, hf_fp
     hf.set_attn_implementation(hf_fp8_attention)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=4, max_num_batched_tokens=8,
                                     kv_cache_dtype="fp8_e4m3"))
-    assert [s.name for s in engine.runner.cache_specs] == ["kv", "kv_scale"]
+    # the full layer's kinds, then the sliding layers' (the window group, kv_cache/window_group.py)
+    assert [(s.name, s.window) for s in engine.runner.cache_specs] == [
+        ("kv", None), ("kv_scale", None), ("kv_window", 8), ("kv_window_scale", 8)]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (13, 3, 21)]
     for prompt, (logits, out) in zip(prompts, _run_recording(engine, prompts, max_tokens=6)):

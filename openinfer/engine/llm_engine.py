@@ -103,7 +103,8 @@ class LLMEngine:
                                          min_uncached_tokens=config.v41_prefill_keep_tokens if yoco else 1,
                                          store=self.kv_store, state_store=self.state_store,
                                          swa=self.runner.swa_layout, swa_state=self.swa_state,
-                                         swa_replay=config.swa_replay)
+                                         swa_replay=config.swa_replay,
+                                         num_window_blocks=self.runner.num_window_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -279,7 +280,9 @@ class LLMEngine:
                 seen.add(t.data_ptr())
                 weights += t.numel() * t.element_size()
         return {"weight_bytes": weights, "kv_blocks": runner.num_blocks, "block_size": self.config.block_size,
-                "kv_pool_bytes": runner.num_blocks * runner.bytes_per_block(), "state_bytes": runner.state_bytes(),
+                "kv_pool_bytes": (runner.num_blocks * runner.bytes_per_block(window=False)
+                                  + runner.num_window_blocks * runner.bytes_per_block(window=True)),
+                "kv_window_blocks": runner.num_window_blocks, "state_bytes": runner.state_bytes(),
                 "kv_capacity_tokens": runner.num_blocks * self.config.block_size,
                 "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
                 else None}
@@ -416,7 +419,9 @@ class LLMEngine:
             "prefix_cache_store_hit_tokens": kv.prefix_stats.store_hit_tokens,
             **({"swa_state_hits": kv.prefix_stats.swa_state_hits, "swa_replays": kv.prefix_stats.swa_replays,
                 "swa_replayed_tokens": kv.prefix_stats.swa_replayed_tokens,
-                "swa_state_tier": self.swa_state.stats.as_dict() if self.swa_state is not None else None}
+                "swa_state_tier": self.swa_state.stats.as_dict() if self.swa_state is not None else None,
+                "kv_window_blocks_total": kv.window.pool.num_blocks,
+                "kv_window_blocks_free": kv.window.pool.num_free_blocks}
                if kv.swa is not None else {}),
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),

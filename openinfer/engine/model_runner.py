@@ -4,6 +4,11 @@ It turns a SchedulerOutput into flat tensors (input ids, positions, cache slots,
 the model, computes logits only for the rows that need them (the last token of each request that samples,
 plus prompt positions of requests asking for prompt logprobs), and samples. It never decides what runs
 or where cache lives: block ids arrive in the SchedulerOutput.
+
+Sliding-window models: paged kinds with a `window` (kv_cache/spec.py) form the window group, with their own
+tensors and block ids (kv_cache/window_group.py); `_pool_sizes` splits the KV budget between the groups, and the
+windowed layers read the window group's tables and slots through the step's second view
+(`AttentionMetadata.layer_views`).
 """
 
 from __future__ import annotations
@@ -87,14 +92,15 @@ class ModelRunner:
         if self.num_state_slots and config.enable_prefix_caching:
             self.num_state_snapshots = (config.num_state_snapshots if config.num_state_snapshots is not None
                                         else 2 * config.max_num_seqs)
-        self.num_blocks = self._num_blocks()
+        self.num_blocks, self.num_window_blocks = self._pool_sizes()
         if self.parallel.is_distributed:
             # every rank the same pool: TP ranks must make the same scheduling decisions (preemption, admission)
             # and DP ranks the same max_model_len, whatever memory each GPU happened to have free
-            agreed = torch.tensor([self.num_blocks])
+            agreed = torch.tensor([self.num_blocks, self.num_window_blocks])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
-            self.num_blocks = int(agreed)
+            self.num_blocks, self.num_window_blocks = int(agreed[0]), int(agreed[1])
         self.scratch_slot = self.num_blocks * self.block_size    # the spare page padded rows write to
+        self.window_scratch_slot = self.num_window_blocks * self.block_size   # the window group's
         self.caches = self._allocate_caches()
         # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
         self.step_sync = StepSync(self.parallel) if self.parallel.ep_size > 1 else None
@@ -119,8 +125,15 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- cache allocation -------------------------------------------------------------------------------
-    def bytes_per_block(self) -> int:
-        return sum(s.bytes_per_block(self.block_size) for s in self.cache_specs if isinstance(s, PagedCacheSpec))
+    def bytes_per_block(self, window: bool | None = None) -> int:
+        """Bytes of one block of tokens in every paged kind; `window` True / False: the window group's kinds /
+        the others' only."""
+        return sum(s.bytes_per_block(self.block_size) for s in self.cache_specs if isinstance(s, PagedCacheSpec)
+                   and (window is None or (s.window is not None) == window))
+
+    def window_size(self) -> int | None:
+        """W of the window group's kinds (None: no window group)."""
+        return next((s.window for s in self.cache_specs if isinstance(s, PagedCacheSpec) and s.window), None)
 
     def _snapshot_specs(self) -> list[RequestStateSpec]:
         return [s for s in self.cache_specs if isinstance(s, RequestStateSpec) and s.needed_at_block_boundary
@@ -194,10 +207,10 @@ class ModelRunner:
     # ---- prefix-KV store: a block's bytes are every paged cache's rows for it, layer by layer ------------------
     # (sliding-window models: the full-attention layers' only; the windowed layers' travel as window state)
     def _block_rows(self, block_id: int, window_layers: bool = False) -> list[torch.Tensor]:
-        swa = self.swa_layout
+        """A block's rows in the full group's kinds, or (`window_layers`) in the window group's (block ids of
+        that group)."""
         return [t[block_id] for s in self.cache_specs if isinstance(s, PagedCacheSpec)
-                for layer, t in enumerate(self.caches[s.name])
-                if swa is None or (layer in swa.window_layers) == window_layers]
+                and (s.window is not None) == window_layers for t in self.caches[s.name]]
 
     def store_block_bytes(self) -> int:
         """Bytes of one block in the prefix-KV store."""
@@ -250,9 +263,8 @@ class ModelRunner:
             flat = torch.cat([row.reshape(-1).view(torch.uint8) for row in self._block_rows(block_id)])
             self._queue_store_write(store, flat, key, ttl)
 
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+    def _kv_budget(self) -> int:
+        """Bytes for the paged pools: kv_cache_memory_bytes, else 2 GiB on the CPU or what the GPU has left."""
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cpu":
@@ -263,12 +275,46 @@ class ModelRunner:
                 free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
                 reserve = (1 << 30) + self.config.max_num_batched_tokens * self.vocab_size * 4
                 budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
-        num = (budget - self.state_bytes()) // self.bytes_per_block()
-        if num < 1:
-            raise ValueError(f"KV budget of {budget} bytes holds no block of {self.bytes_per_block()} bytes "
-                             f"(block_size={self.block_size}) beside {self.state_bytes()} bytes of per-request "
-                             f"state; raise kv_cache_memory_bytes")
-        return int(num)
+        return budget - self.state_bytes()
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        """(full-group blocks, window-group blocks); the latter 0 without sliding-window kinds.
+
+        The window group (kv_cache/window_group.py) needs, per running request, its window's blocks
+        (ceil((W-1)/B) + 1, one more at a block edge) and for the whole step the blocks of its tokens
+        (ceil(max_num_batched_tokens/B)): `running`. It gets twice that, the second half keeping the last windows
+        of ended requests for prefix hits (a hit needs only its last window's blocks), and the full group the rest
+        of the budget. When the budget cannot hold that beside as many full blocks, both groups get the same count
+        (a request can then hold its whole length in either, as without the window group). Running dry in the
+        window group preempts like the full one. `num_kv_blocks` fixes the full group (the window group then
+        gets min(num_kv_blocks, 2 x running)); `num_window_kv_blocks` fixes the window group."""
+        c, bs = self.config, self.block_size
+        window = self.window_size()
+        full_bytes, window_bytes = self.bytes_per_block(window=False), self.bytes_per_block(window=True)
+        if window is None:
+            num_window = 0
+        else:
+            running = c.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
+            num_window = c.num_window_kv_blocks or 2 * running
+            least = -(-(window - 1) // bs) + 2 + -(-c.max_num_batched_tokens // bs)    # one request's full step
+            if num_window < least:
+                raise ValueError(f"num_window_kv_blocks={num_window} cannot hold one request's window and step "
+                                 f"({least} blocks of {bs} tokens for window {window} and max_num_batched_tokens="
+                                 f"{c.max_num_batched_tokens})")
+        if c.num_kv_blocks is not None:
+            if window is not None and c.num_window_kv_blocks is None:
+                num_window = min(num_window, c.num_kv_blocks)
+            return c.num_kv_blocks, num_window
+        budget = self._kv_budget()
+        if window is not None and c.num_window_kv_blocks is None and \
+                num_window * (window_bytes + full_bytes) >= budget:
+            num_window = budget // (window_bytes + full_bytes)
+        num = (budget - num_window * window_bytes) // full_bytes
+        if num < 1 or (window is not None and num_window < 1):
+            raise ValueError(f"KV budget of {budget + self.state_bytes()} bytes holds no block of "
+                             f"{self.bytes_per_block()} bytes (block_size={self.block_size}) beside "
+                             f"{self.state_bytes()} bytes of per-request state; raise kv_cache_memory_bytes")
+        return int(num), int(num_window)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Zeroed, not empty: masked-out slots still enter the matmul and must not hold NaN/Inf bit patterns.
@@ -292,8 +338,10 @@ class ModelRunner:
         caches = {}
         for spec in self.cache_specs:
             if isinstance(spec, PagedCacheSpec):
-                # one block more than the KV manager hands out: a scratch page for padded CUDA-graph rows
-                shape = (self.num_blocks + 1, *spec.block_shape(self.block_size))
+                # one block more than the KV manager hands out: a scratch page for padded CUDA-graph rows (and
+                # in the window group, for released table entries)
+                blocks = self.num_window_blocks if spec.window is not None else self.num_blocks
+                shape = (blocks + 1, *spec.block_shape(self.block_size))
             else:   # one slot more than the KV manager hands out: scratch state for padded CUDA-graph rows
                 shape = (self.num_state_slots + 1, *spec.state_shape)
             caches[spec.name] = [self._zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
@@ -334,6 +382,9 @@ class ModelRunner:
         self.g_tables = torch.full((n, width), self.num_blocks, dtype=torch.long, device=dev)
         self.g_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.g_state_slots = torch.full((n,), self.num_state_slots, dtype=torch.long, device=dev)   # scratch slot
+        if self.num_window_blocks:   # the windowed layers' slots and tables (kv_cache/window_group.py)
+            self.g_wslots = torch.full((n,), self.window_scratch_slot, dtype=torch.long, device=dev)
+            self.g_wtables = torch.full((n, width), self.num_window_blocks, dtype=torch.long, device=dev)
         self.graph_pool = torch.cuda.graph_pool_handle()
         if self.context_buckets:
             print("[openinfer] CUDA graphs for decode are captured on first use per (batch, context) bucket",
@@ -353,12 +404,16 @@ class ModelRunner:
 
         def meta_for(communicate: bool) -> AttentionMetadata:
             lockstep = self.step_sync is not None
-            return AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
+            meta = AttentionMetadata(block_size=bs, slot_mapping=self.g_slots[:b], num_decode_tokens=b,
                                      decode_block_tables=self.g_tables[:b, :-(-context // bs)],
                                      decode_context_lens=self.g_lens[:b], max_decode_context_len=context,
                                      decode_state_slots=self.g_state_slots[:b] if self.num_state_slots else None,
                                      moe_rows_per_rank=b if lockstep else None,
                                      moe_valid_rows=self.g_valid if lockstep else None, moe_communicate=communicate)
+            if self.num_window_blocks:
+                meta.layer_views = (dataclasses.replace(meta), dataclasses.replace(
+                    meta, slot_mapping=self.g_wslots[:b], decode_block_tables=self.g_wtables[:b, :-(-context // bs)]))
+            return meta
 
         # Rows left from the last replay may address more context than this bucket covers: start every row
         # as a padding row (scratch page, scratch state slot); the step's inputs are copied in after capture.
@@ -386,10 +441,14 @@ class ModelRunner:
         self.g_tables[start:end].fill_(self.num_blocks)
         self.g_lens[start:end].fill_(1)
         self.g_state_slots[start:end].fill_(self.num_state_slots)
+        if self.num_window_blocks:
+            self.g_wslots[start:end].fill_(self.window_scratch_slot)
+            self.g_wtables[start:end].fill_(self.num_window_blocks)
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
                        tables: list[list[int]], lens: list[int], fixups=None, state_slots=None,
-                       min_batch: int = 0) -> tuple[torch.Tensor | None, dict[int, torch.Tensor] | None]:
+                       min_batch: int = 0, window=None
+                       ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor] | None]:
         """Replay the graph of the smallest bucket holding max(len(ids), min_batch) rows (expert parallelism:
         the bucket all ranks agreed on; an idle rank replays it with padding rows only). Returns the hidden
         rows and the features the model kept for a drafter (None: no bucket / none kept)."""
@@ -420,7 +479,13 @@ class ModelRunner:
         dev = self.device
         if self._g_width > width:
             self.g_tables[:b, width:self._g_width].fill_(self.num_blocks)
+            if window is not None:
+                self.g_wtables[:b, width:self._g_width].fill_(self.num_window_blocks)
         self._g_width = width
+        if window is not None:   # window tables have the full tables' lengths (kv_cache/window_group.py)
+            self.g_wslots[:b].copy_(h2d(torch.from_numpy(window[0]), dev))
+            self.g_wtables[:b, :width].copy_(h2d(torch.from_numpy(_pad_tables(window[1], fill=self.num_window_blocks)),
+                                                 dev))
         self.g_ids[:b].copy_(h2d(torch.tensor(ids, dtype=torch.long), dev))
         if fixups is not None:
             self.g_ids[fixups[0]] = fixups[1]
@@ -541,6 +606,7 @@ class ModelRunner:
             fixups = (h2d(torch.tensor(fix_rows), dev), prev.sampled.token_ids[h2d(torch.tensor(fix_src), dev)])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
+        window = self._window_inputs(order, prefills) if self.num_window_blocks else None
         hidden, plan = None, None
         graphable = not prefills and hasattr(self, "graph_sizes") and len(ids) <= self.graph_sizes[-1]
         if self.step_sync is not None:
@@ -549,9 +615,10 @@ class ModelRunner:
         captured = None
         if graphable:
             hidden, captured = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups,
-                                                   decode_state_slots, min_batch=plan.graph_batch if plan else 0)
+                                                   decode_state_slots, min_batch=plan.graph_batch if plan else 0,
+                                                   window=window)
         if hidden is None:
-            views = self._replay_views(slots, pos, prefills, replays) if replays else None
+            views = self._layer_views(slots, pos, prefills, replays, window) if window is not None else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
                                          layer_views=views)
@@ -597,19 +664,41 @@ class ModelRunner:
                                                                                 device=self.device))
         self.eplb.after_forward()
 
-    def _replay_views(self, slots: torch.Tensor, pos: torch.Tensor, prefills: list[PrefillChunk], replays):
-        """(full-attention, windowed) slot mappings and windowed prefill chunks of a step with replaying chunks
-        (kv_cache/bounded_replay.py): replayed rows leave the full layers' block KV and the kept windowed rows
-        untouched (they write to the scratch slot), and windowed chunks start at the replay's window floor."""
-        full, window = slots.numpy().copy(), slots.numpy().copy()
-        window_prefills = list(prefills)
+    def _window_inputs(self, order, prefills: list[PrefillChunk]):
+        """The windowed layers' inputs (kv_cache/window_group.py): slots, decode tables and prefill chunks from the
+        window group's tables, rows in the step's order (decode rows first, as `execute` lays them out)."""
+        bs, dev = self.block_size, self.device
+        dec_slots, pre_slots, dec_tables, chunks = [], [], [], []
+        for s in order:
+            table, start, n = s.window_block_ids, s.start, s.num_new_tokens
+            if self._as_decode_rows(s):          # (a verify step: one decode row per token, as `execute`)
+                for p in range(start, start + n):
+                    dec_slots.append(table[p // bs] * bs + p % bs)
+                    dec_tables.append(table)
+            else:
+                positions = np.arange(start, start + n)
+                np_table = np.asarray(table, dtype=np.int64)
+                pre_slots.append(np_table[positions // bs] * bs + positions % bs)
+                chunks.append(dataclasses.replace(prefills[len(chunks)],
+                                                  block_ids=h2d(torch.from_numpy(np_table), dev)))
+        return np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]), dec_tables, chunks
+
+    def _layer_views(self, slots: torch.Tensor, pos: torch.Tensor, prefills: list[PrefillChunk], replays, window):
+        """(full-attention slots, windowed slots, windowed prefill chunks, windowed decode tables) of a step of a
+        model with a window group. Replaying chunks (kv_cache/bounded_replay.py): replayed rows leave the full
+        layers' block KV and the kept windowed rows untouched (they write to the scratch slots), and windowed
+        chunks start at the replay's window floor."""
+        full = slots.numpy().copy()
+        window_slots, window_tables, window_prefills = window[0].copy(), window[1], list(window[2])
         for index, plan in replays:
             chunk = prefills[index]
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            full[rows], window[rows] = replay_slot_mappings(pos.numpy()[rows], full[rows], plan, self.block_size,
-                                                            self.scratch_slot)
-            window_prefills[index] = window_layer_chunk(chunk, plan)
-        return torch.from_numpy(full), torch.from_numpy(window), window_prefills
+            full[rows] = replay_slot_mappings(pos.numpy()[rows], full[rows], plan, self.block_size,
+                                              self.scratch_slot)[0]
+            window_slots[rows] = replay_slot_mappings(pos.numpy()[rows], window_slots[rows], plan, self.block_size,
+                                                      self.window_scratch_slot)[1]
+            window_prefills[index] = window_layer_chunk(window_prefills[index], plan)
+        return torch.from_numpy(full), torch.from_numpy(window_slots), window_prefills, window_tables
 
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
@@ -625,10 +714,11 @@ class ModelRunner:
             if self.num_state_slots:
                 meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
         if layer_views is not None:
-            full_slots, window_slots, window_prefills = layer_views
-            meta.layer_views = (dataclasses.replace(meta, slot_mapping=h2d(full_slots, dev)),
-                                dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev),
-                                                    prefills=window_prefills))
+            full_slots, window_slots, window_prefills, window_tables = layer_views
+            windowed = dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev), prefills=window_prefills)
+            if decode_tables:
+                windowed.decode_block_tables = h2d(torch.from_numpy(_pad_tables(window_tables, fill=0)), dev)
+            meta.layer_views = (dataclasses.replace(meta, slot_mapping=h2d(full_slots, dev)), windowed)
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]

@@ -4,7 +4,8 @@ There are no prefill and decode phases: every request has `num_computed_tokens` 
 `num_tokens` (plus a token still on the device, under async scheduling). Each step first serves running requests (a decode is 1 token, an unfinished prefill takes
 what is left of the token budget), then admits waiting requests, prefix-cache hits first subtracted. When
 the KV pool runs dry the most recently admitted running request is preempted (its blocks freed, to be
-recomputed later; cached blocks usually make that cheap) instead of failing.
+recomputed later; cached blocks usually make that cheap) instead of failing. Sliding-window models' window
+group (kv_cache/window_group.py) is a second pool: running dry in either preempts the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     # sliding-window models: the request is replaying the end of its prefix hit (kv_cache/bounded_replay.py)
     replay: ReplayPlan | None = None
+    # sliding-window models: the window group's table (kv_cache/window_group.py), what the windowed layers read
+    window_block_ids: list[int] | None = None
 
     @property
     def start(self) -> int:
@@ -107,7 +110,8 @@ class Scheduler:
                 drafts = req.spec_token_ids[:budget - 1]     # verified after the last token, within the budget
                 if drafts and self.kv.allocate_slots(req, 1 + len(drafts), num_drafts=len(drafts)):
                     out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), self.kv.block_ids(req.request_id),
-                                                          self.kv.state_slot(req.request_id), drafts))
+                                                          self.kv.state_slot(req.request_id), drafts,
+                                                          window_block_ids=self.kv.window_block_ids(req.request_id)))
                     budget -= 1 + len(drafts)
                     i += 1
                     continue         # no room for the drafts: decode the one token as usual (below)
@@ -120,7 +124,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
                                                       self.kv.state_slot(req.request_id),
-                                                      replay=self.kv.replay_plan(req.request_id)))
+                                                      replay=self.kv.replay_plan(req.request_id),
+                                                      window_block_ids=self.kv.window_block_ids(req.request_id)))
                 budget -= n
                 i += 1
                 continue
@@ -154,7 +159,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id),
                                                   self.kv.state_slot(req.request_id),
-                                                  replay=self.kv.replay_plan(req.request_id)))
+                                                  replay=self.kv.replay_plan(req.request_id),
+                                                  window_block_ids=self.kv.window_block_ids(req.request_id)))
             budget -= n
         self.waiting.extendleft(reversed(not_ready))
         out.state_copies = self.kv.take_state_copies()

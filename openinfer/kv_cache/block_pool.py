@@ -16,9 +16,6 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
-    # sliding-window models: whether the windowed layers' rows hold this block's KV (False for a block read
-    # from the prefix-KV store, which keeps only the full-attention layers'; kv_cache/bounded_replay.py)
-    window_rows: bool = True
 
 
 class BlockPool:
@@ -56,7 +53,6 @@ class BlockPool:
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
-            block.window_rows = True
             out.append(block)
         return out
 

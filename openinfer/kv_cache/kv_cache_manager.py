@@ -23,10 +23,14 @@ also written to `state_store` (same tiers, its own key: `state_key`), and a hit 
 block whose state is found, in a snapshot slot or in the store (`StateCopies.state_loads`, written into the
 request's slot before the forward).
 
-Sliding-window models (Gemma-3; kv_cache/bounded_replay.py): the store keeps only the full-attention layers'
-rows, so a block read from it lacks its windowed rows (`KVBlock.window_rows` False). A hit whose last window
-misses rows gets them from the host-memory SWA state tier (saved when a request ends, at its last block
-boundary: `StateCopies.swa_saves` / `swa_loads`) or replays the end of its prefix (`replay_plan`).
+Sliding-window models (Gemma-3; kv_cache/window_group.py, bounded_replay.py): the windowed layers' KV lives in a
+second block pool, the window group, with a second table per request whose entries before the window are released
+as the request advances (`window_block_ids`). Admission checks both pools and changes neither when one cannot take
+the request. A hit's windowed rows are present when the window group still holds the blocks of its last window
+(registered under the same hashes); blocks from the prefix-KV store never have them (it keeps only the
+full-attention layers' rows). A hit whose last window misses rows gets them from the host-memory SWA state tier
+(saved when a request ends, at its last block boundary: `StateCopies.swa_saves` / `swa_loads`) or replays the end
+of its prefix (`replay_plan`; without a store always "exact": the pool alone never approximates).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from openinfer.engine.request import Request
 from openinfer.kv_cache.block_pool import BlockPool, KVBlock
 from openinfer.kv_cache.bounded_replay import ReplayPlan, SlidingWindowLayout, plan_replay, window_blocks
 from openinfer.kv_cache.kv_store import TieredKVStore, resolve_ttl
+from openinfer.kv_cache.window_group import WindowGroup
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -93,14 +98,16 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
                  num_state_snapshots: int = 0, min_uncached_tokens: int = 1, store: TieredKVStore | None = None,
                  swa: SlidingWindowLayout | None = None, swa_state=None, swa_replay: str = "bounded",
-                 state_store: TieredKVStore | None = None):
+                 state_store: TieredKVStore | None = None, num_window_blocks: int = 0):
         """`min_uncached_tokens`: a prefix hit leaves at least this many tokens to compute (1: the token that
         yields the logits; DeepSeek-V4.1's YOCO prefill needs its decoder tail, spec 000 §5.6).
         `store`: the prefix-KV store behind the pool; `state_store`: where models with per-request state keep it
         at stored block boundaries (required for them with a store).
-        `swa`: the model's sliding-window layers, with a store: its blocks lack their windowed rows;
-        `swa_state`: the host-memory tier (tiers.HostMemoryTier) for window state, or None; `swa_replay`: the
-        replay mode for a hit without it (bounded_replay.py)."""
+        `swa`: the model's sliding-window layers, whose KV lives in the window group of `num_window_blocks` blocks
+        (window_group.py); `swa_state`: the host-memory tier (tiers.HostMemoryTier) for window state, or None;
+        `swa_replay`: the replay mode for a hit without it (bounded_replay.py; "exact" without a store)."""
+        if swa is not None and num_window_blocks < 1:
+            raise ValueError("a model with sliding-window layers needs a window group (num_window_blocks >= 1)")
         if store is not None and (not enable_prefix_caching or (
                 num_state_slots and (state_store is None or not num_state_snapshots))):
             raise ValueError("a prefix-KV store needs prefix caching, and for a model with per-request state, state "
@@ -108,9 +115,11 @@ class KVCacheManager:
         self.store = store
         self.state_store = state_store if num_state_slots else None
         self._state_loads: dict[str, bytes] = {}             # request -> state read from the store for its hit
-        self.swa = swa if store is not None else None     # without a store every pool block has its rows
-        self.swa_state = swa_state if self.swa is not None else None
-        self.swa_replay = swa_replay
+        self.swa = swa
+        self.swa_state = swa_state if swa is not None else None
+        self.swa_replay = swa_replay if store is not None else "exact"
+        self.window = (WindowGroup(num_window_blocks, block_size, swa.window, enable_prefix_caching)
+                       if swa is not None else None)
         self._replay: dict[str, ReplayPlan] = {}             # request -> its replay, until computed past its end
         self._swa_loads: dict[str, bytes] = {}               # request -> window state found for its hit
         self._store_hits: dict[str, list[bytes]] = {}          # request -> store blocks after its pool hits
@@ -150,6 +159,11 @@ class KVCacheManager:
         """The request's block table as ids (a live view: read it, don't keep or change it)."""
         return self._block_ids.get(request_id, [])
 
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """Sliding-window models: the request's window-group table (released entries at the scratch page); else
+        None."""
+        return self.window.block_ids(request_id) if self.window is not None else None
+
     def state_slot(self, request_id: str) -> int | None:
         return self._state_slot.get(request_id)
 
@@ -187,7 +201,8 @@ class KVCacheManager:
             self.prefix_stats.store_hit_tokens += store_hits * self.block_size
         num_cached = (len(hits) + store_hits) * self.block_size
         if self.swa is not None:
-            num_cached = self._window_hit(request, [b.window_rows for b in hits] + [False] * store_hits)
+            num_cached = self._window_hit(request, self.window.rows_present(
+                request.block_hashes[:len(hits) + store_hits]))
         if self.num_state_slots:   # usable up to the last hit block whose end state was kept
             n = self._state_hit(request, len(hits) + store_hits)
             del hits[n:]
@@ -241,6 +256,11 @@ class KVCacheManager:
             if payload is not None:
                 self._swa_loads[rid] = payload
                 return n * bs
+        if self.swa_replay == "exact":
+            # start at the last block boundary whose window is complete (the blocks before it need no rows)
+            k = next(k for k in range(n, -1, -1)
+                     if all(rows_present[i] for i in window_blocks(k, bs, self.swa.window)))
+            rows_present = [True] * k + rows_present[k:]
         plan = plan_replay(rows_present, bs, self.swa.window, self.swa_replay)
         self._replay[rid] = plan
         return plan.start
@@ -339,6 +359,8 @@ class KVCacheManager:
                     and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed
                                                            or (num_drafts and total // self.block_size
                                                                > request.num_computed_tokens // self.block_size)))):
+                if self.window is not None:
+                    self.window.release(rid, self.window.first_needed(request.num_computed_tokens))
                 return True
         computed_blocks = computed_blocks or []
         loaded = self._store_hits.get(rid, []) if self.store is not None else []
@@ -351,7 +373,16 @@ class KVCacheManager:
         need = -(-max(total, hit_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)   # hits now sitting in the free queue
         need_slot = self.num_state_slots > 0 and rid not in self._state_slot
-        if max(need, 0) > self.pool.num_free_blocks - reclaimed or (need_slot and not self._free_state_slots):
+        planned = None
+        if self.window is not None:   # the window group's entries from the step's first query's window on
+            first_w = self.window.first_needed(request.num_computed_tokens + cached,
+                                               plan.window_floor if plan is not None else 0)
+            self.window.release(rid, first_w)     # no step reads them again (a refused step is preempted)
+            upto = -(-max(total, hit_tokens if plan is None else 0) // self.block_size)
+            planned = self.window.plan(rid, len(blocks) + len(computed_blocks) + max(need, 0), first_w, upto,
+                                       request.block_hashes[:hit_tokens // self.block_size])
+        if (max(need, 0) > self.pool.num_free_blocks - reclaimed or (need_slot and not self._free_state_slots)
+                or (planned is not None and not self.window.can_take(planned))):
             if not blocks:
                 del self._blocks[rid]
             return False
@@ -362,14 +393,14 @@ class KVCacheManager:
             no_save = len(computed_blocks) + len(loaded)
             for block, payload in zip(new_blocks[len(computed_blocks):], loaded):
                 self.state_copies.kv_loads.append((block.block_id, payload))
-                block.window_rows = self.swa is None
         if self.store is not None:
             self._store_hits.pop(rid, None)
             self._fetched.pop(rid, None)
         blocks.extend(new_blocks)
         self._block_ids.setdefault(rid, []).extend(b.block_id for b in new_blocks)
-        if self.swa is not None:
-            self._rebuild_window_rows(request, blocks, hit_tokens, total, plan)
+        if self.window is not None:
+            fresh = self.window.extend(rid, len(blocks), first_w, planned)
+            self._window_rows_back(request, fresh, hit_tokens, plan)
         if need_slot:
             self._state_slot[rid] = self._free_state_slots.pop()
         snapshot = self._restore.pop(rid, None)
@@ -387,30 +418,25 @@ class KVCacheManager:
                     ttl = resolve_ttl(request.sampling_params.cache_ttl, self.store.default_ttl_s)
                     self.state_copies.kv_saves.append((blocks[i].block_id, request.block_hashes[i], ttl))
             self._num_registered[rid] = max(start, full)
+            if self.window is not None:   # replayed rows count once scheduled, loaded ones at once
+                upto = max(min(total, request.num_tokens), hit_tokens if plan is None else 0)
+                self.window.register(rid, request.block_hashes, upto // self.block_size)
             if self.num_state_snapshots:
                 self._snapshot_state(request, total, num_drafts)
         return True
 
-    def _rebuild_window_rows(self, request: Request, blocks: list[KVBlock], hit_tokens: int, total: int,
-                             plan: ReplayPlan | None) -> None:
-        """Windowed rows come back to the hit's blocks: from the SWA state (at admission), or as the replay's
-        tokens are scheduled (a block counts once all its tokens are: the step writes them before any read)."""
-        rid, bs = request.request_id, self.block_size
-        payload = self._swa_loads.pop(rid, None)
+    def _window_rows_back(self, request: Request, fresh: dict[int, int], hit_tokens: int,
+                          plan: ReplayPlan | None) -> None:
+        """Windowed rows a hit lacks come back into fresh window blocks: from the SWA state (at admission: the
+        window's blocks the group still holds keep theirs), or as the replay's tokens are computed."""
+        payload = self._swa_loads.pop(request.request_id, None)
         if payload is not None:
-            window = window_blocks(hit_tokens // bs, bs, self.swa.window)
-            targets = [None if blocks[i].window_rows else blocks[i].block_id for i in window]
-            self.state_copies.swa_loads.append((targets, payload))
-            for i in window:
-                blocks[i].window_rows = True
+            window = window_blocks(hit_tokens // self.block_size, self.block_size, self.swa.window)
+            self.state_copies.swa_loads.append(([fresh.get(i) for i in window], payload))
             self.prefix_stats.swa_state_hits += 1
-        if plan is None:
-            return
-        if hit_tokens:
+        if plan is not None and hit_tokens:
             self.prefix_stats.swa_replays += 1
             self.prefix_stats.swa_replayed_tokens += plan.num_replayed_tokens
-        for i in range(plan.start // bs, min(total, plan.end) // bs):
-            blocks[i].window_rows = True
 
     def save_window_state(self, request: Request) -> None:
         """A request ends: keep the windowed rows of its last window (at its last block boundary) in host memory,
@@ -424,11 +450,11 @@ class KVCacheManager:
         n = min(n, len(request.block_hashes))
         if n == 0:
             return
-        window = window_blocks(n, self.block_size, self.swa.window)
+        ids = self.window.window_ids(request.request_id, window_blocks(n, self.block_size, self.swa.window))
         key = request.block_hashes[n - 1]
-        if not all(blocks[i].window_rows for i in window) or self.swa_state.contains(key):
+        if ids is None or self.swa_state.contains(key):
             return
-        self.state_copies.swa_saves.append(([blocks[i].block_id for i in window], key))
+        self.state_copies.swa_saves.append((ids, key))
 
     def _snapshot_state(self, request: Request, total: int, num_drafts: int = 0) -> None:
         """After this step the request's state is at `total` tokens: keep a copy when that is a block
@@ -478,6 +504,8 @@ class KVCacheManager:
         full = min(request.num_computed_tokens, request.num_tokens, len(blocks) * self.block_size) // self.block_size
         for i in range(start, min(full, len(hashes))):
             self.pool.cache(blocks[i], hashes[i])
+        if self.window is not None:
+            self.window.register(request.request_id, hashes, full)
         self._resolve_unkeyed(request)
 
     def _resolve_unkeyed(self, request: Request) -> None:
@@ -524,6 +552,8 @@ class KVCacheManager:
         if unkeyed is not None:
             self._free_snapshots.append(unkeyed[1])
         self.pool.free(list(reversed(self._blocks.pop(rid, []))))
+        if self.window is not None:
+            self.window.free(rid)
         self._block_ids.pop(rid, None)
         self._num_registered.pop(rid, None)
         slot = self._state_slot.pop(rid, None)
@@ -531,7 +561,9 @@ class KVCacheManager:
             self._free_state_slots.append(slot)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.pool.reset_prefix_cache()
+        if self.window is not None and self.window.pool.num_free_blocks != self.window.pool.num_blocks:
+            return False
+        ok = self.pool.reset_prefix_cache() and (self.window is None or self.window.pool.reset_prefix_cache())
         if ok:
             self._free_snapshots.extend(self._snapshots.values())
             self._snapshots.clear()

@@ -71,8 +71,9 @@ class AttentionMetadata:
     moe_rows_per_rank: int | None = None
     moe_valid_rows: torch.Tensor | None = None
     moe_communicate: bool = True
-    # a step with bounded replay (kv_cache/bounded_replay.py): the step as (full-attention layers, windowed
-    # layers) see it, when they differ (other slot mappings, windowed chunks starting later); None: one view
+    # models with a window group (kv_cache/window_group.py): the step as (full-attention layers, windowed
+    # layers) see it: the windowed layers read the window group's tables and slots (and, in a step with bounded
+    # replay, kv_cache/bounded_replay.py, other slot mappings and chunks starting later); None: one view
     layer_views: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
     def for_layer(self, window: int | None) -> AttentionMetadata:
@@ -112,13 +113,15 @@ class AttentionBackend(Protocol):
 
 
 def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   fp8: bool = False) -> list[PagedCacheSpec]:
+                   fp8: bool = False, window: int | None = None, name: str = "kv") -> list[PagedCacheSpec]:
     """The paged caches this backend reads: "kv" [2, KVH, D] per token in `dtype`, or with `fp8` in
-    float8_e4m3fn plus "kv_scale" [2, KVH] float32 (one scale per token, K/V and KV head)."""
+    float8_e4m3fn plus "kv_scale" [2, KVH] float32 (one scale per token, K/V and KV head). `window`: layers
+    attending through a sliding window (their kinds form the window group, kv_cache/window_group.py), under
+    `name` (and `name`_scale)."""
     if not fp8:
-        return [PagedCacheSpec("kv", num_layers, (2, num_kv_heads, head_dim), dtype)]
-    return [PagedCacheSpec("kv", num_layers, (2, num_kv_heads, head_dim), torch.float8_e4m3fn),
-            PagedCacheSpec("kv_scale", num_layers, (2, num_kv_heads), torch.float32)]
+        return [PagedCacheSpec(name, num_layers, (2, num_kv_heads, head_dim), dtype, window=window)]
+    return [PagedCacheSpec(name, num_layers, (2, num_kv_heads, head_dim), torch.float8_e4m3fn, window=window),
+            PagedCacheSpec(f"{name}_scale", num_layers, (2, num_kv_heads), torch.float32, window=window)]
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,14 @@ What differs from Llama, all as in HF transformers' `Gemma3ForCausalLM`:
 - embeddings scaled by sqrt(hidden_size) (the scale cast to the model dtype first, as HF does);
 - GELU(tanh)-gated MLP, attention scale `query_pre_attn_scalar ** -0.5`, final logit softcapping when set.
 
-This first step keeps the full KV of every layer in one "kv" cache kind (with kv_cache_dtype="fp8": FP8, its
-scales in "kv_scale"): sliding layers mask out keys before their window but do not free them, so memory is
-that of a full-attention model (memory-bounded window layers come next). A backend without windows
-(`supports_window` False) is refused at build time. With a prefix-KV store the sliding layers' rows are not
-stored; a hit gets them from host memory or by bounded replay (`swa_layout`, kv_cache/bounded_replay.py; the
-attention layers read the step's metadata through `meta.for_layer(window)` for that).
+Caches: the full layers' KV in the "kv" kind, the sliding layers' in "kv_window" (with kv_cache_dtype="fp8": FP8,
+scales in "kv_scale" / "kv_window_scale"). "kv_window" declares the window, so it lives in the window group
+(kv_cache/window_group.py): its own pool and block table per request, whose blocks before the window are released
+as the request advances. A sliding layer's memory per request is bounded by the window (about W + one chunk of
+tokens), whatever the length; only the full layers (1 in 6) grow with it. The sliding layers read the window
+group's tables through `meta.for_layer(window)`. A backend without windows (`supports_window` False) is refused at
+build time. With a prefix-KV store the sliding layers' rows are not stored; a hit gets them from the window group
+(when it still holds the hit's last window), host memory or a replay (`swa_layout`, kv_cache/bounded_replay.py).
 """
 
 from __future__ import annotations
@@ -254,20 +256,31 @@ class Gemma3ForCausalLM(nn.Module):
         return SlidingWindowLayout(c.sliding_window, layers) if layers else None
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
-        """Every layer keeps its full KV (sliding layers too, for now); this rank's KV heads only. No
-        `rollback_rows`: a rejected draft's paged row is rewritten when its position is computed again."""
+        """Full layers' KV in "kv", sliding layers' in "kv_window" (the window group: blocks past the window
+        are released); this rank's KV heads only. No `rollback_rows`: a rejected draft's paged row is rewritten
+        when its position is computed again (and its blocks are never released: release follows the computed
+        tokens)."""
         c = self.config
-        return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
-                              dtype, self.fp8_kv_cache)
+        kvh, n_sliding = c.num_key_value_heads // self.parallel.tp_size, c.layer_types.count(SLIDING)
+        specs = []
+        if n_sliding < c.num_hidden_layers:
+            specs += kv_cache_specs(c.num_hidden_layers - n_sliding, kvh, c.head_dim, dtype, self.fp8_kv_cache)
+        if n_sliding:
+            specs += kv_cache_specs(n_sliding, kvh, c.head_dim, dtype, self.fp8_kv_cache, window=c.sliding_window,
+                                    name="kv_window")
+        return specs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * self._embed_scale_in(x.dtype)
-        scales = caches.get("kv_scale", [None] * len(self.layers))
-        for layer, kv_cache, kv_scale in zip(self.layers, caches["kv"], scales):
+        # each layer's cache: the next of its kind's list ("kv" for full layers, "kv_window" for sliding ones)
+        kinds = {t: (iter(caches.get(name, ())), iter(caches.get(f"{name}_scale", ())))
+                 for t, name in ((FULL, "kv"), (SLIDING, "kv_window"))}
+        for layer in self.layers:
             rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
-            x = layer(x, positions, rotary, kv_cache, meta, kv_scale)
+            kv, scales = kinds[layer.layer_type]
+            x = layer(x, positions, rotary, next(kv), meta, next(scales, None))
         return self.norm(x)
 
     def _embed_scale_in(self, dtype: torch.dtype) -> float:
