@@ -44,3 +44,17 @@ def assert_pool_idle(engine):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     window = engine.kv_manager.window
     assert window is None or window.pool.num_free_blocks == window.pool.num_blocks
+
+
+def record_drafter_extends(drafter) -> dict[int, list[int]]:
+    """Wrap a feature drafter's `extend` to record, per drafter slot, the positions written, in call order."""
+    extended: dict[int, list[int]] = {}
+    extend = drafter.extend
+
+    def logging_extend(slots, positions, features, **kw):
+        for s, p in zip(slots.tolist(), positions.tolist()):
+            extended.setdefault(s, []).append(p)
+        return extend(slots, positions, features, **kw)
+
+    drafter.extend = logging_extend
+    return extended

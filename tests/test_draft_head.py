@@ -11,6 +11,7 @@ import torch
 from openinfer.benchmarks.spec import CHAT_QUESTIONS
 from openinfer.spec_decode import train
 from openinfer.spec_decode.draft_head import DraftHead, DraftHeadConfig, DraftHeadDrafter, hf_target_features
+from tests.conftest import record_drafter_extends
 
 BLOCK, WINDOW = 3, 16
 
@@ -193,15 +194,7 @@ def test_engine_drafts_with_the_trained_head_and_keeps_plain_greedy(smollm_dir, 
               speculative_config={"method": "draft_head", "num_speculative_tokens": BLOCK,
                                   "draft_model": str(tmp_path / "head")})
     drafter = llm.engine.speculator.features.drafter
-    extended: dict[int, list[int]] = {}
-    extend = drafter.extend
-
-    def logging_extend(slots, positions, features):
-        for s, p in zip(slots.tolist(), positions.tolist()):
-            extended.setdefault(s, []).append(p)
-        return extend(slots, positions, features)
-
-    drafter.extend = logging_extend
+    extended = record_drafter_extends(drafter)
     outs = [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
     assert [o.token_ids for o in outs] == ref
     assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5

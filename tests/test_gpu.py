@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 from openinfer import LLM, SamplingParams  # noqa: E402
 from openinfer.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from openinfer.layers.triton_attention import paged_decode_attention  # noqa: E402
+from tests.conftest import record_drafter_extends  # noqa: E402
 
 
 def _rel(a, b):
@@ -617,15 +618,7 @@ def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_
               speculative_config={"method": "draft_head", "num_speculative_tokens": 3,
                                   "draft_model": str(tmp_path / "head")})
     drafter = llm.engine.speculator.features.drafter
-    extended: dict[int, list[int]] = {}
-    extend = drafter.extend
-
-    def logging_extend(slots, positions, features):
-        for s, p in zip(slots.tolist(), positions.tolist()):
-            extended.setdefault(s, []).append(p)
-        return extend(slots, positions, features)
-
-    drafter.extend = logging_extend
+    extended = record_drafter_extends(drafter)
     outs = [o.outputs[0] for o in llm.chat(messages, sp, use_tqdm=False)]
     assert [o.token_ids for o in outs] == ref
     assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5
