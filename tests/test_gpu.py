@@ -232,19 +232,24 @@ def test_triton_prefill_over_prefix_hits_follows_torch_backend(tiny_dummy_dir, k
         assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-3
 
 
-def test_gemma3_windows_on_triton_follow_torch_backend(tmp_path):
-    """Gemma-3's sliding-window layers (window 8, five of six layers) through the Triton kernels: chunked
-    prefill across the window, prefix hits and decode give the torch backend's tokens and logprobs (fp32)."""
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_windows_on_triton_follow_torch_backend(tmp_path, arch):
+    """Sliding-window layers (window 8: Gemma-3's five of six layers, Mistral's every layer, whose full group
+    then holds no bytes) through the Triton kernels and CUDA graphs: chunked prefill across the window, prefix
+    hits and decode give the torch backend's tokens and logprobs (fp32)."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                           sliding_window=8, max_position_embeddings=1024, final_logit_softcapping=30.0)
-    model = Gemma3ForCausalLM(cfg).eval()
+    shape = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, sliding_window=8, max_position_embeddings=1024)
+    if arch == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, query_pre_attn_scalar=24, final_logit_softcapping=30.0))
+    else:
+        model = MistralForCausalLM(MistralConfig(**shape))
+    model.eval()
     with torch.no_grad():   # larger-than-init weights so that differences would show
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.3)

@@ -169,18 +169,14 @@ class LLMEngine:
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
-        window = getattr(self.runner.model, "unsupported_window", None)
         capacity = self.runner.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
         if wanted is not None:
-            if window is not None and wanted > window:
-                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window {window}; "
-                                 f"sliding-window attention is not supported for this model family yet")
             if wanted > capacity:
                 raise ValueError(f"max_model_len {wanted} does not fit the KV pool ({self.runner.num_blocks} blocks "
                                  f"x {self.config.block_size} = {capacity} tokens); raise the KV budget")
             return wanted
-        return min(model_max, capacity, window or model_max)
+        return min(model_max, capacity)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

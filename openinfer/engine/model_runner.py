@@ -287,16 +287,23 @@ class ModelRunner:
         of the budget. When the budget cannot hold that beside as many full blocks, both groups get the same count
         (a request can then hold its whole length in either, as without the window group). Running dry in the
         window group preempts like the full one. `num_kv_blocks` fixes the full group (the window group then
-        gets min(num_kv_blocks, 2 x running)); `num_window_kv_blocks` fixes the window group."""
+        gets min(num_kv_blocks, 2 x running)); `num_window_kv_blocks` fixes the window group.
+
+        Every layer windowed (Mistral): the full group holds no rows, its blocks are only the table that hashes
+        prefixes and bounds a request's length. The window group then gets the whole budget (`num_kv_blocks`
+        or `num_window_kv_blocks` fix it), and the full group as many table entries as the requests the window
+        group can run hold at the longest length, plus one per window block for ended requests' prefixes."""
         c, bs = self.config, self.block_size
         window = self.window_size()
         full_bytes, window_bytes = self.bytes_per_block(window=False), self.bytes_per_block(window=True)
+        if window is not None and full_bytes == 0:
+            return self._window_only_pool_sizes(window, window_bytes)
         if window is None:
             num_window = 0
         else:
             running = c.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
             num_window = c.num_window_kv_blocks or 2 * running
-            least = -(-(window - 1) // bs) + 2 + -(-c.max_num_batched_tokens // bs)    # one request's full step
+            least = self._least_window_blocks(window)
             if num_window < least:
                 raise ValueError(f"num_window_kv_blocks={num_window} cannot hold one request's window and step "
                                  f"({least} blocks of {bs} tokens for window {window} and max_num_batched_tokens="
@@ -315,6 +322,30 @@ class ModelRunner:
                              f"{self.bytes_per_block()} bytes (block_size={self.block_size}) beside "
                              f"{self.state_bytes()} bytes of per-request state; raise kv_cache_memory_bytes")
         return int(num), int(num_window)
+
+    def _least_window_blocks(self, window: int) -> int:
+        """Window blocks one request's full step needs: its window (one more at a block edge) and its tokens."""
+        c, bs = self.config, self.block_size
+        return -(-(window - 1) // bs) + 2 + -(-c.max_num_batched_tokens // bs)
+
+    def _window_only_pool_sizes(self, window: int, window_bytes: int) -> tuple[int, int]:
+        c, bs = self.config, self.block_size
+        num_window = c.num_window_kv_blocks or c.num_kv_blocks
+        if num_window is None:
+            budget = self._kv_budget()
+            num_window = budget // window_bytes
+            if num_window < 1:
+                raise ValueError(f"KV budget of {budget + self.state_bytes()} bytes holds no block of {window_bytes} "
+                                 f"bytes (block_size={bs}) beside {self.state_bytes()} bytes of per-request state; "
+                                 f"raise kv_cache_memory_bytes")
+        least = self._least_window_blocks(window)
+        if num_window < least:
+            raise ValueError(f"the window group's {num_window} blocks cannot hold one request's window and step "
+                             f"({least} blocks of {bs} tokens for window {window} and max_num_batched_tokens="
+                             f"{c.max_num_batched_tokens}); raise num_kv_blocks or kv_cache_memory_bytes")
+        longest = c.max_model_len or self.model.config.max_position_embeddings
+        concurrent = min(c.max_num_seqs, num_window // (-(-(window - 1) // bs) + 2))   # each its window
+        return max(1, concurrent) * -(-longest // bs) + num_window, num_window
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Zeroed, not empty: masked-out slots still enter the matmul and must not hold NaN/Inf bit patterns.

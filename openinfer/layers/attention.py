@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,17 @@ def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int, dtype: tor
         return [PagedCacheSpec(name, num_layers, (2, num_kv_heads, head_dim), dtype, window=window)]
     return [PagedCacheSpec(name, num_layers, (2, num_kv_heads, head_dim), torch.float8_e4m3fn, window=window),
             PagedCacheSpec(f"{name}_scale", num_layers, (2, num_kv_heads), torch.float32, window=window)]
+
+
+def layer_caches(caches: dict[str, list[torch.Tensor]], windowed: Iterable[bool]
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(KV cache, FP8 scale cache or None) per layer, in order: a full layer takes the next of "kv", a windowed
+    one the next of "kv_window" (the kinds `kv_cache_specs` declares, the windowed ones under `name="kv_window"`)."""
+    kinds = {w: (iter(caches.get(name, ())), iter(caches.get(f"{name}_scale", ())))
+             for w, name in ((False, "kv"), (True, "kv_window"))}
+    for w in windowed:
+        kv, scales = kinds[w]
+        yield next(kv), next(scales, None)
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs
+from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs, layer_caches
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -241,9 +241,6 @@ class Gemma3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    # the engine accepts any max_model_len: sliding layers are computed exactly (not refused like Mistral's)
-    unsupported_window = None
-
     def reset_rotary_tables(self, device: torch.device) -> None:
         self.rotary.reset_tables(device)
         self.rotary_local.reset_tables(device)
@@ -274,13 +271,10 @@ class Gemma3ForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * self._embed_scale_in(x.dtype)
-        # each layer's cache: the next of its kind's list ("kv" for full layers, "kv_window" for sliding ones)
-        kinds = {t: (iter(caches.get(name, ())), iter(caches.get(f"{name}_scale", ())))
-                 for t, name in ((FULL, "kv"), (SLIDING, "kv_window"))}
-        for layer in self.layers:
+        per_layer = layer_caches(caches, (layer.layer_type == SLIDING for layer in self.layers))
+        for layer, (kv_cache, kv_scale) in zip(self.layers, per_layer):
             rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
-            kv, scales = kinds[layer.layer_type]
-            x = layer(x, positions, rotary, next(kv), meta, next(scales, None))
+            x = layer(x, positions, rotary, kv_cache, meta, kv_scale)
         return self.norm(x)
 
     def _embed_scale_in(self, dtype: torch.dtype) -> float:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs
+from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs, layer_caches
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -43,6 +44,8 @@ class LlamaConfig:
     o_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    # per layer: whether it attends through `sliding_window` (HF `layer_types`; Mistral: every layer)
+    window_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -54,6 +57,17 @@ class LlamaConfig:
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         attention_bias = bool(hf.get("attention_bias", False))
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        layers = hf["num_hidden_layers"]
+        if sliding is None:
+            windowed = (False,) * layers
+        elif hf.get("layer_types"):          # transformers 5 spells out each layer (Qwen2's max_window_layers)
+            windowed = tuple(t == "sliding_attention" for t in hf["layer_types"])
+            if len(windowed) != layers:
+                raise ValueError(f"layer_types has {len(windowed)} entries for num_hidden_layers={layers}")
+        else:                                # Mistral: every layer attends through the window
+            windowed = (True,) * layers
+        if not any(windowed):
+            sliding = None
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -72,6 +86,7 @@ class LlamaConfig:
             o_bias=attention_bias and model_type != "qwen3",
             qk_norm=model_type == "qwen3",
             sliding_window=sliding,
+            window_layers=windowed,
         )
 
     def check_tensor_parallel(self, tp_size: int) -> None:
@@ -88,7 +103,8 @@ class LlamaAttention(nn.Module):
     """This rank's heads: num_attention_heads / tp query heads and num_key_value_heads / tp KV heads (qkv_proj
     column-parallel per q/k/v, o_proj row-parallel: one all-reduce)."""
 
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext,
+                 window: int | None = None):
         super().__init__()
         tp = parallel.tp_size
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
@@ -104,6 +120,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
+        self.window = window
         self.backend = backend
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata, kv_scale=None):
@@ -115,16 +132,20 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale,
-                                 **({} if kv_scale is None else {"kv_scale": kv_scale}))
+        # passed on only when set (backends without window or FP8 support keep their signatures)
+        extra = {} if self.window is None else {"window": self.window}
+        if kv_scale is not None:
+            extra["kv_scale"] = kv_scale
+        o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.window), self.scale, **extra)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, ops: LayerOps, parallel: ParallelContext,
+                 window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(cfg, backend, ops, parallel)
+        self.self_attn = LlamaAttention(cfg, backend, ops, parallel, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = ParallelGatedMLP(cfg.hidden_size, cfg.intermediate_size, ops=ops, parallel=parallel)
 
@@ -152,8 +173,13 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       ops)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops, parallel)
-                                    for _ in range(cfg.num_hidden_layers))
+        if cfg.sliding_window is not None and not getattr(backend, "supports_window", False):
+            raise NotImplementedError(
+                f"this {cfg.model_type} model has sliding-window layers and the {type(backend).__name__} attention "
+                f"backend does not support sliding windows; use attention_backend='torch' or 'triton'")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, ops, parallel, cfg.sliding_window if windowed else None)
+            for windowed in (cfg.window_layers or (False,) * cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # vocab-parallel; returns the full logits on every TP rank (see ParallelLMHead: no token broadcast)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
@@ -164,28 +190,38 @@ class LlamaForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: dict[int, torch.Tensor] = {}
 
-    @property
-    def unsupported_window(self) -> int | None:
-        """A sliding window this model would need and the engine does not run yet (Mistral-style)."""
-        return self.config.sliding_window
+    def swa_layout(self) -> SlidingWindowLayout | None:
+        """The windowed layers (kv_cache/bounded_replay.py; Mistral: all of them, so the prefix-KV store keeps no
+        rows of this model and a hit's window comes from the pool, host memory or a replay)."""
+        c = self.config
+        layers = tuple(i for i, w in enumerate(c.window_layers) if w)
+        return SlidingWindowLayout(c.sliding_window, layers) if layers else None
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
-        """This rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole. Paged KV
-        needs no `rollback_rows`: a rejected draft's row is rewritten when its position is computed again."""
+        """Full layers' KV in "kv", windowed layers' in "kv_window" (the window group: blocks past the window
+        are released); this rank's KV heads only: with tensor parallelism each rank's pool is 1/tp of the whole.
+        Paged KV needs no `rollback_rows`: a rejected draft's row is rewritten when its position is computed
+        again."""
         c = self.config
-        return kv_cache_specs(c.num_hidden_layers, c.num_key_value_heads // self.parallel.tp_size, c.head_dim,
-                              dtype, self.fp8_kv_cache)
+        kvh, n_window = c.num_key_value_heads // self.parallel.tp_size, sum(c.window_layers)
+        specs = []
+        if n_window < c.num_hidden_layers:
+            specs += kv_cache_specs(c.num_hidden_layers - n_window, kvh, c.head_dim, dtype, self.fp8_kv_cache)
+        if n_window:
+            specs += kv_cache_specs(n_window, kvh, c.head_dim, dtype, self.fp8_kv_cache, window=c.sliding_window,
+                                    name="kv_window")
+        return specs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened batch; logits come from compute_logits on chosen rows.
-        `caches` holds one tensor per layer for each kind declared by cache_specs ("kv", and "kv_scale" with
-        an FP8 cache)."""
+        `caches` holds one tensor per layer of each kind declared by cache_specs ("kv" / "kv_window", and
+        "kv_scale" / "kv_window_scale" with an FP8 cache)."""
         x, residual = self.embed_tokens(input_ids), None
-        scales = caches.get("kv_scale", [None] * len(self.layers))
         if self.capture_layers:
             self.captured = {}
-        for i, (layer, kv_cache, kv_scale) in enumerate(zip(self.layers, caches["kv"], scales)):
+        per_layer = layer_caches(caches, (layer.self_attn.window is not None for layer in self.layers))
+        for i, (layer, (kv_cache, kv_scale)) in enumerate(zip(self.layers, per_layer)):
             if i in self.capture_layers:
                 self.captured[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, kv_scale)

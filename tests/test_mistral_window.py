@@ -1,0 +1,123 @@
+"""Llama-family models with a sliding window (models/llama.py): Mistral-style (every layer windowed) and
+transformers-5 `layer_types` (Qwen2's windowed upper layers), against HF transformers fp32 on the same weights.
+
+1. A tiny random Mistral (window 8, blocks of 4): prompts several windows long, in 8-token chunks, batched
+   decode, equal HF's logits; every layer's KV lives in the window group, so a long request holds at most its
+   window's blocks and the full group holds no bytes at all.
+2. A shared prefix hits the window blocks (no replay) and gives the cold engine's tokens.
+3. A tiny Qwen2 with `use_sliding_window` and `max_window_layers`: full and windowed layers side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openinfer import LLM, SamplingParams
+from openinfer.config import EngineConfig
+from openinfer.engine.llm_engine import LLMEngine
+from tests.conftest import assert_pool_idle
+from tests.test_gemma3 import _run_recording
+from tests.test_window_group import BS, W, _bound
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=W, rope_theta=10000.0,
+            tie_word_embeddings=False)
+
+
+def _save(model, path, smollm_dir):
+    import shutil
+
+    torch.manual_seed(0)
+    with torch.no_grad():  # larger-than-init weights so differences (a wrong window) would show
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / f, path / f)
+    return path, model
+
+
+def make_tiny_mistral(path, smollm_dir):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return _save(MistralForCausalLM(MistralConfig(**TINY)).eval(), path, smollm_dir)
+
+
+def _prompts(seed: int, lengths=(29, 3, 45)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def _assert_equals_hf(engine, hf, prompts, max_tokens=8):
+    for prompt, (logits, out) in zip(prompts, _run_recording(engine, prompts, max_tokens=max_tokens)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(torch.stack(logits), ref, atol=1e-4, rtol=0)
+    assert_pool_idle(engine)
+
+
+def test_tiny_mistral_equals_hf_with_every_layer_in_the_window_group(tmp_path, smollm_dir):
+    path, hf = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=BS, max_num_batched_tokens=8))
+    runner, kv = engine.runner, engine.kv_manager
+    assert [(s.name, s.window) for s in runner.cache_specs] == [("kv_window", W)]
+    assert runner.bytes_per_block(window=False) == 0 and "kv" not in runner.caches
+    assert runner.swa_layout.window_layers == (0, 1, 2)
+    assert engine.max_model_len == 512            # not clipped to the window: every layer runs it for real
+    held = []
+    execute = runner.execute
+
+    def recording_execute(sched, *rest):   # observe the real runner; nothing is replaced
+        held.extend(kv.window.num_held(s.request.request_id) for s in sched.scheduled)
+        return execute(sched, *rest)
+    runner.execute = recording_execute
+    _assert_equals_hf(engine, hf, _prompts(1))
+    assert max(held) <= _bound(8) < 45 // BS
+
+
+def test_the_window_matters(tmp_path, smollm_dir):
+    """HF without the window gives other logits for these prompts: the equality above tests the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path, hf = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
+    unwindowed = MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": None})).eval()
+    unwindowed.load_state_dict(hf.state_dict())
+    prompt = _prompts(1)[0]
+    with torch.no_grad():
+        a, b = (m(torch.tensor([prompt])).logits[0, -1] for m in (hf, unwindowed))
+    assert (a - b).abs().max() > 0.1
+
+
+def test_a_shared_prefix_hits_the_window_blocks(tmp_path, smollm_dir):
+    path, _ = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
+    g = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 49152, (5,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(llm, prompt):
+        o = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+        return list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+
+    cold = LLM(str(path), device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False)
+    expected = run(cold, prompts[1])
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=16)
+    run(llm, prompts[0])
+    tokens, lps = run(llm, prompts[1])
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 40 and stats["swa_replays"] == 0
+    assert tokens == expected[0] and max(abs(a - b) for a, b in zip(lps, expected[1])) < 1e-4
+    assert_pool_idle(llm.engine)
+
+
+def test_tiny_qwen2_with_windowed_upper_layers_equals_hf(tmp_path, smollm_dir):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**TINY, use_sliding_window=True, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    path, hf = _save(Qwen2ForCausalLM(cfg).eval(), tmp_path / "qwen2", smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=BS, max_num_batched_tokens=8))
+    assert [(s.name, s.window) for s in engine.runner.cache_specs] == [("kv", None), ("kv_window", W)]
+    _assert_equals_hf(engine, hf, _prompts(2))
