@@ -4,12 +4,14 @@ transformers-5 `layer_types` (Qwen2's windowed upper layers), against HF transfo
 1. A tiny random Mistral (window 8, blocks of 4): prompts several windows long, in 8-token chunks, batched
    decode, equal HF's logits; every layer's KV lives in the window group, so a long request holds at most its
    window's blocks and the full group holds no bytes at all.
-2. A shared prefix hits the window blocks (no replay) and gives the cold engine's tokens.
+2. A shared prefix hits the window blocks (no replay) and gives the cold engine's tokens; a prefix-KV store,
+   which keeps only full-attention rows, is refused for such a model (it would keep nothing).
 3. A tiny Qwen2 with `use_sliding_window` and `max_window_layers`: full and windowed layers side by side.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from openinfer import LLM, SamplingParams
@@ -121,3 +123,9 @@ def test_tiny_qwen2_with_windowed_upper_layers_equals_hf(tmp_path, smollm_dir):
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=BS, max_num_batched_tokens=8))
     assert [(s.name, s.window) for s in engine.runner.cache_specs] == [("kv", None), ("kv_window", W)]
     _assert_equals_hf(engine, hf, _prompts(2))
+
+
+def test_a_prefix_store_is_refused_when_every_layer_is_windowed(tmp_path, smollm_dir):
+    path, _ = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
+    with pytest.raises(ValueError, match=r"every layer of this LlamaForCausalLM attends through a sliding window"):
+        LLM(str(path), device="cpu", dtype="float32", block_size=BS, kv_store_dir=str(tmp_path / "store"))

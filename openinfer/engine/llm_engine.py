@@ -144,6 +144,11 @@ class LLMEngine:
             raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: {type(model).__name__} keeps "
                              f"per-request state, which a stored prefix needs as of its last block: that state is "
                              f"kept with prefix caching (enable_prefix_caching and num_state_snapshots > 0)")
+        if runner.swa_layout is not None and runner.store_block_bytes() == 0:
+            raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: every layer of this "
+                             f"{type(model).__name__} attends through a sliding window, and a stored block holds "
+                             f"only full-attention layers' rows, so the store would keep nothing; prefix hits come "
+                             f"from the window pool on the device (leave the store off for this model)")
         config_json = self.model_dir / "config.json"
         namespace = namespace_digest(
             model=self.model_dir.name, model_class=type(model).__name__,
