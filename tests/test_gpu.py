@@ -629,6 +629,39 @@ def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_
     assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5
     runner = llm.engine.runner
     assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    assert drafter.graphs is not None and drafter.graphs.replays >= 20      # the drafts came from its graphs
     for positions in extended.values():
         assert positions == list(range(positions[0], positions[0] + len(positions)))
     llm.shutdown()
+
+
+def test_draft_head_propose_graphs_equal_eager(smollm_dir):
+    """The draft head's `propose` replayed from CUDA graphs (batch buckets 1, 2, 4, 8; padded rows) gives the
+    eager call's drafts and confidences for 1..8 requests over random context rings (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openinfer.spec_decode.draft_head import DraftHead, DraftHeadConfig, DraftHeadDrafter
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(hf.config, noise_token_id=tok.unk_token_id, block_size=4, window=16,
+                                     intermediate_size=256, markov_rank=32)
+    head = DraftHead(cfg, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight).cuda()
+    del hf
+    eager = DraftHeadDrafter(head, max_requests=12)
+    graphed = DraftHeadDrafter(head, max_requests=12, max_batch=8)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rings = torch.randn(eager.rings.shape, generator=g, device="cuda")
+    eager.rings.copy_(rings)
+    graphed.rings.copy_(rings)
+    for B in (1, 3, 2, 5, 8, 3):
+        slots = torch.randperm(12, device="cuda")[:B]
+        last = torch.randint(0, 40, (B,), device="cuda")
+        nxt = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
+        a, b = eager.propose(slots, last, nxt), graphed.propose(slots, last, nxt)
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.confidences, b.confidences, atol=1e-5, rtol=0)
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8] and graphed.graphs.replays == 6
+    with pytest.raises(ValueError, match="batch 9 is above the 8 requests"):
+        graphed.propose(torch.arange(9, device="cuda"), torch.zeros(9, device="cuda"), torch.zeros(9, device="cuda"))

@@ -30,7 +30,8 @@ construction and `load` and never written by `save`.
 `DraftHeadDrafter` is the batched inference state with `DSparkDrafter`'s API (`extend`, `reset`, `propose`,
 returning a `DSparkDraft`): per-request rings of context K/V, position p at slot p % W. As there, `extend` must only
 get accepted positions (a rejected row's slot would hide a still visible accepted position), and a request that
-writes its context from position 0 needs no `reset`. Plain torch, device-agnostic, no host sync in `propose`.
+writes its context from position 0 needs no `reset`. Plain torch, device-agnostic, no host sync in `propose`
+(so on CUDA it replays graphs, one per batch bucket: spec_decode/graphs.py).
 """
 
 from __future__ import annotations
@@ -326,9 +327,10 @@ class DraftHeadDrafter:
     """Drafts with a `DraftHead` for up to `max_requests` requests (slots 0 .. max_requests - 1); the API of
     `DSparkDrafter`: `extend` the accepted rows' context, `propose` a block per request."""
 
-    def __init__(self, head: DraftHead, max_requests: int, target=None):
+    def __init__(self, head: DraftHead, max_requests: int, target=None, max_batch: int = 0):
         """`target`: the engine's model, whose forward keeps the features (`capture_layers`, as openinfer's
-        Llama does) — needed only for `enable_capture`."""
+        Llama does) — needed only for `enable_capture`. `max_batch` > 0 (CUDA): `propose` for up to that many
+        requests replays CUDA graphs (spec_decode/graphs.py)."""
         cfg = head.cfg
         self.target = target
         self.head, self.block_size, self.window = head.eval(), cfg.block_size, cfg.window
@@ -336,6 +338,11 @@ class DraftHeadDrafter:
         # [layer, request slot, ring slot, k|v, heads, head_dim]; ring slot W is scratch for rows not kept
         self.rings = torch.zeros((cfg.num_layers, max_requests, cfg.window + 1, 2, cfg.num_heads, cfg.head_dim),
                                  dtype=head.param_dtype, device=dev)
+        self.graphs = None
+        if max_batch and dev.type == "cuda":
+            from openinfer.spec_decode.graphs import BatchGraphs
+
+            self.graphs = BatchGraphs(self._propose, max_batch)
 
     def enable_capture(self) -> None:
         if not hasattr(self.target, "capture_layers"):
@@ -369,7 +376,13 @@ class DraftHeadDrafter:
     @torch.inference_mode()
     def propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> DSparkDraft:
         """`last_positions` [B]: the newest context position P written by `extend`; `next_tokens` [B]: the
-        target's token at P + 1. Returns block_size greedy drafts (positions P + 2 ..) and their confidences."""
+        target's token at P + 1. Returns block_size greedy drafts (positions P + 2 ..) and their confidences
+        (with graphs: views of the graph's outputs, valid until the next call)."""
+        if self.graphs is not None:
+            return self.graphs(slots.long(), last_positions.long(), next_tokens.long())
+        return self._propose(slots, last_positions, next_tokens)
+
+    def _propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> DSparkDraft:
         W, P = self.window, last_positions.long()
         # ring slot j holds position P - ((P - j) mod W): written once that is >= 0
         valid = torch.arange(W, device=P.device)[None, :] <= P[:, None]

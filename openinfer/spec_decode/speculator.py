@@ -48,8 +48,9 @@ class Speculator:
                                  f"{type(model).__name__} is not one")
             head = DraftHead.load(config.draft_model, model.embed_tokens.weight, model.lm_head.weight)
             own = 0 if runner.num_state_slots else 2 * max_num_seqs     # models without state slots: its own map
-            self.features = FeatureProposer(DraftHeadDrafter(head, runner.num_state_slots or own, target=model),
-                                            self.k, num_slots=own)
+            graphs = max_num_seqs if runner.config.use_cuda_graphs else 0      # propose from CUDA graphs
+            self.features = FeatureProposer(DraftHeadDrafter(head, runner.num_state_slots or own, target=model,
+                                                             max_batch=graphs), self.k, num_slots=own)
         elif config.method == "mtp":
             from openinfer.spec_decode.feature_proposer import FeatureProposer
             from openinfer.spec_decode.mtp import MtpDrafter
