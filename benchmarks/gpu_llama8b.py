@@ -515,6 +515,9 @@ def main() -> None:
     ap.add_argument("--prefill-path", choices=("paged", "sdpa"), default="paged",
                     help="sdpa: prefill chunks through the previous path (K/V gathered out of the pages, one SDPA "
                          "call per chunk), the peer of the paged Triton kernel in the same device call")
+    ap.add_argument("--rotary-path", choices=("fused", "separate"), default="fused",
+                    help="separate: RoPE on q and k and the KV write as three launches per layer (the previous "
+                         "path), the peer of the fused rotate-and-write kernel in the same device call")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engines' kv_cache_dtype (e.g. fp8)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)   # debugging: --device cpu --tiny
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # toy model, prompts scaled down 8x
@@ -525,6 +528,10 @@ def main() -> None:
         from openinfer.layers.triton_attention import TritonPagedAttention
 
         TritonPagedAttention.prefill_into = TorchPagedAttention.prefill_into
+    if args.rotary_path == "separate":
+        from openinfer.layers.triton_attention import TritonPagedAttention
+
+        TritonPagedAttention.applies_rotary = False          # the model rotates, the backend writes
     selected = set(args.only or ([] if args.only_decode else JOBS))
     if args.only_decode:
         selected.add("decode")
@@ -538,7 +545,9 @@ def main() -> None:
     if args.tiny:
         res["tiny"] = True
     res["prefill_path"], res["kv_cache_dtype"] = args.prefill_path, args.kv_cache_dtype
-    suffix = "".join(f"_{x}" for x in (args.prefill_path, args.kv_cache_dtype) if x not in ("paged", "auto"))
+    res["rotary_path"] = args.rotary_path
+    suffix = "".join(f"_{x}" for x in (args.prefill_path, args.kv_cache_dtype, args.rotary_path)
+                     if x not in ("paged", "auto", "fused"))
     # the device's copy of the tree may carry a stale .git: the caller's OPENINFER_COMMIT wins
     res["commit"] = os.environ.get("OPENINFER_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"

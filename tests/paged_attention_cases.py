@@ -1,7 +1,9 @@
 """Random paged-attention steps checked kernel against reference: the Triton backend (`TritonPagedAttention`)
 against the torch reference (`TorchPagedAttention`) over the same cache, for mixed steps of decode rows and
 prefill chunks with cached context (prefix hits), shuffled page tables (what preemption and reuse leave),
-GQA, sliding windows and the FP8 KV cache (whose reference is attention over the dequantized cache).
+GQA, sliding windows and the FP8 KV cache (whose reference is attention over the dequantized cache). With an
+unquantized cache each case also runs with `rotary=`: the backend's RoPE fused with the KV write
+(`rotate_and_write`) against the model's RoPE module applied first and the reference write.
 
 Used by tests/test_paged_prefill.py (Triton's interpreter on the CPU, a subprocess with TRITON_INTERPRET=1)
 and tests/test_gpu.py (the real kernels on CUDA); run directly it prints one line per case.
@@ -15,6 +17,7 @@ import sys
 import torch
 
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from openinfer.layers.basic import RotaryEmbedding
 from openinfer.quantization.kv_formats import fp8_kv_dequantize, fp8_kv_quantize
 
 
@@ -95,6 +98,22 @@ def run_case(backend, step, window, scale=0.125):
     return out, ref, (c1, s1), (c2, s2) if q.is_cuda else (c1, s1)
 
 
+def run_rotary_case(backend, step, window, scale=0.125):
+    """As `run_case` (unquantized cache) with unrotated q, k and random positions: the backend rotates them with
+    the KV write; the reference applies the RoPE module (torch ops) first."""
+    q, k, v, cache, _, meta = step
+    rope = RotaryEmbedding(q.shape[-1], 4096, 10000.0, None)
+    rope.reset_tables(q.device)
+    positions = torch.randint(0, 4096, (q.shape[0],), generator=torch.Generator().manual_seed(q.shape[0]))
+    positions = positions.to(q.device)
+    extra = {} if window is None else {"window": window}
+    c1, c2 = cache.clone(), cache.clone()
+    out = backend.forward(q.clone(), k.clone(), v, c1, meta, scale, rotary=(rope, positions), **extra)
+    qr, kr = rope(positions, q, k)
+    ref = TorchPagedAttention().forward(qr, kr, v, c2, meta, scale, **extra)
+    return out, ref, c1, c2
+
+
 def cases(device: str, quick: bool = False):
     """Yield (name, step, window) for a spread of shapes."""
     rng = random.Random(0)
@@ -143,6 +162,11 @@ def check_all(device: str, quick: bool = False) -> list[str]:
                                          c2 if isinstance(c2, tuple) else (c2,)))
         if not same_cache:
             failures.append(f"{name}: the cache written differs from the reference's")
+        if step[4] is None:
+            out, ref, c1, c2 = run_rotary_case(backend, step, window)
+            err = max((out.float() - ref.float()).abs().max().item(), (c1.float() - c2.float()).abs().max().item())
+            if not err <= tolerance(step):
+                failures.append(f"{name} rotary: max |out - ref| or |cache - ref| = {err:.3g} > {tolerance(step)}")
     return failures
 
 

@@ -186,6 +186,37 @@ def test_fused_rotary_and_kv_write_match_reference():
     assert cache_b.view(-1, 2, KVH, D)[slots].isnan().sum() == 0
 
 
+def test_rotate_and_write_in_one_launch_follows_the_three_launches():
+    """`rotary_write_kv` (the Triton backend's fused RoPE + KV write) against `rotary` then `write_kv` on the
+    Llama-3-8B shape in bf16: q and k rotated in place to within one bf16 step of the separate kernel's (the
+    compiler contracts the fp32 products differently: not bit-equal, measured on the H200), the cache rows exactly
+    the rotated k and v, and nothing else written."""
+    from openinfer.layers import triton_ops
+    from openinfer.layers.basic import RotaryEmbedding
+
+    T, H, KVH, D = 45, 32, 8, 128
+    rope = RotaryEmbedding(D, 8192, 500000.0, None)
+    rope.reset_tables(torch.device("cuda"))
+    pos = torch.randint(0, 8000, (T,), device="cuda")
+    slots = torch.randperm(8 * 16, device="cuda")[:T]
+    results = []
+    for fused in (True, False):
+        random.seed(3)                      # _fresh draws its generator's seed from `random`
+        qkv = _fresh(T, (H + 2 * KVH) * D)
+        q, k, v = (x.view(T, -1, D) for x in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+        cache = torch.full((8, 16, 2, KVH, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        if fused:
+            triton_ops.rotary_write_kv(cache, slots, pos, rope.cos, rope.sin, q, k, v)
+        else:
+            triton_ops.rotary(pos, rope.cos, rope.sin, q, k)
+            triton_ops.write_kv(cache, slots, k, v)
+        results.append((qkv, cache, k, v))
+    (qkv_a, cache_a, k_a, v_a), (qkv_b, _, _, _) = results
+    torch.testing.assert_close(qkv_a.float(), qkv_b.float(), rtol=2.0**-7, atol=0)
+    assert torch.equal(cache_a.view(-1, 2, KVH, D)[slots], torch.stack([k_a, v_a], 1))
+    assert cache_a.isnan().sum() == (8 * 16 - T) * 2 * KVH * D
+
+
 @pytest.fixture(scope="module")
 def tiny_dummy_dir(tmp_path_factory):
     """A small Llama shape with random weights and a word-level tokenizer (no downloads, no checkpoint)."""

@@ -104,11 +104,13 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, rotary: tuple | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the new tokens; writes k/v into kv_cache; returns [T, H, D].
         `window`: sliding-window size of this layer (None: full causal attention). Backends whose class
         attribute `supports_window` is False raise on a window. `kv_scale`: the layer's FP8 scale cache
-        (kv_cache is then float8_e4m3fn); only backends whose `supports_fp8_kv` is True are given one."""
+        (kv_cache is then float8_e4m3fn); only backends whose `supports_fp8_kv` is True are given one.
+        `rotary`: (RoPE module, positions), given only to backends whose `applies_rotary` is True: q and k are
+        then unrotated, and the backend rotates them before the write (fused where it can)."""
         ...
 
 
@@ -173,10 +175,16 @@ class TorchPagedAttention:
 
     supports_window = True
     supports_fp8_kv = True
+    # `forward(..., rotary=(rope, positions))`: q and k arrive unrotated and the backend applies the model's RoPE
+    # module before writing k (a faster backend fuses the two: `rotate_and_write`)
+    applies_rotary = True
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scale=None, rotary=None):
         fp8 = {} if kv_scale is None else {"kv_scale": kv_scale}
-        self.write(kv_cache, meta.slot_mapping, k, v, **fp8)
+        if rotary is None:
+            self.write(kv_cache, meta.slot_mapping, k, v, **fp8)
+        else:
+            q, k = self.rotate_and_write(kv_cache, meta.slot_mapping, rotary, q, k, v, **fp8)
         out = torch.empty_like(q)
         extra = fp8 if window is None else {**fp8, "window": window}
         if meta.num_decode_tokens:
@@ -187,6 +195,13 @@ class TorchPagedAttention:
 
     def write(self, kv_cache, slot_mapping, k, v, kv_scale=None):
         write_kv(kv_cache, slot_mapping, k, v, kv_scale)
+
+    def rotate_and_write(self, kv_cache, slot_mapping, rotary, q, k, v, kv_scale=None):
+        """(rotated q, rotated k), k written with v. `rotary`: (the model's RotaryEmbedding, positions [T])."""
+        rope, positions = rotary
+        q, k = rope(positions, q, k)
+        self.write(kv_cache, slot_mapping, k, v, **({} if kv_scale is None else {"kv_scale": kv_scale}))
+        return q, k
 
     def decode_into(self, q, kv_cache, meta, scale, out, window=None, kv_scale=None):
         nd = meta.num_decode_tokens

@@ -98,6 +98,8 @@ class BatchInvariantTorchAttention(TorchPagedAttention):
     its own sequence's keys, blocks of KV_BLOCK positions from position 0 (CPU; torch ops). A decode row is a
     one-token chunk here, so a prompt token gives the same bits in a decode row or inside any chunk."""
 
+    applies_rotary = False        # the model rotates q and k itself, as before
+
     def forward(self, q, k, v, kv_cache, meta, scale, window=None, kv_scale=None):
         write_kv(kv_cache, meta.slot_mapping, k, v, kv_scale)
         out = torch.empty_like(q)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from openinfer.device_io import h2d
 from openinfer.layers.attention import AttentionMetadata, TorchPagedAttention
+from openinfer.layers.triton_ops import rotary_write_kv as triton_rotary_write_kv
 from openinfer.layers.triton_ops import write_kv as triton_write_kv
 from openinfer.layers.triton_ops import write_kv_fp8 as triton_write_kv_fp8
 
@@ -412,6 +413,14 @@ class TritonPagedAttention(TorchPagedAttention):
             triton_write_kv(kv_cache, slot_mapping, k, v)
         else:
             triton_write_kv_fp8(kv_cache, kv_scale, slot_mapping, k, v)
+
+    def rotate_and_write(self, kv_cache, slot_mapping, rotary, q, k, v, kv_scale=None):
+        """RoPE on q and k and the KV write in one launch (the FP8 cache: the RoPE module, then its write)."""
+        rope, positions = rotary
+        if kv_scale is not None or q.shape[-1] != rope.head_dim or not (q.stride(-1) == k.stride(-1) == 1):
+            return super().rotate_and_write(kv_cache, slot_mapping, rotary, q, k, v, kv_scale)
+        triton_rotary_write_kv(kv_cache, slot_mapping, positions, rope.cos, rope.sin, q, k, v)
+        return q, k
 
     def decode_into(self, q, kv_cache, meta: AttentionMetadata, scale, out, window=None, kv_scale=None):
         nd = meta.num_decode_tokens

@@ -112,6 +112,55 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 
 
 @triton.jit
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_qt, stride_qh,
+                            stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_cslot, stride_ckv,
+                            stride_ch, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Program (t, h): h < NUM_Q_HEADS rotates query head h of token t in place; else KV head h - NUM_Q_HEADS:
+    rotates its key in place and writes key and value into the token's cache slot (the rotation is
+    `_rotary_kernel`'s, the write `_write_kv_kernel`'s: the same values, one launch instead of three)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * stride_cs + i)
+    s = tl.load(sin_ptr + pos * stride_cs + i)
+    if h < NUM_Q_HEADS:
+        base = q_ptr + t * stride_qt + h * stride_qh
+        x1 = tl.load(base + i).to(tl.float32)
+        x2 = tl.load(base + HALF + i).to(tl.float32)
+        tl.store(base + i, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty))
+        tl.store(base + HALF + i, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty))
+    else:
+        j = h - NUM_Q_HEADS
+        base = k_ptr + t * stride_kt + j * stride_kh
+        x1 = tl.load(base + i).to(tl.float32)
+        x2 = tl.load(base + HALF + i).to(tl.float32)
+        r1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
+        r2 = (x2 * c + x1 * s).to(k_ptr.dtype.element_ty)
+        tl.store(base + i, r1)
+        tl.store(base + HALF + i, r2)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = cache_ptr + slot * stride_cslot + j * stride_ch
+        tl.store(dst + i, r1.to(cache_ptr.dtype.element_ty))
+        tl.store(dst + HALF + i, r2.to(cache_ptr.dtype.element_ty))
+        d = tl.arange(0, 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + j * stride_vh + d)
+        tl.store(dst + stride_ckv + d, v.to(cache_ptr.dtype.element_ty))
+
+
+def rotary_write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`rotary` on q and k (in place) and `write_kv` of the rotated k and v, in one launch."""
+    T, H, D = q.shape
+    if T:
+        flat = kv_cache.view(-1, *kv_cache.shape[2:])
+        _rotary_write_kv_kernel[(T, H + k.shape[1])](
+            q, k, v, positions, cos, sin, flat, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), cos.stride(0), flat.stride(0), flat.stride(1), flat.stride(2),
+            NUM_Q_HEADS=H, HALF=D // 2)
+
+
+@triton.jit
 def _fp8_row(x, FP8_MAX: tl.constexpr):
     """One K or V row quantized as `quantization.kv_formats.fp8_kv_quantize` does: scale = amax / 448 (1 for an
     all-zero row), x / scale clamped to +-448, rounded to nearest even."""

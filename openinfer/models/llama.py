@@ -131,9 +131,12 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
         # passed on only when set (backends without window or FP8 support keep their signatures)
         extra = {} if self.window is None else {"window": self.window}
+        if getattr(self.backend, "applies_rotary", False):
+            extra["rotary"] = (rotary, positions)        # rotated with the KV write (fused on Triton)
+        else:
+            q, k = rotary(positions, q, k)
         if kv_scale is not None:
             extra["kv_scale"] = kv_scale
         o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.window), self.scale, **extra)
