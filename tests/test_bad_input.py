@@ -90,12 +90,13 @@ def test_too_small_kv_budget(smollm_dir):
         LLM(str(smollm_dir), device="cpu", num_kv_blocks=2, block_size=16, max_model_len=64)
 
 
-def test_gguf_copy_converts_to_same_weights(tmp_path, smollm_gguf, smollm_dir):
-    """A .gguf path given directly is converted into the given cache dir and loads like the registered one."""
+def test_gguf_copy_converts_to_same_weights(tmp_path, smollm_gguf, llm):
+    """A .gguf path given directly is converted into the given cache dir and loads like the registered one (the
+    session's engine on it: CPU, float32, as `dtype="auto"` gives on CPU)."""
     copy = tmp_path / "copy.gguf"
     shutil.copy(smollm_gguf, copy)
     a = LLM(str(copy), device="cpu", cache_dir=str(tmp_path / "cache"))
-    b = LLM(str(smollm_dir), device="cpu")
+    b = llm
     sp = SamplingParams(temperature=0, max_tokens=6)
     assert a.generate("Hello there", sp, use_tqdm=False)[0].outputs[0].token_ids == \
         b.generate("Hello there", sp, use_tqdm=False)[0].outputs[0].token_ids

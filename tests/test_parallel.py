@@ -136,7 +136,16 @@ def reference(v4_path):
 
 @pytest.fixture(scope="module")
 def ep_sync(v4_path):
-    llm = LLM(str(v4_path), **V4_OPTS, **EP2, async_scheduling=False)
+    """Built in a thread that ends at once (test_an_engine_built_in_a_thread_outlives_the_thread checks that the
+    workers outlive it; every test here using it relies on that too)."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault(
+        "llm", LLM(str(v4_path), **V4_OPTS, **EP2, async_scheduling=False)))
+    t.start()
+    t.join()
+    llm = box["llm"]
     yield llm
     llm.shutdown()
 
@@ -415,20 +424,13 @@ def test_a_request_a_rank_refuses_fails_alone(ep_sync, reference):
     assert_ranks_idle(ep_sync)
 
 
-def test_an_engine_built_in_a_thread_outlives_the_thread(v4_path):
-    """Workers watch their parent process, not the thread that started them."""
-    import threading
-
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("llm", LLM(str(v4_path), **V4_OPTS, **EP2)))
-    t.start()
-    t.join()
-    llm = box["llm"]
-    try:
-        time.sleep(1.5)                        # past the watchdog's period
-        assert generate(llm, prompts_of(9, seed=5), 4)[0].outputs[0].token_ids
-    finally:
-        llm.shutdown()
+def test_an_engine_built_in_a_thread_outlives_the_thread(ep_sync):
+    """Workers watch their parent process, not the thread that started them (ep_sync was built in a thread that
+    has ended)."""
+    time.sleep(1.5)                        # past the watchdog's period, even when this test runs alone
+    assert all(p.is_alive() for p in ep_sync.engine._procs)
+    assert generate(ep_sync, prompts_of(9, seed=5), 4)[0].outputs[0].token_ids
+    assert_ranks_idle(ep_sync)
 
 
 _KILLED_FRONT_END = """

@@ -176,7 +176,7 @@ def test_client_disconnect_frees_blocks(server):
 
 
 def test_concurrent_streams_equal_sequential(server):
-    prompts = [f"Fact number {i} about the ocean:" for i in range(16)]
+    prompts = [f"Fact number {i} about the ocean:" for i in range(8)]
 
     def body(p):
         return {"model": "smollm2", "prompt": p, "max_tokens": 8, "temperature": 0}
