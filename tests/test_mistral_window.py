@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openinfer import LLM, SamplingParams
+from openinfer import LLM
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine
 from tests.conftest import assert_pool_idle
 from tests.test_gemma3 import _run_recording
-from tests.test_window_group import BS, W, _bound
+from tests.test_window_group import BS, W, _bound, greedy_run, shared_prefix_prompts
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=W, rope_theta=10000.0,
@@ -93,15 +93,8 @@ def test_the_window_matters(tmp_path, smollm_dir):
 
 def test_a_shared_prefix_hits_the_window_blocks(tmp_path, smollm_dir):
     path, _ = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
-    g = torch.Generator().manual_seed(6)
-    prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [prefix + torch.randint(0, 49152, (5,), generator=g).tolist() for _ in range(2)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-
-    def run(llm, prompt):
-        o = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
-        return list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
-
+    prompts, _ = shared_prefix_prompts()
+    run = greedy_run
     cold = LLM(str(path), device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False)
     expected = run(cold, prompts[1])
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=16)

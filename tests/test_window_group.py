@@ -162,21 +162,28 @@ def test_a_long_request_equals_hf_with_its_window_blocks_bounded(tiny):
     assert_pool_idle(engine)
 
 
+def shared_prefix_prompts(seed: int = 6) -> tuple[list[list[int]], list[int]]:
+    """Two prompts sharing a 40-token prefix (5 tokens of their own each), and a 30-token filler."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 49152, (5,), generator=g).tolist() for _ in range(2)]
+    return prompts, torch.randint(0, 49152, (30,), generator=g).tolist()
+
+
+def greedy_run(llm, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """6 greedy tokens and their logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    o = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    return list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+
+
 @pytest.mark.parametrize("window_blocks", [None, 8])
 def test_a_shared_prefix_hits_the_window_blocks_or_replays_exactly(tiny, window_blocks):
     """None: the window group keeps the first request's last window (a hit, no replay); 8 blocks: a filler
     request evicts it, and the hit replays exactly (no store)."""
     path, _ = tiny
-    g = torch.Generator().manual_seed(6)
-    prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
-    prompts = [prefix + torch.randint(0, 49152, (5,), generator=g).tolist() for _ in range(2)]
-    filler = torch.randint(0, 49152, (30,), generator=g).tolist()
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-
-    def run(llm, prompt):
-        o = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
-        return list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
-
+    prompts, filler = shared_prefix_prompts()
+    run = greedy_run
     cold = LLM(str(path), device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=False)
     expected = run(cold, prompts[1])
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64, max_num_batched_tokens=16,

@@ -114,6 +114,22 @@ class AttentionBackend(Protocol):
         ...
 
 
+def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+           rope, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A decoder layer's call into its backend with unrotated q, k: the RoPE module goes to a backend that
+    `applies_rotary` (with the KV write, fused on Triton), else is applied here; the window and the FP8 scale
+    cache are passed only when set (backends without window or FP8 support keep their signatures)."""
+    extra = {} if window is None else {"window": window}
+    if getattr(backend, "applies_rotary", False):
+        extra["rotary"] = (rope, positions)
+    else:
+        q, k = rope(positions, q, k)
+    if kv_scale is not None:
+        extra["kv_scale"] = kv_scale
+    return backend.forward(q, k, v, kv_cache, meta.for_layer(window), scale, **extra)
+
+
 def kv_cache_specs(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    fp8: bool = False, window: int | None = None, name: str = "kv") -> list[PagedCacheSpec]:
     """The paged caches this backend reads: "kv" [2, KVH, D] per token in `dtype`, or with `fp8` in
@@ -135,6 +151,18 @@ def layer_caches(caches: dict[str, list[torch.Tensor]], windowed: Iterable[bool]
     for w in windowed:
         kv, scales = kinds[w]
         yield next(kv), next(scales, None)
+
+
+def split_kv_cache_specs(num_layers: int, num_windowed: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         fp8: bool, window: int | None) -> list[PagedCacheSpec]:
+    """A model's paged kinds when `num_windowed` of its layers attend through `window`: the full layers' under
+    "kv", the windowed ones' under "kv_window" (the window group), either left out when it has no layers."""
+    specs = []
+    if num_windowed < num_layers:
+        specs += kv_cache_specs(num_layers - num_windowed, num_kv_heads, head_dim, dtype, fp8)
+    if num_windowed:
+        specs += kv_cache_specs(num_windowed, num_kv_heads, head_dim, dtype, fp8, window=window, name="kv_window")
+    return specs
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from torch import nn
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs, layer_caches
+from openinfer.layers.attention import (AttentionBackend, AttentionMetadata, attend, layer_caches,
+                                        split_kv_cache_specs)
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -186,15 +187,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        # passed on only when set (backends without window or FP8 support keep their signatures)
-        extra = {} if self.window is None else {"window": self.window}
-        if getattr(self.backend, "applies_rotary", False):
-            extra["rotary"] = (rotary, positions)        # rotated with the KV write (fused on Triton)
-        else:
-            q, k = rotary(positions, q, k)
-        if kv_scale is not None:
-            extra["kv_scale"] = kv_scale
-        o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.window), self.scale, **extra)
+        o = attend(self.backend, q, k, v, positions, rotary, kv_cache, meta, self.scale, self.window, kv_scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -261,14 +254,9 @@ class Gemma3ForCausalLM(nn.Module):
         when its position is computed again (and its blocks are never released: release follows the computed
         tokens)."""
         c = self.config
-        kvh, n_sliding = c.num_key_value_heads // self.parallel.tp_size, c.layer_types.count(SLIDING)
-        specs = []
-        if n_sliding < c.num_hidden_layers:
-            specs += kv_cache_specs(c.num_hidden_layers - n_sliding, kvh, c.head_dim, dtype, self.fp8_kv_cache)
-        if n_sliding:
-            specs += kv_cache_specs(n_sliding, kvh, c.head_dim, dtype, self.fp8_kv_cache, window=c.sliding_window,
-                                    name="kv_window")
-        return specs
+        return split_kv_cache_specs(c.num_hidden_layers, c.layer_types.count(SLIDING),
+                                    c.num_key_value_heads // self.parallel.tp_size, c.head_dim, dtype,
+                                    self.fp8_kv_cache, c.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -17,7 +17,8 @@ from torch import nn
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import PagedCacheSpec
-from openinfer.layers.attention import AttentionBackend, AttentionMetadata, kv_cache_specs, layer_caches
+from openinfer.layers.attention import (AttentionBackend, AttentionMetadata, attend, layer_caches,
+                                        split_kv_cache_specs)
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
@@ -131,15 +132,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # passed on only when set (backends without window or FP8 support keep their signatures)
-        extra = {} if self.window is None else {"window": self.window}
-        if getattr(self.backend, "applies_rotary", False):
-            extra["rotary"] = (rotary, positions)        # rotated with the KV write (fused on Triton)
-        else:
-            q, k = rotary(positions, q, k)
-        if kv_scale is not None:
-            extra["kv_scale"] = kv_scale
-        o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.window), self.scale, **extra)
+        o = attend(self.backend, q, k, v, positions, rotary, kv_cache, meta, self.scale, self.window, kv_scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -206,14 +199,9 @@ class LlamaForCausalLM(nn.Module):
         Paged KV needs no `rollback_rows`: a rejected draft's row is rewritten when its position is computed
         again."""
         c = self.config
-        kvh, n_window = c.num_key_value_heads // self.parallel.tp_size, sum(c.window_layers)
-        specs = []
-        if n_window < c.num_hidden_layers:
-            specs += kv_cache_specs(c.num_hidden_layers - n_window, kvh, c.head_dim, dtype, self.fp8_kv_cache)
-        if n_window:
-            specs += kv_cache_specs(n_window, kvh, c.head_dim, dtype, self.fp8_kv_cache, window=c.sliding_window,
-                                    name="kv_window")
-        return specs
+        return split_kv_cache_specs(c.num_hidden_layers, sum(c.window_layers),
+                                    c.num_key_value_heads // self.parallel.tp_size, c.head_dim, dtype,
+                                    self.fp8_kv_cache, c.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
