@@ -22,31 +22,36 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Blocks never handed out are made when first allocated (ids `_next_fresh` on): a CPU pool of a tiny
+        # model holds up to millions of blocks, and making them all at start cost seconds per engine. They are
+        # the head of the free queue, in id order, ahead of every freed block, as if all were queued at start.
+        self._next_fresh = 0
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()     # blocks freed at least once, LRU first
         self._cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, cached-but-unreferenced included)."""
-        return len(self._free)
+        return self.num_blocks - self._next_fresh + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVBlock]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        fresh = min(n, self.num_blocks - self._next_fresh)
+        out = [KVBlock(i, ref_cnt=1) for i in range(self._next_fresh, self._next_fresh + fresh)]
+        self._next_fresh += fresh
+        for _ in range(n - fresh):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
@@ -84,9 +89,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.blocks:
+        for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
         return True
