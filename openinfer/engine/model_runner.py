@@ -301,7 +301,7 @@ class ModelRunner:
         if window is None:
             num_window = 0
         else:
-            running = c.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
+            running = c.max_num_seqs * self._window_blocks_per_request(window) + -(-c.max_num_batched_tokens // bs)
             num_window = c.num_window_kv_blocks or 2 * running
             least = self._least_window_blocks(window)
             if num_window < least:
@@ -323,10 +323,13 @@ class ModelRunner:
                              f"{self.state_bytes()} bytes of per-request state; raise kv_cache_memory_bytes")
         return int(num), int(num_window)
 
+    def _window_blocks_per_request(self, window: int) -> int:
+        """Window blocks a decoding request holds at most: its window, one more at a block edge, one for its token."""
+        return -(-(window - 1) // self.block_size) + 2
+
     def _least_window_blocks(self, window: int) -> int:
-        """Window blocks one request's full step needs: its window (one more at a block edge) and its tokens."""
-        c, bs = self.config, self.block_size
-        return -(-(window - 1) // bs) + 2 + -(-c.max_num_batched_tokens // bs)
+        """Window blocks one request's full step needs: its window and the step's tokens."""
+        return self._window_blocks_per_request(window) + -(-self.config.max_num_batched_tokens // self.block_size)
 
     def _window_only_pool_sizes(self, window: int, window_bytes: int) -> tuple[int, int]:
         c, bs = self.config, self.block_size
@@ -344,7 +347,7 @@ class ModelRunner:
                              f"({least} blocks of {bs} tokens for window {window} and max_num_batched_tokens="
                              f"{c.max_num_batched_tokens}); raise num_kv_blocks or kv_cache_memory_bytes")
         longest = c.max_model_len or self.model.config.max_position_embeddings
-        concurrent = min(c.max_num_seqs, num_window // (-(-(window - 1) // bs) + 2))   # each its window
+        concurrent = min(c.max_num_seqs, num_window // self._window_blocks_per_request(window))
         return max(1, concurrent) * -(-longest // bs) + num_window, num_window
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
