@@ -219,9 +219,6 @@ class EngineConfig:
             self.speculative_config.validate()
             if self.world_size > 1:
                 raise ValueError("speculative_config is not supported with tensor/data/expert parallelism yet")
-            if self.async_scheduling:
-                raise ValueError("speculative_config runs with synchronous scheduling for now: leave "
-                                 "async_scheduling unset or False")
             if self.speculative_config.method == "dspark" and self.v41_prefill_mode == "yoco":
                 raise ValueError("speculative_config method 'dspark' needs every prompt row's features: it runs "
                                  "with v41_prefill_mode='exact' (YOCO skips the decoder layers for most rows)")
@@ -358,8 +355,8 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        if self.speculative_config is not None:
-            return False            # speculation reads each step's accepted tokens before drafting the next
+        """Asked for (or the device's default). The engine may still run synchronously: speculation on a model
+        with per-request state or sliding windows reads each verify step back first (LLMEngine.async_scheduling)."""
         return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property

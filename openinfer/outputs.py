@@ -25,6 +25,10 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_draft_tokens: int = 0             # speculative decoding: drafts verified, and how many were kept
     num_accepted_tokens: int = 0
+    # speculation under async scheduling: steps scheduled while the request's verify step was still on the
+    # device (on the guess that it keeps all its drafts), and those dropped because it did not
+    num_guessed_steps: int = 0
+    num_guessed_steps_dropped: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -203,6 +203,21 @@ def test_engine_drafts_with_the_trained_head_and_keeps_plain_greedy(smollm_dir, 
         assert positions[0] % 16 == 0 and positions == list(range(positions[0], positions[0] + len(positions)))
     assert min(p[0] for p in extended.values()) == 0
     llm.shutdown()
+    # async scheduling: a request's next step is queued before its verify step is read back, its drafts the
+    # head's block past the token still on the device; greedy output is unchanged and the rings still get every
+    # accepted position once, in order
+    llm = LLM(smollm_dir, device="cpu", dtype="float32", block_size=16, async_scheduling=True,
+              speculative_config={"method": "draft_head", "num_speculative_tokens": BLOCK - 1,
+                                  "draft_model": str(tmp_path / "head")})
+    assert llm.engine.async_scheduling
+    extended = record_drafter_extends(llm.engine.speculator.features.drafter)
+    results = llm.chat(messages, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in results] == ref
+    assert sum(o.outputs[0].num_draft_tokens for o in results) >= 4 * 5
+    assert sum(o.metrics.num_guessed_steps for o in results) > 0
+    for positions in extended.values():
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+    llm.shutdown()
 
 
 def test_draft_head_config_errors_are_named(smollm_dir, tmp_path):

@@ -584,7 +584,9 @@ class _ScriptedDrafter:
 
     def propose(self, token_ids, max_drafts=None):
         token_ids = list(token_ids)
-        seq = next(s for s in self.sequences if s[:len(token_ids)] == token_ids)
+        seq = next((s for s in self.sequences if s[:len(token_ids)] == token_ids), None)
+        if seq is None:        # async scheduling: a guessed sequence that went wrong (its step will be dropped)
+            return [], []
         drafts = seq[len(token_ids):len(token_ids) + min(self.k, max_drafts or self.k)]
         wrong = self.calls % (self.k + 1)
         self.calls += 1
@@ -593,10 +595,13 @@ class _ScriptedDrafter:
         return drafts, [0.5] * len(drafts)
 
 
-def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir, async_scheduling):
     """A verify step on a model without per-request state runs its token + k drafts as decode rows (each row
     attends to the keys up to its own position) inside the decode CUDA graphs — more rows than max_num_seqs —
-    and greedy tokens and logprobs equal plain decoding in graphs (fp32), with rejections at every depth."""
+    and greedy tokens and logprobs equal plain decoding in graphs (fp32), with rejections at every depth. Under
+    async scheduling steps are also queued on the guess that the verify step in flight keeps all its drafts (the
+    first row's token then comes from the device): some such guesses are kept and some dropped."""
     k = 3
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, 2000, (int(n),), generator=g).tolist() for n in (5, 40, 130, 17, 66, 9)]
@@ -604,10 +609,15 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir):
 
     def run(spec, sequences=None):
         llm = LLM(tiny_dummy_dir, device="cuda", dtype="float32", load_format="dummy", block_size=16, max_num_seqs=4,
-                  speculative_config=spec, kv_cache_memory_bytes=256 << 20)
+                  speculative_config=spec, kv_cache_memory_bytes=256 << 20, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling == async_scheduling
         if spec is not None:
-            llm.engine.speculator.proposer = _ScriptedDrafter(sequences, k)
-        outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+            s = llm.engine.speculator
+            s.proposer = s.proposer_ahead = _ScriptedDrafter(sequences, k)
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        guesses.append((sum(o.metrics.num_guessed_steps for o in results),
+                        sum(o.metrics.num_guessed_steps_dropped for o in results)))
+        outs = [o.outputs[0] for o in results]
         runner, kv = llm.engine.runner, llm.engine.kv_manager
         assert kv.num_free_blocks == kv.num_blocks
         llm.shutdown()
@@ -615,6 +625,7 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir):
         gc.collect()
         return outs, runner
 
+    guesses = []
     plain, plain_runner = run(None)
     assert plain_runner.max_graph_rows <= 4
     spec, runner = run({"method": "ngram", "num_speculative_tokens": k},
@@ -625,12 +636,16 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir):
     drafted, accepted = sum(o.num_draft_tokens for o in spec), sum(o.num_accepted_tokens for o in spec)
     assert accepted > 40 and drafted - accepted > 20
     assert runner.max_graph_rows > 4 and runner.graph_replays >= 40 // (k + 1)
+    guessed, dropped = guesses[-1]
+    assert (guessed > dropped > 0) if async_scheduling else guessed == 0
 
 
-def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_path, async_scheduling):
     """The draft head reads the target's features of the accepted rows; with decode and verify steps replayed in
     CUDA graphs those features are the graphs' own outputs. An untrained head (its drafts mostly rejected): greedy
-    tokens equal plain decoding (fp32), every position reaches the head once, in order."""
+    tokens equal plain decoding (fp32), every position reaches the head once, in order — also under async
+    scheduling, where the head's block is read past the token still on the device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from openinfer.benchmarks.spec import CHAT_QUESTIONS
@@ -651,13 +666,14 @@ def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_
     del plain
     gc.collect()
     llm = LLM(smollm_dir, device="cuda", dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=1 << 30,
-              speculative_config={"method": "draft_head", "num_speculative_tokens": 3,
-                                  "draft_model": str(tmp_path / "head")})
+              speculative_config={"method": "draft_head", "num_speculative_tokens": 2 if async_scheduling else 3,
+                                  "draft_model": str(tmp_path / "head")}, async_scheduling=async_scheduling)
+    assert llm.engine.async_scheduling == async_scheduling
     drafter = llm.engine.speculator.features.drafter
     extended = record_drafter_extends(drafter)
     outs = [o.outputs[0] for o in llm.chat(messages, sp, use_tqdm=False)]
     assert [o.token_ids for o in outs] == ref
-    assert sum(o.num_draft_tokens for o in outs) >= 3 * 4 * 5
+    assert sum(o.num_draft_tokens for o in outs) >= 2 * 4 * 5
     runner = llm.engine.runner
     assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
     assert drafter.graphs is not None and drafter.graphs.replays >= 20      # the drafts came from its graphs

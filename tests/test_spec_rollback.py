@@ -187,3 +187,11 @@ def test_preempted_requests_with_drafts_recompute_to_plain_greedy():
     assert got == ref
     assert engine.scheduler.num_preemptions > 0
     assert_pool_idle(engine)
+
+
+def test_async_scheduling_with_speculation_on_per_request_state_is_refused_by_name():
+    """Under async scheduling a step is scheduled on the guess that the verify step in flight keeps every draft,
+    which would advance DeepSeek's state rings past their rollback room: asked for explicitly, the engine refuses at
+    start and says why (left to the device's default, speculation on such a model runs synchronously)."""
+    with pytest.raises(ValueError, match="keeps per-request state .* runs synchronously"):
+        _engine("deepseek-v4-tiny", True, async_scheduling=True)

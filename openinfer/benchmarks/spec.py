@@ -177,6 +177,14 @@ MODES = {
     "dspark-2": {"method": "dspark", "num_speculative_tokens": 2, "policy": "fixed"},          # DeepSeek-V4.1
 }
 DEFAULT_MODES = ("none", "fixed-2", "fixed-4", "confidence-4")
+SYNC_SUFFIX = "+sync"     # e.g. "fixed-4+sync": the mode with synchronous scheduling (the async peer, same run)
+
+
+def mode_parts(mode: str) -> tuple[str, bool]:
+    """(the MODES entry, whether scheduling is forced synchronous) of a mode name."""
+    if mode.endswith(SYNC_SUFFIX):
+        return mode[:-len(SYNC_SUFFIX)], True
+    return mode, False
 
 
 def add_typos(text: str, seed: int, every: int = 7) -> str:
@@ -253,7 +261,7 @@ class _StepCounter:
         self.drafts = 0
         inner = engine.output_processor.process
 
-        def process(runner_out, requests):
+        def process(runner_out, requests, following=None):
             if runner_out.sampled is not None:
                 self.engine_steps += 1
                 self.sample_steps += len(runner_out.sample_index)
@@ -261,7 +269,7 @@ class _StepCounter:
                     if d:
                         self.draft_steps += 1
                         self.drafts += len(d)
-            return inner(runner_out, requests)
+            return inner(runner_out, requests, following)
 
         engine.output_processor.process = process
 
@@ -330,6 +338,9 @@ def _run_cell(llm, counter: _StepCounter, prompts: list[str], temperature: float
         "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         "finish_reasons": {r: sum(c.finish_reason == r for c in comp) for r in {c.finish_reason for c in comp}},
         "drafted_tokens": drafted, "accepted_tokens": accepted,
+        # async scheduling: steps queued before the request's verify step was read back, and those dropped
+        "guessed_steps": sum(o.metrics.num_guessed_steps for o in outs),
+        "guessed_steps_dropped": sum(o.metrics.num_guessed_steps_dropped for o in outs),
         "accept_rate": accepted / drafted if drafted else None,
         "drafting_request_steps": draft_steps,
         # the spec's "mean accepted length": tokens a verify step yields (accepted drafts + the target's own)
@@ -350,8 +361,8 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
 
     sampled_c = set(cfg.concurrency if cfg.sampled_concurrency is None else cfg.sampled_concurrency)
     for m in cfg.modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; known: {list(MODES)}")
+        if mode_parts(m)[0] not in MODES:
+            raise ValueError(f"unknown mode {m!r}; known: {list(MODES)}, each optionally with {SYNC_SUFFIX!r}")
     if "none" not in cfg.modes:
         raise ValueError("modes must include 'none' (the baseline)")
     if cfg.threads:
@@ -373,7 +384,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
         prompts = {t: task_prompts(t, n) for t in cfg.tasks}
         engines = {}
         for mode in cfg.modes:
-            spec = MODES[mode]
+            spec, sync = MODES[mode_parts(mode)[0]], mode_parts(mode)[1]
             if spec is not None and spec["policy"] == "confidence":
                 spec = dict(spec, verify_budget=cfg.budget_per_seq * c)
             if spec is not None and spec["method"] == "draft_head":
@@ -385,7 +396,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
             llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=c,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                       enable_prefix_caching=False, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                      speculative_config=spec)
+                      speculative_config=spec, async_scheduling=False if sync else None)
             if "env" not in result:
                 result["env"] = _env_info(str(llm.config.device))
                 result["env"]["torch_threads"] = torch.get_num_threads()
@@ -410,7 +421,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
                     llm, counter, spec, setup_s = engines[mode]
                     row, toks, txt = _run_cell(llm, counter, prompts[task], temp, cfg.max_tokens, cfg.seed)
                     row.update(task=task, temperature=temp, mode=mode, concurrency=c, speculative_config=spec,
-                               engine_setup_s=setup_s, async_scheduling=llm.config.use_async_scheduling)
+                               engine_setup_s=setup_s, async_scheduling=llm.engine.async_scheduling)
                     tokens[(task, temp, c, mode)], texts[(task, temp, c, mode)] = toks, txt
                     result["rows"].append(row)
                     log(_fmt_row(row))
@@ -420,7 +431,8 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
     # ratios to none and greedy identity, per (task, temperature, concurrency)
     order = {m: i for i, m in enumerate(MODES)}
     result["rows"].sort(key=lambda r: (cfg.concurrency.index(r["concurrency"]), r["temperature"],
-                                       cfg.tasks.index(r["task"]), order[r["mode"]]))
+                                       cfg.tasks.index(r["task"]), order[mode_parts(r["mode"])[0]],
+                                       mode_parts(r["mode"])[1]))
     for row in result["rows"]:
         key = (row["task"], row["temperature"], row["concurrency"])
         base = next(r for r in result["rows"] if r["mode"] == "none" and
@@ -500,7 +512,8 @@ def add_cli_args(p) -> None:
     p.add_argument("--sampled-concurrency", default=None,
                    help="concurrencies that also run the sampled temperature (default: all)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}; "
+                   f"a mode + {SYNC_SUFFIX!r} runs it with synchronous scheduling")
     p.add_argument("--draft-model", default=None, help="the head-* modes' draft head directory (spec_decode/train.py)")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (checked against none)")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -114,6 +114,7 @@ class LLMEngine:
 
             self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs,
                                          self.runner)
+        self.async_scheduling = self._resolve_async_scheduling()
         if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -171,6 +172,22 @@ class LLMEngine:
             tiers.append(RedisTier(c.kv_store_url, namespace))
         return TieredKVStore(tiers, runner.store_block_bytes(), c.kv_store_ttl_s,
                              queue_bytes=c.kv_store_write_buffer_bytes)
+
+    def _resolve_async_scheduling(self) -> bool:
+        """Async scheduling as configured, except speculation on a model with per-request state (DeepSeek's rings)
+        or a sliding-window group: the next step is scheduled on the guess that the verify step in flight keeps
+        all its drafts, which would advance state rings and release window blocks past what a rejection rolls
+        back to (their rollback room is k positions), so those verify steps are read back first (synchronous)."""
+        if not self.config.use_async_scheduling or self.speculator is None:
+            return self.config.use_async_scheduling
+        if self.runner.num_state_slots or self.runner.swa_layout is not None:
+            if self.config.async_scheduling:
+                raise ValueError(f"async_scheduling=True with speculative_config: {type(self.runner.model).__name__}"
+                                 f" keeps per-request state or sliding windows, whose rollback room covers one "
+                                 f"verify step, so speculation on it runs synchronously; leave async_scheduling "
+                                 f"unset (or False)")
+            return False
+        return True
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -314,7 +331,7 @@ class LLMEngine:
         if self._compiling:
             outputs += self._retire_failed_grammars()
         prev, self._in_flight = self._in_flight, None
-        if prev is not None and (not self.config.use_async_scheduling or self._reads_history(prev)):
+        if prev is not None and (not self.async_scheduling or self._reads_history(prev)):
             outputs += self._process(prev)
             prev = None
         if self.speculator is not None:
@@ -326,7 +343,8 @@ class LLMEngine:
         if sched.empty and prev is None:
             self.kv_manager.wait_for_store_reads(0.005)        # nor until a prefix read from the store is done
         if not sched.empty:
-            sampling = [s.request for s in sched.scheduled if s.samples]
+            sampling_steps = [s for s in sched.scheduled if s.samples]
+            sampling = [s.request for s in sampling_steps]
             bitmask = None
             if self._structured is not None:
                 bitmask = self._structured.bitmask(sampling, {s.request.request_id: s.draft_token_ids
@@ -337,14 +355,17 @@ class LLMEngine:
                 self._in_flight = prev   # still to be read back; the failed step left no trace but its blocks
                 raise
             self.scheduler.update_after_step(sched.scheduled)
-            for req in sampling:
-                req.num_pending += 1
+            for s in sampling_steps:          # its sample, and its drafts as if all were kept
+                if s.request.num_pending and s.request.pending_drafts:
+                    s.request.metrics.num_guessed_steps += 1      # its verify step is still on the device
+                s.request.num_pending += 1 + len(s.draft_token_ids)
+                s.request.pending_drafts = s.draft_token_ids
         elif self.runner.step_sync is not None:
             self.runner.execute_idle()       # expert parallelism: the other ranks' MoE layers need this one
         if prev is not None:
-            outputs += self._process(prev)
+            outputs += self._process(prev, following=current)
         if current is not None:
-            if self.config.use_async_scheduling and not current.prompt_logprobs:
+            if self.async_scheduling and not current.prompt_logprobs:
                 self._in_flight = current
             else:
                 outputs += self._process(current)
@@ -376,9 +397,11 @@ class LLMEngine:
                 outputs.append(self.abort_request(rid))
         return outputs
 
-    def _process(self, runner_out) -> list[RequestOutput]:
+    def _process(self, runner_out, following=None) -> list[RequestOutput]:
+        """Apply a step read back from the device; `following`: the step queued after it (async scheduling),
+        whose rows of a request that rejected drafts here were computed on the guess that all were kept."""
         outputs = []
-        for req, finish in self.output_processor.process(runner_out, self.requests):
+        for req, finish in self.output_processor.process(runner_out, self.requests, following):
             if finish is not None:
                 self.scheduler.finish(req, finish)
                 req.metrics.finished_time = time.time()

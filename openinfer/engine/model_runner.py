@@ -578,10 +578,13 @@ class ModelRunner:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
             drafts = s.draft_token_ids
             if start >= req.num_tokens:          # the token is pending on the device
-                assert n == 1 and prev is not None, "only a decode can start from a pending token"
+                assert n == 1 + len(drafts) and prev is not None, "only a decode can start from a pending token"
+                # (after a verify step still on the device: the sample after its last draft, the guess being
+                # that all its drafts are kept — the output processor drops these rows if not)
                 ids.append(0)
+                ids.extend(drafts)
                 fix_rows.append(row)
-                fix_src.append(prev.sample_index[req.request_id])
+                fix_src.append(prev.sample_index[req.request_id] + len(prev.drafts.get(req.request_id, ())))
             else:
                 ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
                 ids.extend(drafts)

@@ -48,8 +48,12 @@ class OutputProcessor:
                 tid, actual_lp[i].item(), ranks[i],
                 top_ids[i].tolist() if n_top else [], top_lp[i].tolist() if n_top else []))
 
-    def process(self, runner_out: RunnerOutput, requests: dict[str, Request]) -> list[tuple[Request, RequestStatus | None]]:
-        """Apply one step's results; returns (request, finish status or None) for each request that got a token."""
+    def process(self, runner_out: RunnerOutput, requests: dict[str, Request], following: RunnerOutput | None = None
+                ) -> list[tuple[Request, RequestStatus | None]]:
+        """Apply one step's results; returns (request, finish status or None) for each request that got a token.
+        `following`: the step queued after this one (async scheduling). A request scheduled there on the guess
+        that this step keeps all its drafts, whose drafts were rejected here, computed those rows at positions
+        past its real length: they are dropped from `following` (`_drop_guessed_rows`)."""
         for rid, chunk in runner_out.prompt_logprobs.items():
             self.add_prompt_logprobs(requests[rid], chunk)
         touched = []
@@ -64,10 +68,10 @@ class OutputProcessor:
             req = requests.get(rid)
             if req is None or req.is_finished:   # finished or aborted while this step ran: token discarded
                 continue
-            req.num_pending = max(0, req.num_pending - 1)
+            drafts = runner_out.drafts.get(rid, ())
+            req.num_pending = max(0, req.num_pending - 1 - len(drafts))
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            drafts = runner_out.drafts.get(rid, ())
             # Speculative decoding: row j sampled the token after draft j from the target's own distribution;
             # drafts are kept while they equal those samples, and the first differing sample (or the sample
             # after the last draft) follows them. For drafts that are single tokens (not distributions) this is
@@ -79,8 +83,13 @@ class OutputProcessor:
             if drafts:
                 req.metrics.num_draft_tokens += len(drafts)
                 req.metrics.num_accepted_tokens += accepted
-                # the rejected drafts' KV is stale: the next step recomputes from the first of them
-                req.num_computed_tokens -= len(drafts) - accepted
+                full = accepted == len(drafts)
+                req.spec_full_accept_rate = 0.5 * req.spec_full_accept_rate + 0.5 * full
+                if req.status is RequestStatus.RUNNING:     # (a preempted request recomputes from 0 anyway)
+                    # the rejected drafts' KV is stale: the next step recomputes from the first of them
+                    req.num_computed_tokens -= len(drafts) - accepted
+                    if not full and following is not None:
+                        self._drop_guessed_rows(req, following)
             finish = None
             for row in range(i, i + accepted + 1):
                 tok = token_ids[row]
@@ -98,6 +107,22 @@ class OutputProcessor:
                     break                    # the tokens after a stop inside the accepted run are dropped
             touched.append((req, finish))
         return touched
+
+    @staticmethod
+    def _drop_guessed_rows(req: Request, following: RunnerOutput) -> None:
+        """`req`'s rows in the next step (already queued) started after this step's drafts, on the guess that all
+        would be kept; some were not, so those rows ran at positions past the request's real length: their
+        samples are dropped and its computed tokens go back to the end of this step's accepted run (the next
+        schedule recomputes from there; the rows' KV lies past the length, where nothing reads it before it is
+        overwritten, as a rejected draft's)."""
+        rid = req.request_id
+        if following.sample_index.pop(rid, None) is None:
+            return
+        n = 1 + len(following.drafts.pop(rid, ()))
+        following.rows.pop(rid, None)
+        req.num_computed_tokens -= n
+        req.num_pending -= n
+        req.metrics.num_guessed_steps_dropped += 1
 
     def _append_text_and_check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params

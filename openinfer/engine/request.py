@@ -35,7 +35,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (or scheduled to be written this step).
     num_computed_tokens: int = 0
-    # Tokens sampled on the device but not yet read back (async scheduling: 0 or 1).
+    # Tokens sampled on the device but not yet read back (async scheduling): 1 for a decode in flight; a verify
+    # step in flight counts 1 + its drafts, as if all were accepted (docs/spec_decode.md, "Async scheduling")
     num_pending: int = 0
     # Prompt tokens found in the prefix cache at first scheduling (-1: not scheduled yet).
     num_cached_tokens: int = -1
@@ -60,6 +61,13 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_confidences: list[float] = field(default_factory=list)
     spec_disabled: bool = False
+    # Speculation under async scheduling: the drafts of the verify step still on the device (valid while
+    # num_pending > 0); how often this request's verify steps kept every draft (a moving average, 1 at start);
+    # whether it waits for its verify step to be read back instead of being scheduled on the guess that all
+    # drafts are kept (set by the speculator each step)
+    pending_drafts: list[int] = field(default_factory=list)
+    spec_full_accept_rate: float = 1.0
+    spec_wait: bool = False
 
     @property
     def waiting_for_grammar(self) -> bool:

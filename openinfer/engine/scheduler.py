@@ -95,8 +95,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and self._pending_token_ends(req):
-                i += 1           # its last token is on the device: nothing to extend, it finishes on read-back
+            if req.num_pending and (req.spec_wait or self._pending_token_ends(req)):
+                # its last token is on the device: nothing to extend, it finishes on read-back (or, speculating,
+                # it waits for its verify step's read-back: spec_decode/speculator.py)
+                i += 1
                 continue
             n = self._snapshot_aligned(req, req.num_computed_tokens,
                                        self._chunk(req.num_computed_tokens,

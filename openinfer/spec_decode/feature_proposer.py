@@ -54,11 +54,22 @@ class FeatureProposer:
         return slot
 
     def propose(self, req: Request, room: int) -> tuple[list[int], list[float]]:
-        """The drafts kept for `req` by the last `after_step`, cut to `room` (none if they are stale)."""
+        """The drafts kept for `req` by the last `after_step`, cut to `room` (none if they are stale). Under async
+        scheduling its next step may still be on the device: the block then continues past the tokens that step
+        verifies and samples, if its leading drafts are the ones being verified (`guessed_continuation`)."""
+        from openinfer.spec_decode.speculator import guessed_continuation
+
         got = self.pending.get(req.request_id)
         if got is None or got[0] != req.num_tokens:
             return [], []
-        return got[1][:room], got[2][:room]
+        tokens, conf = got[1], got[2]
+        if req.num_pending:
+            skip = req.num_pending - 1
+            if tokens[:skip] != req.pending_drafts:
+                return [], []
+            tokens, conf = guessed_continuation(tokens, conf, skip)
+        n = min(room, self.k)
+        return tokens[:n], conf[:n]
 
     @torch.inference_mode()
     def after_step(self, runner_out, requests: dict[str, Request]) -> None:
@@ -92,7 +103,8 @@ class FeatureProposer:
             if reads_next:                                          # the token after each row (mtp)
                 following.extend(req.token_ids_slice(start + 1, start + kept + 1))
             slots.extend([slot] * kept)
-            if rid in runner_out.sample_index and req.num_computed_tokens == req.num_tokens - 1:
+            # (its next step may be on the device already: its pending tokens are computed, not yet known)
+            if rid in runner_out.sample_index and req.num_computed_tokens - req.num_pending == req.num_tokens - 1:
                 draft_reqs.append((req, slot))
         for rid in [r for r in self._context_end if r not in requests]:
             del self._context_end[rid]
@@ -105,10 +117,11 @@ class FeatureProposer:
         if not draft_reqs:
             return
         draft = self.drafter.propose(torch.tensor([s for _, s in draft_reqs], device=dev),
-                                     torch.tensor([r.num_computed_tokens - 1 for r, _ in draft_reqs], device=dev),
-                                     torch.tensor([r.all_token_ids[-1] for r, _ in draft_reqs], device=dev))
-        tokens = draft.tokens[:, :self.k].tolist()
-        conf = draft.confidences[:, :self.k].float().tolist()
+                                     torch.tensor([r.num_tokens - 2 for r, _ in draft_reqs], device=dev),
+                                     torch.tensor([r.token_ids_slice(r.num_tokens - 1, r.num_tokens)[0]
+                                                   for r, _ in draft_reqs], device=dev))
+        tokens = draft.tokens.tolist()          # the whole block: under async scheduling a step may skip some
+        conf = draft.confidences.float().tolist()
         for (req, _), t, c in zip(draft_reqs, tokens, conf):
             self.pending[req.request_id] = (req.num_tokens, t, c)
 

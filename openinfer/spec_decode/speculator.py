@@ -7,6 +7,13 @@ row's preceding drafts as output (sampler.SamplingMetadata.from_requests); a gra
 it accepts and masks each verify row with its state after the drafts before it (structured_output/manager.py).
 Draft counts are capped so that no draft runs past max_tokens or max_model_len: the last verified row's sample
 must still be a token the request may emit.
+
+Under async scheduling a request's previous step may still be on the device when its next one is scheduled. If
+that step verified drafts, the next one is scheduled on the guess that all of them are kept (its first row is the
+sample after the last draft, fed from the device; docs/spec_decode.md, "Async scheduling"), and its drafts
+continue that guessed sequence: the drafter's continuation past the token still on the device. A request whose
+verify steps often reject a draft (`ASYNC_MIN_FULL_ACCEPT`) waits for the read-back instead: its guessed rows
+would mostly be dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +26,12 @@ import torch
 from openinfer.engine.request import Request
 from openinfer.spec_decode.config import SpeculativeConfig
 from openinfer.spec_decode.ngram import NgramProposer
+
+
+# Under async scheduling, a request whose verify step is on the device is scheduled on the guess that it keeps all
+# its drafts while at least this share of its recent verify steps did (a moving average over steps, halving weight
+# per step); below it, the guessed rows would be dropped more often than kept, so it waits for the read-back.
+ASYNC_MIN_FULL_ACCEPT = 0.5
 
 
 class Speculator:
@@ -59,6 +72,8 @@ class Speculator:
                                             self.k)
         else:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+            # with the token still on the device: one more, its guess leading the continuation
+            self.proposer_ahead = NgramProposer(self.k + 1, config.prompt_lookup_min, config.prompt_lookup_max)
         # ngram: each running request's tokens as an int64 array, extended by the new tokens only (a long prompt
         # is not converted again at every step)
         self._token_arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
@@ -78,6 +93,12 @@ class Speculator:
                               file=sys.stderr, flush=True)
 
     @staticmethod
+    def _seeded(req: Request) -> bool:
+        """A seeded sampling request never runs guessed rows: dropped rows would still draw from its generator, so
+        its samples would depend on whether a guess was made (which other requests in the batch decide)."""
+        return req.generator is not None and req.sampling_params.temperature > 0
+
+    @staticmethod
     def drafts_allowed(req: Request) -> bool:
         return not req.spec_disabled
 
@@ -85,18 +106,26 @@ class Speculator:
         """Set spec_token_ids / spec_confidences on every running request (empty where it does not draft)."""
         drafting = []
         for req in running:
-            req.spec_token_ids, req.spec_confidences = [], []
-            if req.num_computed_tokens != req.num_tokens - 1 or not self.drafts_allowed(req):
+            req.spec_token_ids, req.spec_confidences, req.spec_wait = [], [], False
+            if req.num_computed_tokens != req.num_tokens_with_pending - 1 or not self.drafts_allowed(req):
+                continue
+            if req.num_pending and req.pending_drafts and (req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT
+                                                           or self._seeded(req)):
+                req.spec_wait = True          # its verify step is on the device and likely rejects a draft
                 continue
             p = req.sampling_params
-            room = self.max_model_len - req.num_tokens - 1
+            room = self.max_model_len - req.num_tokens_with_pending - 1
             if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+                room = min(room, p.max_tokens - req.num_output_tokens - req.num_pending - 1)
             if room <= 0:
                 continue
             try:
                 if self.features is not None:
                     drafts, conf = self.features.propose(req, room)
+                elif req.num_pending:         # continue the guessed sequence past the token on the device
+                    drafts, conf = self.proposer_ahead.propose(self._token_array(req, req.pending_drafts),
+                                                               room + 1)
+                    drafts, conf = guessed_continuation(drafts, conf, 0)
                 else:
                     drafts, conf = self.proposer.propose(self._token_array(req), room)
             except Exception as e:          # this request decodes without drafts from now on; others go on
@@ -118,21 +147,23 @@ class Speculator:
         if self.config.policy == "confidence" and drafting:
             self._apply_confidence_policy(drafting)
 
-    def _token_array(self, req: Request) -> np.ndarray:
+    def _token_array(self, req: Request, guessed: list[int] = ()) -> np.ndarray:
         """`req`'s tokens as an int64 array (a view of a buffer kept per request, grown geometrically; a request's
-        tokens never change once appended, so only the new ones are copied in)."""
+        tokens never change once appended, so only the new ones are copied in), then `guessed` (drafts still being
+        verified: written past the known tokens, where the next call's real tokens overwrite them)."""
         owner, buf, have = self._token_arrays.get(req.request_id, (None, None, 0))
-        n = req.num_tokens
+        n, total = req.num_tokens, req.num_tokens + len(guessed)
         if owner is not req or have > n:      # (an id reused by a new request starts over)
-            buf, have = np.empty(max(2 * n, 256), dtype=np.int64), 0
-        elif len(buf) < n:
-            grown = np.empty(2 * n, dtype=np.int64)
+            buf, have = np.empty(max(2 * total, 256), dtype=np.int64), 0
+        elif len(buf) < total:
+            grown = np.empty(2 * total, dtype=np.int64)
             grown[:have] = buf[:have]
             buf = grown
         if have < n:
             buf[have:n] = req.token_ids_slice(have, n)
+        buf[n:total] = guessed
         self._token_arrays[req.request_id] = (req, buf, n)
-        return buf[:n]
+        return buf[:total]
 
     def _apply_confidence_policy(self, reqs: list[Request]) -> None:
         from openinfer.spec_decode.policy import confidence_lengths
@@ -144,3 +175,12 @@ class Speculator:
         lengths = confidence_lengths(conf, num, self.budget).tolist()
         for r, n in zip(reqs, lengths):
             r.spec_token_ids, r.spec_confidences = r.spec_token_ids[:n], r.spec_confidences[:n]
+
+
+def guessed_continuation(tokens: list[int], conf: list[float], skip: int) -> tuple[list[int], list[float]]:
+    """Drafts after a step still on the device: `tokens` continue the known sequence; the first `skip` repeat the
+    drafts that step verifies and the next one guesses the token it samples after them, so the drafts are what
+    follows. The first draft is kept only if that guess was right too: its confidence carries the guess's."""
+    if len(tokens) <= skip + 1:
+        return [], []
+    return tokens[skip + 1:], [conf[skip] * conf[skip + 1], *conf[skip + 2:]]
