@@ -264,8 +264,12 @@ class _StepCounter:
         def process(runner_out, requests, following=None):
             if runner_out.sampled is not None:
                 self.engine_steps += 1
-                self.sample_steps += len(runner_out.sample_index)
-                for d in runner_out.drafts.values():
+                # (under async scheduling a request's stop is found one step late: rows of the step after it,
+                # which its metrics never count, are left out here too)
+                live = [rid for rid in runner_out.sample_index if rid in requests and not requests[rid].is_finished]
+                self.sample_steps += len(live)
+                for rid in live:
+                    d = runner_out.drafts.get(rid)
                     if d:
                         self.draft_steps += 1
                         self.drafts += len(d)
