@@ -67,9 +67,10 @@ class EngineConfig:
     attention_backend: str = "auto"       # "torch" (reference) | "triton" (CUDA); auto: triton on CUDA
     enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
-    async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA, off for CPU
+    async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA (off with
+    #                                       speculation), off for CPU
     # speculative decoding (spec_decode/, docs/spec_decode.md): {"method": "ngram", "num_speculative_tokens": k,
-    # "policy": "fixed" | "confidence", ...}; runs with synchronous scheduling for now
+    # "policy": "fixed" | "confidence", ...}; synchronous scheduling unless async_scheduling=True
     speculative_config: object = None
     quantization: str | None = None       # "int4": weight-only int4 linears, bf16 activations (CPU)
     # FP8 checkpoints (DeepSeek's published format): quantize the activations of FP8 linears per token in
@@ -355,8 +356,8 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """Asked for (or the device's default). The engine may still run synchronously: speculation on a model
-        with per-request state or sliding windows reads each verify step back first (LLMEngine.async_scheduling)."""
+        """Asked for (or the device's default). With speculation the engine runs it only when asked for
+        explicitly, and never on models with per-request state or sliding windows (LLMEngine.async_scheduling)."""
         return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property

@@ -177,13 +177,16 @@ MODES = {
     "dspark-2": {"method": "dspark", "num_speculative_tokens": 2, "policy": "fixed"},          # DeepSeek-V4.1
 }
 DEFAULT_MODES = ("none", "fixed-2", "fixed-4", "confidence-4")
-SYNC_SUFFIX = "+sync"     # e.g. "fixed-4+sync": the mode with synchronous scheduling (the async peer, same run)
+# e.g. "fixed-4+async": the mode with async scheduling asked for (speculation's default is synchronous; the async
+# peer in the same run). Results at 076d111 used "+sync" the other way round (async was then the CUDA default);
+# each row's `async_scheduling` says which ran.
+ASYNC_SUFFIX = "+async"
 
 
 def mode_parts(mode: str) -> tuple[str, bool]:
-    """(the MODES entry, whether scheduling is forced synchronous) of a mode name."""
-    if mode.endswith(SYNC_SUFFIX):
-        return mode[:-len(SYNC_SUFFIX)], True
+    """(the MODES entry, whether async scheduling is asked for) of a mode name."""
+    if mode.endswith(ASYNC_SUFFIX):
+        return mode[:-len(ASYNC_SUFFIX)], True
     return mode, False
 
 
@@ -366,7 +369,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
     sampled_c = set(cfg.concurrency if cfg.sampled_concurrency is None else cfg.sampled_concurrency)
     for m in cfg.modes:
         if mode_parts(m)[0] not in MODES:
-            raise ValueError(f"unknown mode {m!r}; known: {list(MODES)}, each optionally with {SYNC_SUFFIX!r}")
+            raise ValueError(f"unknown mode {m!r}; known: {list(MODES)}, each optionally with {ASYNC_SUFFIX!r}")
     if "none" not in cfg.modes:
         raise ValueError("modes must include 'none' (the baseline)")
     if cfg.threads:
@@ -388,7 +391,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
         prompts = {t: task_prompts(t, n) for t in cfg.tasks}
         engines = {}
         for mode in cfg.modes:
-            spec, sync = MODES[mode_parts(mode)[0]], mode_parts(mode)[1]
+            spec, want_async = MODES[mode_parts(mode)[0]], mode_parts(mode)[1]
             if spec is not None and spec["policy"] == "confidence":
                 spec = dict(spec, verify_budget=cfg.budget_per_seq * c)
             if spec is not None and spec["method"] == "draft_head":
@@ -400,7 +403,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
             llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=c,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                       enable_prefix_caching=False, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                      speculative_config=spec, async_scheduling=False if sync else None)
+                      speculative_config=spec, async_scheduling=True if want_async else None)
             if "env" not in result:
                 result["env"] = _env_info(str(llm.config.device))
                 result["env"]["torch_threads"] = torch.get_num_threads()
@@ -517,7 +520,7 @@ def add_cli_args(p) -> None:
                    help="concurrencies that also run the sampled temperature (default: all)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}; "
-                   f"a mode + {SYNC_SUFFIX!r} runs it with synchronous scheduling")
+                   f"a mode + {ASYNC_SUFFIX!r} runs it with async scheduling")
     p.add_argument("--draft-model", default=None, help="the head-* modes' draft head directory (spec_decode/train.py)")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (checked against none)")
     p.add_argument("--max-tokens", type=int, default=128)

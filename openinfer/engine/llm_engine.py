@@ -174,19 +174,20 @@ class LLMEngine:
                              queue_bytes=c.kv_store_write_buffer_bytes)
 
     def _resolve_async_scheduling(self) -> bool:
-        """Async scheduling as configured, except speculation on a model with per-request state (DeepSeek's rings)
-        or a sliding-window group: the next step is scheduled on the guess that the verify step in flight keeps
-        all its drafts, which would advance state rings and release window blocks past what a rejection rolls
-        back to (their rollback room is k positions), so those verify steps are read back first (synchronous)."""
+        """Async scheduling as configured, with speculation only when asked for explicitly: the next step is then
+        scheduled on the guess that the verify step in flight keeps all its drafts (docs/spec_decode.md, "Async
+        scheduling"), which paid off on the H200 only with many requests and drafts mostly kept (BENCHMARKS.md),
+        so the device default stays synchronous. Never on a model with per-request state (DeepSeek's rings) or a
+        sliding-window group: a guessed step would advance state rings and release window blocks past what a
+        rejection rolls back to (their rollback room is k positions)."""
         if not self.config.use_async_scheduling or self.speculator is None:
             return self.config.use_async_scheduling
-        if self.runner.num_state_slots or self.runner.swa_layout is not None:
-            if self.config.async_scheduling:
-                raise ValueError(f"async_scheduling=True with speculative_config: {type(self.runner.model).__name__}"
-                                 f" keeps per-request state or sliding windows, whose rollback room covers one "
-                                 f"verify step, so speculation on it runs synchronously; leave async_scheduling "
-                                 f"unset (or False)")
+        if self.config.async_scheduling is None:
             return False
+        if self.runner.num_state_slots or self.runner.swa_layout is not None:
+            raise ValueError(f"async_scheduling=True with speculative_config: {type(self.runner.model).__name__} "
+                             f"keeps per-request state or sliding windows, whose rollback room covers one verify "
+                             f"step, so speculation on it runs synchronously; leave async_scheduling unset (or False)")
         return True
 
     def _resolve_max_model_len(self) -> int:

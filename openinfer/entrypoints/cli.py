@@ -11,6 +11,12 @@ import time
 from openinfer.config import DEFAULT_MODEL
 
 
+
+def _async_scheduling_flag(args) -> bool | None:
+    if args.async_scheduling and args.no_async_scheduling:
+        raise SystemExit("openinfer: --async-scheduling and --no-async-scheduling contradict each other")
+    return True if args.async_scheduling else False if args.no_async_scheduling else None
+
 def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     g = p.add_argument_group("engine")
     return [
@@ -26,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears"),
         g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs"),
         g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next"),
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="queue each step before reading the last one back even with --speculative-config (steps "
+                            "then start on the guess that all drafts in flight are kept; off by default there)"),
         g.add_argument("--batch-invariant", action="store_true",
                        help="a request's logits and tokens are the same bits in any batch (slower; Llama family and "
                             "Gemma-3, one process; docs/structured_output.md, Determinism)"),
@@ -104,7 +113,7 @@ def _make_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
-               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+               enforce_eager=args.enforce_eager, async_scheduling=_async_scheduling_flag(args),
                load_format=args.load_format, quantize_activations=not args.no_quantize_activations,
                data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
                enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
