@@ -272,11 +272,10 @@ def test_model_drafters_need_their_heads_and_at_most_their_block_size():
                      speculative_config={"method": "dspark", "num_speculative_tokens": 1})
 
 
-
-
 def test_server_with_speculation_streams_plain_greedy_and_counts_drafts(smollm_dir, plain_greedy):
-    """`openinfer serve --speculative-config ...`: the real openai client, streaming, gets plain greedy decoding's
-    text; /metrics counts the drafts verified and kept."""
+    """`openinfer serve --speculative-config ... --async-scheduling`: the real openai client, streaming, gets plain
+    greedy decoding's text while steps are queued on guesses (async scheduling with speculation); /metrics counts
+    the drafts verified and kept."""
     import httpx
     import openai
 
@@ -284,7 +283,8 @@ def test_server_with_speculation_streams_plain_greedy_and_counts_drafts(smollm_d
 
     ref, _ = plain_greedy
     with LiveServer(str(smollm_dir), served_model_name="smollm2", dtype="float32", block_size=16,
-                    speculative_config=NGRAM) as s:
+                    speculative_config=NGRAM, async_scheduling=True) as s:
+        assert s.engine.async_scheduling
         client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused")
         stream = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
