@@ -176,10 +176,10 @@ class LLMEngine:
     def _resolve_async_scheduling(self) -> bool:
         """Async scheduling as configured, with speculation only when asked for explicitly: the next step is then
         scheduled on the guess that the verify step in flight keeps all its drafts (docs/spec_decode.md, "Async
-        scheduling"), which paid off on the H200 only with many requests and drafts mostly kept (BENCHMARKS.md),
-        so the device default stays synchronous. Never on a model with per-request state (DeepSeek's rings) or a
-        sliding-window group: a guessed step would advance state rings and release window blocks past what a
-        rejection rolls back to (their rollback room is k positions)."""
+        scheduling"); measured on the H200 (BENCHMARKS.md) it lowers TPOT at low concurrency but costs throughput
+        and TTFT at 16-64 requests, so the device default stays synchronous. Never on a model with per-request
+        state (DeepSeek's rings) or a sliding-window group: a guessed step would advance state rings and release
+        window blocks past what a rejection rolls back to (their rollback room is k positions)."""
         if not self.config.use_async_scheduling or self.speculator is None:
             return self.config.use_async_scheduling
         if self.config.async_scheduling is None:
