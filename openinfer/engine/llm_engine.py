@@ -336,7 +336,7 @@ class LLMEngine:
             outputs += self._process(prev)
             prev = None
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, others_waiting=bool(self.scheduler.waiting))
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         current = None
         if sched.empty and self._compiling and prev is None:

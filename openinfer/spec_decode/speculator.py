@@ -12,9 +12,8 @@ Under async scheduling a request's previous step may still be on the device when
 that step verified drafts, the next one is scheduled on the guess that all of them are kept (its first row is the
 sample after the last draft, fed from the device; docs/spec_decode.md, "Async scheduling"), and its drafts
 continue that guessed sequence: the drafter's continuation past the token still on the device. A request whose
-verify steps often reject a draft (`ASYNC_MIN_FULL_ACCEPT`) waits for the read-back instead — but only when the
-step would otherwise be empty: while other requests run, waiting skips a step just as a dropped guess does, so it
-guesses (measured on the H200: waiting requests in a running batch doubled the step count; BENCHMARKS.md).
+verify steps often reject a draft (`ASYNC_MIN_FULL_ACCEPT`) waits for the read-back instead: its guessed rows
+would mostly be dropped.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from openinfer.spec_decode.ngram import NgramProposer
 
 # Under async scheduling, a request whose verify step is on the device is scheduled on the guess that it keeps all
 # its drafts while at least this share of its recent verify steps did (a moving average over steps, halving weight
-# per step); below it, the guessed rows would be dropped more often than kept, so it waits for the read-back when
-# nothing else would run that step (then waiting costs no step: it is synchronous scheduling).
+# per step); below it, the guessed rows would be dropped more often than kept, so it waits for the read-back.
 ASYNC_MIN_FULL_ACCEPT = 0.5
 
 
@@ -104,21 +102,15 @@ class Speculator:
     def drafts_allowed(req: Request) -> bool:
         return not req.spec_disabled
 
-    def propose(self, running: list[Request], others_waiting: bool = False) -> None:
-        """Set spec_token_ids / spec_confidences on every running request (empty where it does not draft), and
-        spec_wait on those that wait for their verify step's read-back. `others_waiting`: requests wait in the
-        queue, so this step runs whatever the running ones do."""
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids / spec_confidences on every running request (empty where it does not draft)."""
         drafting = []
-        unsure = [r for r in running if r.num_pending and r.pending_drafts and self.drafts_allowed(r)
-                  and r.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT]
-        # a waiting request would skip a step that runs anyway: then guessing costs no more than waiting
-        wait_unsure = not others_waiting and len(unsure) == len(running)
         for req in running:
             req.spec_token_ids, req.spec_confidences, req.spec_wait = [], [], False
             if req.num_computed_tokens != req.num_tokens_with_pending - 1 or not self.drafts_allowed(req):
                 continue
-            if req.num_pending and req.pending_drafts and (self._seeded(req) or (
-                    wait_unsure and req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT)):
+            if req.num_pending and req.pending_drafts and (req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT
+                                                           or self._seeded(req)):
                 req.spec_wait = True          # its verify step is on the device and likely rejects a draft
                 continue
             p = req.sampling_params
