@@ -11,11 +11,12 @@ import time
 from openinfer.config import DEFAULT_MODEL
 
 
-
 def _async_scheduling_flag(args) -> bool | None:
+    """EngineConfig.async_scheduling from the two flags (neither: the device's default)."""
     if args.async_scheduling and args.no_async_scheduling:
         raise SystemExit("openinfer: --async-scheduling and --no-async-scheduling contradict each other")
     return True if args.async_scheduling else False if args.no_async_scheduling else None
+
 
 def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     g = p.add_argument_group("engine")
