@@ -23,11 +23,23 @@ def smollm_gguf():
 
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_gguf):
-    """HF transformers' own GGUF loading of the same file, fp32: the reference."""
+    """HF transformers' own GGUF loading of the same file, fp32: the reference.
+
+    transformers asks gguf-py for its tensor-name map once per module (~400 times for SmolLM2), and gguf-py builds
+    the same table afresh each time (24 ms: ~10 s of a 28 s load on the CI machine); the map is a pure function of
+    (architecture, layers), so it is memoized for this load only. The weights loaded are the same tensors."""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name,
-                                                 dtype=torch.float32)
+    build_map = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name,
+                                                     dtype=torch.float32)
+    finally:
+        gguf.get_tensor_name_map = build_map
     return model.eval()
 
 
