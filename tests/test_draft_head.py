@@ -202,6 +202,11 @@ def test_engine_drafts_with_the_trained_head_and_keeps_plain_greedy(smollm_dir, 
     for positions in extended.values():      # from 0, or from a prefix-cache hit's block boundary (shared template)
         assert positions[0] % 16 == 0 and positions == list(range(positions[0], positions[0] + len(positions)))
     assert min(p[0] for p in extended.values()) == 0
+    # a hit leaves the head's window of prompt tokens to compute: its ring is full before the first draft
+    results = llm.chat(messages, params, use_tqdm=False)            # the same chats again: their prompts hit
+    assert [o.outputs[0].token_ids for o in results] == ref
+    assert all(o.num_cached_tokens > 0 and len(o.prompt_token_ids) - o.num_cached_tokens >= WINDOW
+               for o in results)
     llm.shutdown()
     # async scheduling: a request's next step is queued before its verify step is read back, its drafts the
     # head's block past the token still on the device; greedy output is unchanged and the rings still get every

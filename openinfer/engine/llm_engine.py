@@ -114,6 +114,8 @@ class LLMEngine:
 
             self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs,
                                          self.runner)
+            self.kv_manager.min_uncached_tokens = max(self.kv_manager.min_uncached_tokens,
+                                                      self.speculator.context_tokens_after_hit)
         self.async_scheduling = self._resolve_async_scheduling()
         if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
             self.runner.capture_decode_graphs(self.max_model_len)

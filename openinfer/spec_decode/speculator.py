@@ -74,6 +74,13 @@ class Speculator:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
             # with the token still on the device: one more, its guess leading the continuation
             self.proposer_ahead = NgramProposer(self.k + 1, config.prompt_lookup_min, config.prompt_lookup_max)
+        # A prefix hit leaves this many prompt tokens to compute: a drafter whose context ring is its own (draft
+        # head, DSpark stages; not the MTP ring, a per-request state restored with the hit) then gets the features
+        # of the hit's last W positions instead of starting from an empty ring (W + block_size - 1 more tokens
+        # of prefill per hit, for first drafts made with full context).
+        self.context_tokens_after_hit = 0
+        if config.method in ("draft_head", "dspark"):
+            self.context_tokens_after_hit = self.features.drafter.window
         # ngram: each running request's tokens as an int64 array, extended by the new tokens only (a long prompt
         # is not converted again at every step)
         self._token_arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
