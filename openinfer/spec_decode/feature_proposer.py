@@ -56,9 +56,7 @@ class FeatureProposer:
     def propose(self, req: Request, room: int) -> tuple[list[int], list[float]]:
         """The drafts kept for `req` by the last `after_step`, cut to `room` (none if they are stale). Under async
         scheduling its next step may still be on the device: the block then continues past the tokens that step
-        verifies and samples, if its leading drafts are the ones being verified (`guessed_continuation`)."""
-        from openinfer.spec_decode.speculator import guessed_continuation
-
+        verifies and samples, if its leading drafts are the ones being verified (`guessed_continuation` below)."""
         got = self.pending.get(req.request_id)
         if got is None or got[0] != req.num_tokens:
             return [], []
@@ -125,3 +123,11 @@ class FeatureProposer:
         for (req, _), t, c in zip(draft_reqs, tokens, conf):
             self.pending[req.request_id] = (req.num_tokens, t, c)
 
+
+def guessed_continuation(tokens: list[int], conf: list[float], skip: int) -> tuple[list[int], list[float]]:
+    """Drafts after a step still on the device: `tokens` continue the known sequence; the first `skip` repeat the
+    drafts that step verifies and the next one guesses the token it samples after them, so the drafts are what
+    follows. The first draft is kept only if that guess was right too: its confidence carries the guess's."""
+    if len(tokens) <= skip + 1:
+        return [], []
+    return tokens[skip + 1:], [conf[skip] * conf[skip + 1], *conf[skip + 2:]]

@@ -25,6 +25,7 @@ import torch
 
 from openinfer.engine.request import Request
 from openinfer.spec_decode.config import SpeculativeConfig
+from openinfer.spec_decode.feature_proposer import guessed_continuation
 from openinfer.spec_decode.ngram import NgramProposer
 
 
@@ -182,12 +183,3 @@ class Speculator:
         lengths = confidence_lengths(conf, num, self.budget).tolist()
         for r, n in zip(reqs, lengths):
             r.spec_token_ids, r.spec_confidences = r.spec_token_ids[:n], r.spec_confidences[:n]
-
-
-def guessed_continuation(tokens: list[int], conf: list[float], skip: int) -> tuple[list[int], list[float]]:
-    """Drafts after a step still on the device: `tokens` continue the known sequence; the first `skip` repeat the
-    drafts that step verifies and the next one guesses the token it samples after them, so the drafts are what
-    follows. The first draft is kept only if that guess was right too: its confidence carries the guess's."""
-    if len(tokens) <= skip + 1:
-        return [], []
-    return tokens[skip + 1:], [conf[skip] * conf[skip + 1], *conf[skip + 2:]]
