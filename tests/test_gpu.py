@@ -640,6 +640,61 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir, async
     assert (guessed > dropped > 0) if async_scheduling else guessed == 0
 
 
+@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
+def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
+    """DeepSeek-V4 / V4.1 (per-request state: window rings, compressor rows, V4's HCA running state, V4.1's Engram
+    look-back), bf16: a verify step's token + k drafts run as decode rows carrying their offsets, inside the decode
+    CUDA graphs (more rows than max_num_seqs). With a scripted drafter rejecting at every depth, tokens and their
+    logprobs follow plain graphed decoding up to the first bf16 near-tie; every request agrees for a while.
+    V4: the `mtp` drafter's chain replays its own graphs and keeps plain greedy likewise."""
+    k = 3
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 120000, (int(n),), generator=g).tolist() for n in (5, 40, 130, 17, 66, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+
+    def run(spec, sequences=None):
+        llm = LLM(model, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=4, speculative_config=spec,
+                  kv_cache_memory_bytes=256 << 20)
+        if sequences is not None:
+            s = llm.engine.speculator
+            s.proposer = s.proposer_ahead = _ScriptedDrafter(sequences, k)
+        outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+        runner, kv = llm.engine.runner, llm.engine.kv_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        drafter = getattr(getattr(llm.engine.speculator, "features", None), "drafter", None)
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return outs, runner, drafter
+
+    def agree(spec_outs, plain_outs):
+        firsts = []
+        for a, b in zip(spec_outs, plain_outs):
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
+            for i in range(same):
+                t = b.token_ids[i]
+                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 5e-2, (i, same)
+            firsts.append(same)
+        print(model, "tokens agreeing before the first divergence:", firsts)
+        return firsts
+
+    plain, plain_runner, _ = run(None)
+    assert plain_runner.graph_replays > 0 and plain_runner.max_graph_rows <= 4
+    spec, runner, _ = run({"method": "ngram", "num_speculative_tokens": k},
+                          [p + o.token_ids for p, o in zip(prompts, plain)])
+    assert min(agree(spec, plain)) >= 4
+    assert sum(o.num_accepted_tokens for o in spec) > 20
+    assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in spec) > 10
+    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    if model == "deepseek-v4-tiny":
+        mtp, runner, drafter = run({"method": "mtp", "num_speculative_tokens": k})
+        assert min(agree(mtp, plain)) >= 4
+        assert drafter.graphs is not None and drafter.graphs.replays >= 10
+        assert runner.max_graph_rows > 4
+        print("mtp accepted", sum(o.num_accepted_tokens for o in mtp), "of", sum(o.num_draft_tokens for o in mtp))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_path, async_scheduling):
     """The draft head reads the target's features of the accepted rows; with decode and verify steps replayed in
@@ -712,3 +767,34 @@ def test_draft_head_propose_graphs_equal_eager(smollm_dir):
     assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8] and graphed.graphs.replays == 6
     with pytest.raises(ValueError, match="batch 9 is above the 8 requests"):
         graphed.propose(torch.arange(9, device="cuda"), torch.zeros(9, device="cuda"), torch.zeros(9, device="cuda"))
+
+
+def test_mtp_chain_graphs_equal_eager():
+    """DeepSeek-V4's MTP chain (k heads, k - 1 decode steps of its block with MoE) replayed from CUDA graphs (batch
+    buckets, padded rows on the scratch state slot) gives the eager chain's drafts and confidences for 1..4
+    requests, bf16, over the same rings (each call rewrites the same ring rows with the same values)."""
+    from openinfer.spec_decode.mtp import MtpDrafter
+
+    llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", max_num_seqs=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3}, kv_cache_memory_bytes=256 << 20)
+    runner = llm.engine.runner
+    model, caches = runner.model, runner.caches
+    eager = MtpDrafter(model, caches, runner.block_size, 3)
+    graphed = MtpDrafter(model, caches, runner.block_size, 3, max_batch=4, scratch_slot=runner.num_state_slots)
+    assert eager.graphs is None and graphed.graphs is not None
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for ring in caches["mtp_swa"]:
+        ring.copy_(torch.randn(ring.shape, generator=g, device="cuda").to(ring.dtype))
+    hidden = torch.randn((runner.num_state_slots, model.config.hidden_size), generator=g, device="cuda")
+    for d in (eager, graphed):
+        d._newest = {s: hidden[s].to(torch.bfloat16) for s in range(runner.num_state_slots)}
+    for B in (1, 3, 2, 4, 3):
+        slots = torch.randperm(runner.num_state_slots, device="cuda")[:B]
+        last = torch.randint(0, 200, (B,), device="cuda")
+        nxt = torch.randint(0, 1000, (B,), device="cuda")
+        a = eager.propose(slots, last, nxt)
+        b = graphed.propose(slots, last, nxt)
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.confidences, b.confidences, atol=1e-2, rtol=0)
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4] and graphed.graphs.replays == 5
+    llm.shutdown()

@@ -395,7 +395,7 @@ class ModelRunner:
         buckets then reach max_num_seqs * (1 + k) rows (at most max_num_batched_tokens)."""
         rows = self.config.max_num_seqs
         spec = self.config.speculative_config
-        if spec is not None and not self.num_state_slots:
+        if spec is not None:
             rows = max(rows, min(rows * (1 + spec.num_speculative_tokens), self.config.max_num_batched_tokens))
         buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
                    *range(640, 1025, 128), *range(1280, 4097, 256))
@@ -416,6 +416,9 @@ class ModelRunner:
         self.g_tables = torch.full((n, width), self.num_blocks, dtype=torch.long, device=dev)
         self.g_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.g_state_slots = torch.full((n,), self.num_state_slots, dtype=torch.long, device=dev)   # scratch slot
+        # a verify step's rows on a model with per-request state: each row's offset in its request's rows
+        self.g_offsets = (torch.zeros(n, dtype=torch.long, device=dev)
+                          if spec is not None and self.num_state_slots else None)
         if self.num_window_blocks:   # the windowed layers' slots and tables (kv_cache/window_group.py)
             self.g_wslots = torch.full((n,), self.window_scratch_slot, dtype=torch.long, device=dev)
             self.g_wtables = torch.full((n, width), self.num_window_blocks, dtype=torch.long, device=dev)
@@ -442,6 +445,7 @@ class ModelRunner:
                                      decode_block_tables=self.g_tables[:b, :-(-context // bs)],
                                      decode_context_lens=self.g_lens[:b], max_decode_context_len=context,
                                      decode_state_slots=self.g_state_slots[:b] if self.num_state_slots else None,
+                                     decode_row_offsets=None if self.g_offsets is None else self.g_offsets[:b],
                                      moe_rows_per_rank=b if lockstep else None,
                                      moe_valid_rows=self.g_valid if lockstep else None, moe_communicate=communicate)
             if self.num_window_blocks:
@@ -475,13 +479,15 @@ class ModelRunner:
         self.g_tables[start:end].fill_(self.num_blocks)
         self.g_lens[start:end].fill_(1)
         self.g_state_slots[start:end].fill_(self.num_state_slots)
+        if self.g_offsets is not None:
+            self.g_offsets[start:end].zero_()
         if self.num_window_blocks:
             self.g_wslots[start:end].fill_(self.window_scratch_slot)
             self.g_wtables[start:end].fill_(self.num_window_blocks)
 
     def _graph_forward(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor,
                        tables: list[list[int]], lens: list[int], fixups=None, state_slots=None,
-                       min_batch: int = 0, window=None
+                       min_batch: int = 0, window=None, offsets: list[int] | None = None
                        ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor] | None]:
         """Replay the graph of the smallest bucket holding max(len(ids), min_batch) rows (expert parallelism:
         the bucket all ranks agreed on; an idle rank replays it with padding rows only). Returns the hidden
@@ -529,6 +535,8 @@ class ModelRunner:
         self.g_lens[:b].copy_(h2d(torch.tensor(lens, dtype=torch.long), dev))
         if state_slots is not None and self.num_state_slots:
             self.g_state_slots[:b].copy_(h2d(torch.tensor(state_slots, dtype=torch.long), dev))
+        if self.g_offsets is not None:
+            self.g_offsets[:b].copy_(h2d(torch.tensor(offsets or [0] * b, dtype=torch.long), dev))
         graph.replay()
         self.graph_replays += 1
         self.max_graph_rows = max(self.max_graph_rows, b)
@@ -537,12 +545,15 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------------
     def _as_decode_rows(self, s) -> bool:
         """Whether a scheduled request runs as decode rows (one query each, attending to the keys up to its own
-        position) rather than as a prefill chunk: a decode, and a verify step's token + drafts on a model without
-        per-request state — its rows are then decode rows too, so verify steps replay the decode CUDA graphs
-        (bucketed by rows) instead of running eager. (A model with per-request state advances it per chunk.)"""
+        position) rather than as a prefill chunk: a decode, and a verify step's token + drafts — its rows are then
+        decode rows too, so verify steps replay the decode CUDA graphs (bucketed by rows) instead of running eager.
+        On a model with per-request state (DeepSeek's rings) each row also carries its offset among its request's
+        rows (`AttentionMetadata.decode_row_offsets`): the rings are read after the step's writes, which the k
+        rows of rollback room make safe, and the recurrences (V4's HCA running state, V4.1's Engram look-back)
+        take the step's earlier rows from the step itself."""
         if _replaying(s):      # a replay chunk needs the prefill path's per-layer views, even of one token
             return False
-        return s.num_new_tokens == 1 or (bool(s.draft_token_ids) and not self.num_state_slots)
+        return s.num_new_tokens == 1 or bool(s.draft_token_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev: RunnerOutput | None = None,
@@ -563,7 +574,7 @@ class ModelRunner:
         dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
         pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
         prefills: list[PrefillChunk] = []
-        decode_tables, decode_lens, decode_state_slots = [], [], []
+        decode_tables, decode_lens, decode_state_slots, decode_offsets = [], [], [], []
         logit_rows: list[int] = []
         out = RunnerOutput()
         sampling_reqs = []
@@ -596,6 +607,7 @@ class ModelRunner:
                     decode_tables.append(table)
                     decode_lens.append(p + 1)
                     decode_state_slots.append(s.state_slot)
+                    decode_offsets.append(p - start)
             else:
                 positions = np.arange(start, start + n)
                 np_table = np.asarray(table, dtype=np.int64)
@@ -653,12 +665,12 @@ class ModelRunner:
         if graphable:
             hidden, captured = self._graph_forward(ids, pos, slots, decode_tables, decode_lens, fixups,
                                                    decode_state_slots, min_batch=plan.graph_batch if plan else 0,
-                                                   window=window)
+                                                   window=window, offsets=decode_offsets)
         if hidden is None:
             views = self._layer_views(slots, pos, prefills, replays, window) if window is not None else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
-                                         layer_views=views)
+                                         layer_views=views, offsets=decode_offsets)
         if self.eplb is not None:
             self.eplb.after_forward()
         if capture:
@@ -739,7 +751,8 @@ class ModelRunner:
 
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
-                       moe_valid: torch.Tensor | None = None, layer_views=None) -> torch.Tensor:
+                       moe_valid: torch.Tensor | None = None, layer_views=None,
+                       offsets: list[int] | None = None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
@@ -750,6 +763,8 @@ class ModelRunner:
             meta.max_decode_context_len = max(decode_lens)
             if self.num_state_slots:
                 meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
+                if offsets and any(offsets):
+                    meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
         if layer_views is not None:
             full_slots, window_slots, window_prefills, window_tables = layer_views
             windowed = dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev), prefills=window_prefills)

@@ -65,6 +65,11 @@ class AttentionMetadata:
     max_decode_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_state_slots: torch.Tensor | None = None    # [num_decodes] state slot per decode row
+    # [num_decodes] each decode row's index among its request's rows of the step (a verify step's token and
+    # drafts run as consecutive decode rows of one request: 0, 1, .., k); None: every row is 0 (one token per
+    # request). Models with per-request state that is a recurrence over positions (not a position-indexed ring
+    # read after the step's writes) need it to see the step's own earlier rows
+    decode_row_offsets: torch.Tensor | None = None
     # expert parallelism (distributed/expert_parallel.py): rows every EP rank passes to the MoE exchange
     # this step (the step's maximum), a device scalar: rows at or past it are padding, and False in the
     # warm-up forward before a CUDA-graph capture (same shapes, no collective)

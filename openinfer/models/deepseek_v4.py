@@ -348,14 +348,30 @@ class RunningCompressor(Compressor):
             st = torch.stack((m, e.sum(0), (e * kv[wi, :upto + 1]).sum(0)))
             state[q % L] = self._merge(base, st) if wi == 0 and lead else st
 
-    def close_decode(self, state, cache, new_rows, positions, slots, tables, rope) -> None:
+    def close_decode(self, state, cache, new_rows, positions, slots, tables, rope, offsets=None) -> None:
         """Decode rows (one token each): fold the row into the running state; rows that end a window write
         its entry, the others write to the runner's scratch block (the last one), so the batch needs no
-        host-side branching."""
+        host-side branching.
+
+        `offsets` (a verify step's rows: row t at offset j holds position p, and rows t - 1 .. t - j the
+        request's positions p - 1 .. p - j of this step): the state after p is the step's own rows of p's window
+        reduced at once, merged into the state before the step's first row if the window opened earlier — as
+        `close_chunk` computes it; every read precedes every write, so the rows of one request need no order."""
         r, d, L = self.ratio, self.dim, state.shape[1]
-        row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
-        fresh = (positions % r == 0)[:, None, None]                         # a window opens: drop the old one
-        merged = torch.where(fresh, row, self._merge(state[slots, (positions - 1) % L], row))
+        if offsets is None:
+            row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
+            fresh = (positions % r == 0)[:, None, None]                     # a window opens: drop the old one
+            merged = torch.where(fresh, row, self._merge(state[slots, (positions - 1) % L], row))
+        else:
+            back = torch.arange(L, device=positions.device)                 # at most L = 1 + k rows per request
+            own = (back <= offsets[:, None]) & (back <= (positions % r)[:, None])       # [T, L]: p - b, this step
+            src = (torch.arange(len(positions), device=positions.device)[:, None] - back).clamp(min=0)
+            gate = torch.where(own[..., None], new_rows[src, d:], float("-inf"))
+            m = gate.max(dim=1).values                                      # finite: b = 0 is always own
+            e = torch.exp(gate - m[:, None])
+            steps = torch.stack((m, e.sum(1), (e * new_rows[src, :d]).sum(1)), dim=1)
+            before = (offsets < positions % r)[:, None, None]               # the window began before the step
+            merged = torch.where(before, self._merge(state[slots, (positions - offsets - 1) % L], steps), steps)
         state[slots, positions % L] = merged
         window = ((positions + 1) // r - 1).clamp(min=0)
         dst = torch.where((positions + 1) % r == 0, entry_index(tables, window[:, None], cache.shape[1])[:, 0],
@@ -570,7 +586,10 @@ class DeepseekV4Attention(nn.Module):
         num_closed = (positions + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
-            comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope)
+            if self.layer_type == HCA:      # (a recurrence over positions: a verify step's rows need their offsets)
+                comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
+            else:
+                comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope)
             n = max(meta.max_decode_context_len // r, 1)
             flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1), epb)
         else:

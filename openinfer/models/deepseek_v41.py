@@ -888,6 +888,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                 slots = meta.decode_state_slots
                 before = positions[sl, None] - back
                 hist = ring[slots[:, None], before % R].masked_fill(before < 0, -1)
+                offsets = meta.decode_row_offsets
+                if offsets is not None:     # a verify step's rows: positions of this step are its earlier rows
+                    own = back <= offsets[:, None]
+                    src = (torch.arange(len(hist), device=hist.device)[:, None] - back).clamp(min=0)
+                    hist = torch.where(own, comp[sl][src], hist)
                 windows[sl] = h.windows(comp[sl], hist)
                 ring[slots, positions[sl] % R] = comp[sl]
             else:

@@ -4,8 +4,9 @@ A model drafter's `propose` is a dozen small kernels per layer over a batch of a
 overhead is what a draft step costs (the SmolLM2 draft head: ~3.5 ms per step on the H200 against ~1 ms for the
 target's graphed decode step). `BatchGraphs` replays such a call from CUDA graphs, one per batch bucket (powers
 of two up to `max_batch`), captured the first time a bucket is needed: the call's per-request inputs [B, ...] are
-copied into static buffers, rows past B are zeros (so every input must make a valid zero row: a request slot 0, a
-position 0, a token 0, which are only read), and the outputs (a tensor or a tuple/NamedTuple of tensors, each
+copied into static buffers, rows past B are padding: zeros, or the input's `pad_values` entry (every input must
+make a valid padding row: a position 0, a token 0; a request slot that is only read may be 0, one the call writes
+must be a scratch slot), and the outputs (a tensor or a tuple/NamedTuple of tensors, each
 [bucket, ...]) come back sliced to B. They are the graph's own buffers, valid until the next call; the callers
 read them (to the host) before drafting again. The captured function must not sync with the host nor allocate
 outside the graph's pool after capture (plain torch ops on device tensors satisfy both).
@@ -27,8 +28,8 @@ def _buckets(max_batch: int) -> list[int]:
 
 
 class BatchGraphs:
-    def __init__(self, fn: Callable, max_batch: int):
-        self.fn, self.buckets = fn, _buckets(max_batch)
+    def __init__(self, fn: Callable, max_batch: int, pad_values: tuple[float, ...] | None = None):
+        self.fn, self.buckets, self.pad_values = fn, _buckets(max_batch), pad_values
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
@@ -41,9 +42,9 @@ class BatchGraphs:
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket, inputs)
         graph, static, out = self.graphs[bucket]
-        for buf, x in zip(static, inputs):
+        for i, (buf, x) in enumerate(zip(static, inputs)):
             buf[:B].copy_(x)
-            buf[B:].zero_()
+            buf[B:].fill_(self.pad_values[i] if self.pad_values else 0)
         graph.replay()
         self.replays += 1
         if isinstance(out, torch.Tensor):
@@ -51,7 +52,8 @@ class BatchGraphs:
         return type(out)(*(t[:B] for t in out))
 
     def _capture(self, bucket: int, examples: tuple[torch.Tensor, ...]):
-        static = [torch.zeros((bucket, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in examples]
+        static = [torch.full((bucket, *x.shape[1:]), self.pad_values[i] if self.pad_values else 0, dtype=x.dtype,
+                             device=x.device) for i, x in enumerate(examples)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm up (lazy inits, autotuning) outside the capture

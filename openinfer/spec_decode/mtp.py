@@ -13,6 +13,9 @@ DeepSeek's MTP — and predicts the token at q + 2 (DeepSeek-V3 §2.2's MTP modu
   hidden state in place of the main model's, the previous draft as the token) at positions P + 1 .. P + k - 1 —
   the way DeepSeek's MTP is reused for more than one draft (SGLang/vLLM do the same). Confidence of a draft =
   the head's probability for it (used by the `confidence` policy).
+- CUDA graphs (`max_batch` > 0, a single-process model whose experts take the grouped path): the chain — k heads
+  and k - 1 decode steps of the head's block — replays from graphs per batch bucket (spec_decode/graphs.py);
+  padded rows write only the runner's scratch state slot.
 - Rollback: the chain writes ring rows for positions past P that a rejection makes stale; the ring keeps
   `rollback_rows` = k rows of room (runner caches), so those rows alias positions no later read sees, and the
   next `extend` rewrites the accepted ones from the target's real hidden states.
@@ -42,12 +45,22 @@ class MtpDrafter:
     reads_next_tokens = True      # extend needs the token after each row (FeatureProposer passes it)
     block_size = MAX_NGRAM_DRAFTS  # chained: any number of drafts up to the engine's limit
 
-    def __init__(self, model, caches: dict, block_size: int, num_drafts: int):
+    def __init__(self, model, caches: dict, block_size: int, num_drafts: int, max_batch: int = 0,
+                 scratch_slot: int = 0):
+        """`max_batch` > 0: `propose` for up to that many requests replays CUDA graphs, whose padded rows write
+        the state slot `scratch_slot` (the runner's spare one)."""
         if len(getattr(model, "mtp", ())) == 0 or not hasattr(model, "mtp_hidden"):
             raise ValueError(f"speculative_config method 'mtp' needs a DeepSeek-V4 model with MTP heads "
                              f"(num_nextn_predict_layers > 0); {type(model).__name__} has none")
         self.model, self.caches, self.kv_block_size, self.num_drafts = model, caches, block_size, num_drafts
         self._newest: dict[int, torch.Tensor] = {}      # request slot -> the head's hidden at P
+        self.graphs = None
+        parallel = getattr(model, "parallel", None)
+        single = parallel is None or (parallel.tp_size == 1 and parallel.ep_size == 1)
+        if max_batch and single and model.lm_head.weight.is_cuda and model.supports_cuda_graphs:
+            from openinfer.spec_decode.graphs import BatchGraphs
+
+            self.graphs = BatchGraphs(self._chain, max_batch, pad_values=(0, scratch_slot, 0, 0))
 
     def enable_capture(self) -> None:
         self.model.capture_layers = (MTP_INPUT,)
@@ -84,10 +97,15 @@ class MtpDrafter:
     def propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> MtpDraft:
         """`num_drafts` drafts per request whose newest accepted position is `last_positions` (the head already
         ran there on `next_tokens` in `extend`)."""
+        hidden = torch.stack([self._newest[s] for s in slots.tolist()])
+        args = (hidden, slots.long(), last_positions.long(), next_tokens.long())
+        return self.graphs(*args) if self.graphs is not None else self._chain(*args)
+
+    def _chain(self, hidden: torch.Tensor, slots: torch.Tensor, P: torch.Tensor, next_tokens: torch.Tensor) -> MtpDraft:
+        """The drafts from the head's hidden at P: one head, then the block at P + 1 .. P + k - 1 on the previous
+        draft (no host sync: capturable)."""
         dev, bs = next_tokens.device, self.kv_block_size
         B = len(slots)
-        hidden = torch.stack([self._newest[s] for s in slots.tolist()])
-        slots, P = slots.long(), last_positions.long()
         tokens, conf = [], []
         for j in range(self.num_drafts):
             if j:

@@ -69,8 +69,9 @@ class Speculator:
             from openinfer.spec_decode.feature_proposer import FeatureProposer
             from openinfer.spec_decode.mtp import MtpDrafter
 
-            self.features = FeatureProposer(MtpDrafter(runner.model, runner.caches, runner.block_size, self.k),
-                                            self.k)
+            graphs = max_num_seqs if runner.config.use_cuda_graphs else 0      # the chain from CUDA graphs
+            self.features = FeatureProposer(MtpDrafter(runner.model, runner.caches, runner.block_size, self.k,
+                                                       max_batch=graphs, scratch_slot=runner.num_state_slots), self.k)
         else:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
             # with the token still on the device: one more, its guess leading the continuation
