@@ -646,7 +646,8 @@ def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
     look-back), bf16: a verify step's token + k drafts run as decode rows carrying their offsets, inside the decode
     CUDA graphs (more rows than max_num_seqs). With a scripted drafter rejecting at every depth, tokens and their
     logprobs follow plain graphed decoding up to the first bf16 near-tie; every request agrees for a while.
-    V4: the `mtp` drafter's chain replays its own graphs and keeps plain greedy likewise."""
+    The model's own drafter likewise, its calls replayed from its graphs: V4's `mtp` (the chain, and the accepted
+    rows as decode rows), V4.1's `dspark` (the block)."""
     k = 3
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 120000, (int(n),), generator=g).tolist() for n in (5, 40, 130, 17, 66, 9)]
@@ -687,12 +688,14 @@ def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
     assert sum(o.num_accepted_tokens for o in spec) > 20
     assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in spec) > 10
     assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
-    if model == "deepseek-v4-tiny":
-        mtp, runner, drafter = run({"method": "mtp", "num_speculative_tokens": k})
-        assert min(agree(mtp, plain)) >= 4
-        assert drafter.graphs is not None and drafter.graphs.replays >= 10
-        assert runner.max_graph_rows > 4
-        print("mtp accepted", sum(o.num_accepted_tokens for o in mtp), "of", sum(o.num_draft_tokens for o in mtp))
+    method = {"deepseek-v4-tiny": "mtp", "deepseek-v41-tiny": "dspark"}[model]
+    own, runner, drafter = run({"method": method, "num_speculative_tokens": 2})
+    assert min(agree(own, plain)) >= 4
+    assert drafter.graphs is not None and drafter.graphs.replays >= 10
+    if method == "mtp":
+        assert drafter.row_graphs.replays >= 10
+    assert runner.max_graph_rows > 4
+    print(method, "accepted", sum(o.num_accepted_tokens for o in own), "of", sum(o.num_draft_tokens for o in own))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -796,5 +799,34 @@ def test_mtp_chain_graphs_equal_eager():
         b = graphed.propose(slots, last, nxt)
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.confidences, b.confidences, atol=1e-2, rtol=0)
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4] and graphed.graphs.replays == 5
+    llm.shutdown()
+
+
+def test_dspark_propose_graphs_equal_eager():
+    """DeepSeek-V4.1's DSpark block (stages with MoE, Markov and confidence heads) replayed from CUDA graphs (batch
+    buckets, padded rows) gives the eager call's drafts, confidences and logits for 1..4 requests, bf16, over the
+    same random context rings."""
+    from openinfer.spec_decode.dspark import DSparkDrafter
+
+    llm = LLM("deepseek-v41-tiny", device="cuda", dtype="bfloat16", max_num_seqs=4, kv_cache_memory_bytes=256 << 20)
+    model = llm.engine.runner.model
+    eager, graphed = DSparkDrafter(model, 6), DSparkDrafter(model, 6, max_batch=4)
+    assert eager.graphs is None and graphed.graphs is not None
+    g = torch.Generator(device="cuda").manual_seed(3)
+    keys = model.mtp[0].context_keys(torch.randn((eager.rings.shape[1] * eager.rings.shape[2], model.config.dim),
+                                                 generator=g, device="cuda").to(eager.dtype),
+                                     torch.zeros(eager.rings.shape[1] * eager.rings.shape[2], dtype=torch.long,
+                                                 device="cuda"), model.ropes, eager.codec)
+    for d in (eager, graphed):
+        d.rings.copy_(keys.view(eager.rings.shape[1:]).expand_as(d.rings))
+    for B in (1, 3, 2, 4, 3):
+        slots = torch.randperm(6, device="cuda")[:B]
+        last = torch.randint(0, 200, (B,), device="cuda")
+        nxt = torch.randint(0, 1000, (B,), device="cuda")
+        a, b = eager.propose(slots, last, nxt), graphed.propose(slots, last, nxt)
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.confidences, b.confidences, atol=1e-2, rtol=0)
+        torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=1e-2)
     assert sorted(graphed.graphs.graphs) == [1, 2, 4] and graphed.graphs.replays == 5
     llm.shutdown()

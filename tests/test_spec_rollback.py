@@ -174,6 +174,14 @@ def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows():
                                   torch.arange(P + 1), runner.caches, meta)
         assert model.mtp_head(0, hidden[-1:]).argmax(-1).item() == tokens[0]
     torch.testing.assert_close(drafter._newest[slot], hidden[-1], atol=1e-5, rtol=1e-5)
+    # the same context as a prompt's chunk, then a verify step that kept all k drafts: its 1 + k rows run as decode
+    # rows of one batched call (the random head never has a draft accepted above, so no step had more than one)
+    run = 1 + 3
+    feats, toks = torch.stack([f for _, f, _ in rows]), torch.tensor([t for _, _, t in rows])
+    for part in (slice(0, P + 1 - run), slice(P + 1 - run, P + 1)):
+        n = part.stop - part.start
+        drafter.extend(torch.full((n,), spare), torch.arange(part.start, part.stop), feats[part], toks[part])
+    torch.testing.assert_close(drafter._newest[spare], hidden[-1], atol=1e-5, rtol=1e-5)
 
 
 def test_preempted_requests_with_drafts_recompute_to_plain_greedy():

@@ -71,7 +71,10 @@ class DSparkDrafter:
     `features()` gives them for the forward's rows; `extend(slots, positions, features)` writes the accepted rows'
     context keys; `propose(slots, last_positions, next_tokens)` drafts a block per request."""
 
-    def __init__(self, model, max_requests: int):
+    def __init__(self, model, max_requests: int, max_batch: int = 0):
+        """`max_batch` > 0 (CUDA, a model whose experts take the grouped path): `propose` for up to that many
+        requests replays CUDA graphs (spec_decode/graphs.py); it only reads the rings, so padded rows may read
+        slot 0."""
         cfg = model.config
         if not cfg.dspark_block_size or len(model.mtp) == 0:
             raise ValueError("the dspark drafter needs a DeepSeek-V4.1 model with DSpark draft stages "
@@ -89,6 +92,11 @@ class DSparkDrafter:
         # [stage, request slot, ring slot, stored key]; ring slot W is scratch (rows `extend` does not keep)
         self.rings = torch.zeros((len(self.stages), max_requests, self.window + 1, self.codec.stored_dim(D)),
                                  dtype=self.codec.storage_dtype, device=ref.device)
+        self.graphs = None
+        if max_batch and ref.is_cuda and model.supports_cuda_graphs:
+            from openinfer.spec_decode.graphs import BatchGraphs
+
+            self.graphs = BatchGraphs(self._propose, max_batch)
 
     # -- context
     def enable_capture(self) -> None:
@@ -128,7 +136,13 @@ class DSparkDrafter:
     @torch.inference_mode()
     def propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> DSparkDraft:
         """One block per request: `last_positions` [B] the newest context position P written by `extend`,
-        `next_tokens` [B] the token at P + 1 (the target's). Returns n = dspark_block_size drafts per request."""
+        `next_tokens` [B] the token at P + 1 (the target's). Returns n = dspark_block_size drafts per request (with
+        graphs: views of the graph's outputs, valid until the next call)."""
+        if self.graphs is not None:
+            return self.graphs(slots.long(), last_positions.long(), next_tokens.long())
+        return self._propose(slots, last_positions, next_tokens)
+
+    def _propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> DSparkDraft:
         B, n, W = next_tokens.shape[0], self.block_size, self.window
         dev = next_tokens.device
         slots, P = slots.long(), last_positions.long()

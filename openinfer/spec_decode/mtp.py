@@ -7,15 +7,17 @@ runner's caches) at position q — the main model's positions, input ids shifted
 DeepSeek's MTP — and predicts the token at q + 2 (DeepSeek-V3 §2.2's MTP module, depth 1).
 
 - `extend` (the accepted rows of a step): row q's hidden state with the token that followed it runs through the
-  head, one chunk per request, which writes the ring. The newest row's output (at P, the newest accepted
-  position) is the first draft's: kept per slot.
+  head, which writes the ring. The newest row's output (at P, the newest accepted position) is the first draft's:
+  kept per slot. A request's rows of a verify step (at most 1 + k) run as decode rows of one batched call — the
+  ring is read after the call's writes, and the k rows of rollback room keep a later row out of an earlier row's
+  window, as in the target's verify steps; longer runs (a prompt) run as one chunk per request.
 - `propose`: draft 1 = argmax of that output's logits; drafts 2..k chain the head on itself (its own output
   hidden state in place of the main model's, the previous draft as the token) at positions P + 1 .. P + k - 1 —
   the way DeepSeek's MTP is reused for more than one draft (SGLang/vLLM do the same). Confidence of a draft =
   the head's probability for it (used by the `confidence` policy).
 - CUDA graphs (`max_batch` > 0, a single-process model whose experts take the grouped path): the chain — k heads
-  and k - 1 decode steps of the head's block — replays from graphs per batch bucket (spec_decode/graphs.py);
-  padded rows write only the runner's scratch state slot.
+  and k - 1 decode steps of the head's block — and the decode rows of `extend` replay from graphs per batch
+  bucket (spec_decode/graphs.py); padded rows write only the runner's scratch state slot.
 - Rollback: the chain writes ring rows for positions past P that a rejection makes stale; the ring keeps
   `rollback_rows` = k rows of room (runner caches), so those rows alias positions no later read sees, and the
   next `extend` rewrites the accepted ones from the target's real hidden states.
@@ -54,13 +56,14 @@ class MtpDrafter:
                              f"(num_nextn_predict_layers > 0); {type(model).__name__} has none")
         self.model, self.caches, self.kv_block_size, self.num_drafts = model, caches, block_size, num_drafts
         self._newest: dict[int, torch.Tensor] = {}      # request slot -> the head's hidden at P
-        self.graphs = None
+        self.graphs = self.row_graphs = None
         parallel = getattr(model, "parallel", None)
         single = parallel is None or (parallel.tp_size == 1 and parallel.ep_size == 1)
         if max_batch and single and model.lm_head.weight.is_cuda and model.supports_cuda_graphs:
             from openinfer.spec_decode.graphs import BatchGraphs
 
             self.graphs = BatchGraphs(self._chain, max_batch, pad_values=(0, scratch_slot, 0, 0))
+            self.row_graphs = BatchGraphs(self._rows, max_batch * (1 + num_drafts), pad_values=(0, 0, 0, scratch_slot))
 
     def enable_capture(self) -> None:
         self.model.capture_layers = (MTP_INPUT,)
@@ -80,18 +83,39 @@ class MtpDrafter:
             return
         sl, ps = slots.tolist(), positions.tolist()
         dev, bs = features.device, self.kv_block_size
-        chunks, first = [], 0
+        runs, first = [], 0                    # (first row, rows, first position, slot) of each request
         for i in range(1, len(sl) + 1):
             if i == len(sl) or sl[i] != sl[first] or ps[i] != ps[i - 1] + 1:
-                chunks.append((first, i - first, ps[first], sl[first]))
+                runs.append((first, i - first, ps[first], sl[first]))
                 first = i
-        no_blocks = torch.zeros(0, dtype=torch.long, device=dev)          # the window-only head reads no pages
-        meta = AttentionMetadata(block_size=bs, slot_mapping=torch.zeros(len(sl), dtype=torch.long, device=dev),
-                                 prefills=[PrefillChunk(r0, n, p0 + n, no_blocks, bs, slot)
-                                           for r0, n, p0, slot in chunks])
-        hidden = self.model.mtp_hidden(0, features, next_tokens, positions, self.caches, meta)
-        for r0, n, _, slot in chunks:
-            self._newest[slot] = hidden[r0 + n - 1]
+        short = [r for r in runs if r[1] <= 1 + self.num_drafts]
+        for group in (short, [r for r in runs if r[1] > 1 + self.num_drafts]):
+            if not group:
+                continue
+            rows = torch.tensor([i for r0, n, _, _ in group for i in range(r0, r0 + n)], device=dev)
+            args = (features[rows], next_tokens[rows].long(), positions[rows].long(), slots[rows].long())
+            if group is short:               # decode rows, batched (graphed)
+                hidden = self.row_graphs(*args) if self.row_graphs is not None else self._rows(*args)
+            else:
+                chunks, row = [], 0
+                for _, n, p0, slot in group:
+                    chunks.append(PrefillChunk(row, n, p0 + n, torch.zeros(0, dtype=torch.long, device=dev), bs,
+                                               slot))          # the window-only head reads no pages
+                    row += n
+                meta = AttentionMetadata(block_size=bs, slot_mapping=torch.zeros(row, dtype=torch.long, device=dev),
+                                         prefills=chunks)
+                hidden = self.model.mtp_hidden(0, *args[:3], self.caches, meta)
+            row = 0
+            for _, n, _, slot in group:
+                row += n
+                self._newest[slot] = hidden[row - 1].clone()    # (a graph's output is rewritten by its next replay)
+
+    def _rows(self, features, next_tokens, positions, slots) -> torch.Tensor:
+        """The head over rows that are decode rows (each request's rows consecutive, at most 1 + k)."""
+        meta = AttentionMetadata(block_size=self.kv_block_size, slot_mapping=torch.zeros_like(positions),
+                                 num_decode_tokens=len(positions), decode_state_slots=slots,
+                                 decode_context_lens=positions + 1)
+        return self.model.mtp_hidden(0, features, next_tokens, positions, self.caches, meta)
 
     @torch.inference_mode()
     def propose(self, slots: torch.Tensor, last_positions: torch.Tensor, next_tokens: torch.Tensor) -> MtpDraft:

@@ -51,7 +51,8 @@ class Speculator:
             if not hasattr(model, "capture_layers") or not getattr(model.config, "dspark_block_size", 0):
                 raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with DSpark draft "
                                  f"stages; {type(model).__name__} has none")
-            self.features = FeatureProposer(DSparkDrafter(model, runner.num_state_slots), self.k)
+            graphs = max_num_seqs if runner.config.use_cuda_graphs else 0      # propose from CUDA graphs
+            self.features = FeatureProposer(DSparkDrafter(model, runner.num_state_slots, max_batch=graphs), self.k)
         elif config.method == "draft_head":
             from openinfer.spec_decode.draft_head import DraftHead, DraftHeadDrafter
             from openinfer.spec_decode.feature_proposer import FeatureProposer
