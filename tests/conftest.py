@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 
@@ -21,25 +24,33 @@ def smollm_gguf():
     return fetch_registered("smollm2-135m-instruct", default_cache_dir())
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While transformers loads a GGUF file, two pure computations it repeats are memoized (what it loads is the
+    same): it asks gguf-py for its tensor-name map once per module (~400 times for SmolLM2), and gguf-py builds the
+    same table afresh each time (24 ms: ~10 s of a 28 s load on the CI machine); and it parses the file's header
+    twice (once for the config, once for the weights: ~5 s each, the 49k-token vocabulary's
+    strings read one numpy memmap slice at a time) — a file's reader is read-only, so both get the same one."""
+    import gguf
+
+    build_map, build_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(build_reader)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = build_map, build_reader
+
+
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_gguf):
-    """HF transformers' own GGUF loading of the same file, fp32: the reference.
-
-    transformers asks gguf-py for its tensor-name map once per module (~400 times for SmolLM2), and gguf-py builds
-    the same table afresh each time (24 ms: ~10 s of a 28 s load on the CI machine); the map is a pure function of
-    (architecture, layers), so it is memoized for this load only. The weights loaded are the same tensors."""
-    import functools
-
-    import gguf
+    """HF transformers' own GGUF loading of the same file, fp32: the reference (`gguf_parsed_once`: checked to
+    load the same tensors and config as a plain load)."""
     from transformers import AutoModelForCausalLM
 
-    build_map = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
-    try:
+    with gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name,
                                                      dtype=torch.float32)
-    finally:
-        gguf.get_tensor_name_map = build_map
     return model.eval()
 
 

@@ -26,9 +26,8 @@ here: its liveness is its connection (closed or reset: an error naming the rank)
 from __future__ import annotations
 
 import itertools
-import os
-import multiprocessing as mp
 import multiprocessing.connection as mpc
+import os
 import queue
 import select
 import socket
@@ -65,7 +64,7 @@ class MultiprocEngine:
 
     def __init__(self, config: EngineConfig):
         from openinfer.distributed.layout import check_layout
-        from openinfer.distributed.worker import worker_main
+        from openinfer.distributed.worker import rank_process_context, worker_main
 
         self.config = config
         self.requests: dict[str, int] = {}        # live request id -> DP group
@@ -74,7 +73,7 @@ class MultiprocEngine:
         check_layout(config, self.model_dir)          # before any worker starts loading
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context()
         # one entry per rank; a remote rank has no process here (None) and its connection arrives later
         self._procs: list = [None] * config.world_size
         self._conns: list = [None] * config.world_size

@@ -19,16 +19,43 @@ import time
 import traceback
 
 
-def _exit_with_parent(parent_pid: int | None = None) -> None:
-    """Exit as soon as the process that started this one is gone, even if it was killed by SIGKILL, so no worker
-    outlives its front end holding GPU memory: a daemon thread polls the parent pid. (Not PR_SET_PDEATHSIG: the
-    kernel sends that when the creating *thread* ends, which would kill the workers of an engine built in a
-    short-lived thread.) An idle worker also ends on its closed pipe."""
-    parent_pid = parent_pid or os.getppid()
+def rank_process_context():
+    """The multiprocessing context the front end starts its ranks from: multiprocessing's fork server, which
+    imports torch and the engine once (the first rank of the first engine) and then forks each rank from that
+    state — a rank starts without paying the ~2-3 s torch import (docs/parallelism.md has the start-up times).
+    Forking it is safe: the server only imported modules (no CUDA context, no thread pool,
+    no user code: `__main__` is not preloaded, so a script without a main guard works too). Spawn where there
+    is no fork server (Windows). The server starts with the front end's environment of that moment and exits
+    with the front end."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "openinfer.engine.llm_engine", __name__])
+    return ctx
+
+
+def _exit_with_parent(front_end_pid: int | None = None) -> None:
+    """Exit as soon as the front end is gone, even if it was killed by SIGKILL, so no worker outlives it holding
+    GPU memory: a daemon thread polls the parent pid — the front end's (spawn) or the fork server's, which exits
+    with the front end — and the front end's own pid, in case it was gone before this thread started. (Not
+    PR_SET_PDEATHSIG: the kernel sends that when the creating *thread* ends, which would kill the workers of an
+    engine built in a short-lived thread.) An idle worker also ends on its closed pipe."""
+    parent_pid = os.getppid()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent_pid:
+            if os.getppid() != parent_pid or (front_end_pid is not None and gone(front_end_pid)):
                 os._exit(1)
             time.sleep(0.5)
 

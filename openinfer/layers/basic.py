@@ -131,6 +131,10 @@ class RotaryEmbedding(nn.Module):
     def reset_tables(self, device: torch.device) -> None:
         """(Re)compute the float32 tables on `device` (after meta-device construction or a dtype cast)."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        if device.type == "meta":     # shapes only (arange on meta takes torch's reference path, which imports
+            shape = (self.max_positions, inv_freq.numel())      # torch._dynamo: ~2 s in a fresh process)
+            self.cos, self.sin = torch.empty(shape, device=device), torch.empty(shape, device=device)
+            return
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
 

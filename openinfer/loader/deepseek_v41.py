@@ -20,6 +20,7 @@ import torch
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.engram import EngramLayout, EngramTable, NgramHasher, compressed_token_map
+from openinfer.loader.weights import materialize
 from openinfer.models.deepseek_v4 import Experts
 from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from openinfer.models.deepseek_v41_config import INFERENCE_FORM_KEYS, DeepseekV41Config
@@ -111,7 +112,7 @@ def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
             if layer.engram is not None:
                 host_tables.append((layer.engram, *layer.engram.embed.weight.shape))
                 del layer.engram.embed
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     for module, rows, head_dim in host_tables:
         module.embed = EngramTable(rows, head_dim, device="cpu", pin_memory=True)
     for rope in model.ropes.values():

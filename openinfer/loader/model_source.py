@@ -250,12 +250,12 @@ def _write_v4_weights(hf_config: dict, seed: int, path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from openinfer.loader.weights import init_deepseek_v4_random
+    from openinfer.loader.weights import init_deepseek_v4_random, materialize
     from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config))
-    model = model.to_empty(device="cpu")
+    model = materialize(model, "cpu")
     init_deepseek_v4_random(model, seed=seed)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
     save_file(tensors, str(path))
@@ -271,6 +271,7 @@ def _write_v41_weights(hf_config: dict, seed: int, path: Path) -> None:
     from openinfer.layers.engram import EngramLayout
     from openinfer.loader.deepseek_v41 import (init_deepseek_v41_random, published_modules,
                                                published_state_dict, quant_scheme)
+    from openinfer.loader.weights import materialize
     from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
     from openinfer.models.deepseek_v41_config import DeepseekV41Config
 
@@ -282,7 +283,7 @@ def _write_v41_weights(hf_config: dict, seed: int, path: Path) -> None:
         model = DeepseekV41ForCausalLM(cfg, engram_layout=layout)
     fp8, experts = published_modules(model, scheme)
     model.quantize(fp8, scheme.block, experts)
-    model = model.to_empty(device="cpu")
+    model = materialize(model, "cpu")
     init_deepseek_v41_random(model, seed=seed)
     # MXFP4 experts as DeepSeek stores them: the packed E2M1 bytes as int8 (I8)
     tensors = {n: t.view(torch.int8) if t.dtype == torch.uint8 else t for n, t in published_state_dict(model).items()}

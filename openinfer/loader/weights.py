@@ -24,6 +24,14 @@ from openinfer.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from openinfer.models.llama import LlamaConfig, LlamaForCausalLM
 
 
+def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
+    """`model.to_empty(device=device)` for a model built on the meta device, without its start-up cost: `to_empty`
+    makes each tensor with `empty_like` of the meta tensor, whose first call in a process imports torch.fx's
+    symbolic shapes and sympy (~1 s); `torch.empty` of the same shape and dtype gives the same uninitialized
+    tensors (every one of them is then loaded or initialized)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def read_hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
@@ -91,7 +99,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backe
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops, parallel, fp8_kv)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     model.rotary.reset_tables(device)   # buffers made on "meta" are recomputed for real, in float32
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -144,7 +152,7 @@ def _build_gemma3(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.d
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("meta"):
         model = Gemma3ForCausalLM(cfg, backend, ops, parallel, fp8_kv)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     model.reset_rotary_tables(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -197,7 +205,7 @@ def _build_deepseek_v4(model_dir: Path, hf: dict, dtype: torch.dtype, device: to
     if not dummy:
         model.load_weights(((scale_names.get(t.name, t.name), torch.empty(t.shape, dtype=_stored_dtype(t), device="meta"))
                             for t in headers.values()), dry_run=True)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     for rope in model.ropes.values():
         rope.reset(device)
     if dummy:

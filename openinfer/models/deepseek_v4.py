@@ -202,7 +202,9 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(rope: dict, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, cos/sin scale) for default and YaRN RoPE (HF `rope_parameters` semantics)."""
     base = rope["rope_theta"]
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    # on the CPU whatever the default device: under `torch.device("meta")` (models are built there) arange takes
+    # torch's reference path, whose first use imports torch._dynamo (~2 s in every fresh process)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     kind = rope.get("rope_type", "default")
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
@@ -219,7 +221,7 @@ def rope_inv_freq(rope: dict, dim: int, max_positions: int) -> tuple[torch.Tenso
     if rope.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     scale = rope.get("attention_factor")

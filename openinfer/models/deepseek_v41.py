@@ -616,7 +616,7 @@ class DSparkStage(Block):
         if stage == cfg.n_mtp_layers - 1:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.markov_head = nn.Module()
-            self.markov_head.embed = nn.Embedding(cfg.vocab_size, cfg.dspark_markov_rank)
+            self.markov_head.embed = _embedding(cfg.vocab_size, cfg.dspark_markov_rank)
             self.markov_head.head = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False)
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Linear(cfg.dim + cfg.dspark_markov_rank, 1, bias=False)
@@ -680,6 +680,13 @@ class DSparkStage(Block):
         return torch.stack(drafts, dim=1), logits, scores
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding left uninitialized (its weights are always loaded or seeded): its default init on the meta
+    device, where models are built, takes torch's reference path, whose first use imports torch._dynamo (~2 s in a
+    fresh process)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def _float32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in float32 (as the reference's float32 heads compute it); on CUDA without a float32 copy of w."""
     if w.is_cuda and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
@@ -716,7 +723,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.ops = cfg, ops
         self.parallel = parallel or ParallelContext.single()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = _embedding(cfg.vocab_size, cfg.dim)
         rd, mp = cfg.rope_head_dim, cfg.max_position_embeddings
         yarn = {"rope_type": "yarn", "rope_theta": cfg.compress_rope_theta, "factor": cfg.rope_factor,
                 "original_max_position_embeddings": cfg.original_seq_len, "beta_fast": cfg.beta_fast,

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from openinfer.loader.weights import init_deepseek_v4_random, published_formats
+from openinfer.loader.weights import init_deepseek_v4_random, materialize, published_formats
 from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM, hf_to_native, published_dtype
 from openinfer.quantization.checkpoint import QuantScheme
 from openinfer.quantization.formats import quantize_fp8, quantize_mxfp4
@@ -76,7 +76,7 @@ def write_checkpoint(hf_config: dict, out: Path, seed: int = 0, std: float = 0.0
         if scheme is not None:    # the loader's own checks on the meta model: never write what it would refuse
             probe = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config))
             probe.quantize(published_formats(probe, scheme), scheme.block)
-    model = model.to_empty(device="cpu")
+    model = materialize(model, "cpu")
     init_deepseek_v4_random(model, seed=seed, std=std)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
