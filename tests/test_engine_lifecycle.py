@@ -31,3 +31,19 @@ def test_shutdown_frees_the_engine_at_once_in_a_loop():
             llm.shutdown()                                   # idempotent
     finally:
         gc.enable()
+
+
+def test_building_models_in_a_fresh_process_imports_neither_dynamo_nor_sympy(smollm_dir):
+    """Models are built on the meta device; the first meta-device arange / normal_ / empty_like in a process imports
+    torch._dynamo or sympy (~3 s of every fresh process: a server, a CLI run, each rank of a multi-process engine).
+    Building and running SmolLM2, DeepSeek-V4-tiny and V4.1-tiny in a new interpreter must not."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom openinfer import LLM\n"
+            f"for m in ({str(smollm_dir)!r}, 'deepseek-v4-tiny', 'deepseek-v41-tiny'):\n"
+            "    LLM(m, device='cpu', dtype='float32').generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
