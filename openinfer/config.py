@@ -357,8 +357,25 @@ class EngineConfig:
     @property
     def use_async_scheduling(self) -> bool:
         """Asked for (or the device's default). With speculation the engine runs it only when asked for
-        explicitly, and never on models with per-request state or sliding windows (LLMEngine.async_scheduling)."""
+        explicitly (LLMEngine.async_scheduling)."""
         return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
+
+    @property
+    def speculates_async(self) -> bool:
+        """Speculation under async scheduling: the next step may be queued on the guess that the verify step in
+        flight keeps all its drafts (docs/spec_decode.md, "Async scheduling")."""
+        return self.speculative_config is not None and self.async_scheduling is True
+
+    @property
+    def rollback_rows(self) -> int:
+        """Room per-request state rings keep past the last accepted position for rows a later step rolls back
+        (docs/spec_decode.md, "Rolling back DeepSeek state"): a verify step's k drafts; under async scheduling
+        also the 1 + k rows of a step queued on the guess that those drafts are kept (2k + 1). 0 without
+        speculation: the layout is then what it always was."""
+        if self.speculative_config is None:
+            return 0
+        k = self.speculative_config.num_speculative_tokens
+        return 2 * k + 1 if self.speculates_async else k
 
     @property
     def cache_path(self) -> Path:

@@ -165,11 +165,12 @@ def test_a_model_without_dspark_stages_is_refused(dspark):
         model.mtp = mtp
 
 
-def test_engine_drafts_with_dspark_and_keeps_plain_greedy(dspark):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_drafts_with_dspark_and_keeps_plain_greedy(dspark, async_scheduling):
     """`speculative_config={"method": "dspark"}` in the engine: greedy output equals decoding without drafts
     (random stages: most drafts are rejected), each request's drafter context gets every accepted position exactly
     once and never a rejected draft's row, and every block it drafted equals a fresh drafter's given that whole
-    context in one piece."""
+    context in one piece. Also under async scheduling (the next step queued before the drafter reads a step)."""
     from openinfer.config import EngineConfig
     from openinfer.engine.llm_engine import LLMEngine
 
@@ -179,7 +180,9 @@ def test_engine_drafts_with_dspark_and_keeps_plain_greedy(dspark):
     ref = [o.outputs[0] for o, _ in run_recording(dspark[1], prompts, params)]      # the plain engine
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", block_size=32,
                                     max_num_batched_tokens=64, enable_prefix_caching=False,
+                                    async_scheduling=async_scheduling,
                                     speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK}))
+    assert engine.async_scheduling == async_scheduling
     proposer = engine.speculator.features
     drafter = proposer.drafter
     extended: dict[int, list] = {}            # slot -> [(position, features row)]

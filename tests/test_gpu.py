@@ -698,6 +698,88 @@ def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
     print(method, "accepted", sum(o.num_accepted_tokens for o in own), "of", sum(o.num_draft_tokens for o in own))
 
 
+@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
+def test_deepseek_speculation_under_async_scheduling_in_graphs(model):
+    """Async scheduling with speculation on DeepSeek-V4 / V4.1 (the rings keep 2k + 1 rows of rollback room),
+    bf16, steps in CUDA graphs. A scripted drafter rejecting at every depth, steps queued on guesses both kept and
+    dropped: tokens and logprobs follow plain graphed decoding up to the first bf16 near-tie. The model's own
+    drafter (`mtp` / `dspark`) under async extends its context with a step's features after the next step was
+    queued — which replays a graph whose buffers held them: each accepted position's features equal the
+    synchronous run's (they are copied out of the graph; read after the next replay they are another step's)."""
+    k = 3
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 120000, (int(n),), generator=g).tolist() for n in (5, 40, 130, 17, 66, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+
+    def run(spec, async_scheduling=False, sequences=None):
+        llm = LLM(model, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=4, speculative_config=spec,
+                  kv_cache_memory_bytes=256 << 20, async_scheduling=async_scheduling or None)
+        assert llm.engine.async_scheduling == (async_scheduling or spec is None)
+        features = {}
+        if sequences is not None:
+            s = llm.engine.speculator
+            s.proposer = s.proposer_ahead = _ScriptedDrafter(sequences, k)
+        elif spec is not None:                  # record the features each accepted position reached the drafter with
+            proposer = llm.engine.speculator.features
+            after_step = proposer.after_step
+
+            def recording_after_step(runner_out, requests):
+                if runner_out.captured is not None:
+                    rows = proposer.drafter.features_of(runner_out.captured).float().cpu()
+                    for rid, (row, start, n, _) in runner_out.rows.items():
+                        req = requests.get(rid)
+                        kept = min(n, req.num_computed_tokens - start) if req is not None else 0
+                        for j in range(max(kept, 0)):
+                            features.setdefault((rid, start + j), rows[row + j])
+                return after_step(runner_out, requests)
+            proposer.after_step = recording_after_step
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        guessed = sum(o.metrics.num_guessed_steps for o in results)
+        dropped = sum(o.metrics.num_guessed_steps_dropped for o in results)
+        runner, kv = llm.engine.runner, llm.engine.kv_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return results, runner, (guessed, dropped), features
+
+    def agree(spec_results, plain_results):
+        firsts = []
+        for a, b in zip(spec_results, plain_results):
+            a, b = a.outputs[0], b.outputs[0]
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
+            for i in range(same):
+                t = b.token_ids[i]
+                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 5e-2, (i, same)
+            firsts.append(same)
+        print(model, "tokens agreeing before the first divergence:", firsts)
+        return firsts
+
+    plain, _, _, _ = run(None)
+    spec, runner, (guessed, dropped), _ = run({"method": "ngram", "num_speculative_tokens": k}, True,
+                                              [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)])
+    assert min(agree(spec, plain)) >= 4
+    assert guessed > dropped > 0
+    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+
+    method = {"deepseek-v4-tiny": "mtp", "deepseek-v41-tiny": "dspark"}[model]
+    sync, _, _, want = run({"method": method, "num_speculative_tokens": 2})
+    got_async, runner, _, got = run({"method": method, "num_speculative_tokens": 2}, True)
+    firsts = agree(got_async, sync)
+    assert min(firsts) >= 4 and runner.graph_replays >= 10
+    compared = 0
+    for a, prompt, n in zip(got_async, prompts, firsts):
+        for pos in range(len(prompt), len(prompt) + n - 1):        # decode positions both runs computed alike
+            key = (a.request_id, pos)
+            if key in got and key in want:
+                err = (got[key] - want[key]).norm() / want[key].norm()
+                assert err < 0.1, (key, err.item())
+                compared += 1
+    assert compared >= 30
+    print(method, "decode positions whose features were compared:", compared)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_path, async_scheduling):
     """The draft head reads the target's features of the accepted rows; with decode and verify steps replayed in

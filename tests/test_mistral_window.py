@@ -106,6 +106,43 @@ def test_a_shared_prefix_hits_the_window_blocks(tmp_path, smollm_dir):
     assert_pool_idle(llm.engine)
 
 
+def test_speculation_under_async_scheduling_keeps_the_window_a_rejection_rolls_back_to(tmp_path, smollm_dir):
+    """Async scheduling with speculation: a step is queued on the guess that the verify step in flight keeps all
+    its drafts, so the computed count the window group sees may fall back by k when that step is read back. Blocks
+    are released only past what that fallback could need: greedy tokens and logprobs equal plain decoding (a
+    scripted drafter rejecting at every depth; guesses kept and dropped) and the window blocks stay bounded."""
+    from openinfer import SamplingParams
+    from tests.test_spec_rollback import ScriptedDrafter
+
+    path, _ = make_tiny_mistral(tmp_path / "mistral", smollm_dir)
+    prompts, k = _prompts(3, lengths=(21, 6, 34)), 4
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, logprobs=1)
+    opts = dict(device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=16)
+    plain = LLM(str(path), **opts).generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    llm = LLM(str(path), **opts, async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    spec = llm.engine.speculator
+    spec.proposer = spec.proposer_ahead = ScriptedDrafter([p + o.outputs[0].token_ids for p, o in zip(prompts, plain)],
+                                                          k, vocab_size=TINY["vocab_size"])
+    kv, held = llm.engine.kv_manager, []
+    execute = llm.engine.runner.execute
+
+    def recording_execute(sched, *rest):   # observe the real runner; nothing is replaced
+        held.extend(kv.window.num_held(s.request.request_id) for s in sched.scheduled)
+        return execute(sched, *rest)
+    llm.engine.runner.execute = recording_execute
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    for a, b in zip(got, plain):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-4
+    assert sum(o.outputs[0].num_accepted_tokens for o in got) > 20
+    guessed = sum(o.metrics.num_guessed_steps for o in got)
+    assert guessed > sum(o.metrics.num_guessed_steps_dropped for o in got) > 0
+    assert max(held) <= _bound(16) + -(-(2 * k + 1) // BS)     # the window's blocks + the room a guess needs
+    assert_pool_idle(llm.engine)
+
+
 def test_tiny_qwen2_with_windowed_upper_layers_equals_hf(tmp_path, smollm_dir):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -7,6 +7,8 @@ decodes as a cold engine does (docs/spec_decode.md, "Rolling back DeepSeek state
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -31,18 +33,20 @@ class ScriptedDrafter:
     through 0..k (k: all right), so accepted runs of every length and rejections at every depth occur — also runs
     that cross a block or compression-window boundary and rejections just past one."""
 
-    def __init__(self, sequences: list[list[int]], k: int):
-        self.sequences, self.k, self.calls = sequences, k, 0
+    def __init__(self, sequences: list[list[int]], k: int, vocab_size: int = 128001):
+        self.sequences, self.k, self.calls, self.vocab_size = sequences, k, 0, vocab_size
 
     def propose(self, token_ids, max_drafts=None):
         token_ids = list(token_ids)
-        seq = next(s for s in self.sequences if s[:len(token_ids)] == token_ids)
+        seq = next((s for s in self.sequences if s[:len(token_ids)] == token_ids), None)
+        if seq is None:        # async scheduling: a guessed sequence that went wrong (its step will be dropped)
+            return [], []
         n = min(self.k, max_drafts or self.k)
         drafts = seq[len(token_ids):len(token_ids) + n]
         wrong = self.calls % (self.k + 1)
         self.calls += 1
         if wrong < len(drafts):
-            drafts[wrong] = drafts[wrong] % 128000 + 1           # any other token: the target never picks it
+            drafts[wrong] = drafts[wrong] % (self.vocab_size - 1) + 1   # any other token: the target never picks it
         return drafts, [0.5] * len(drafts)
 
 
@@ -77,22 +81,53 @@ def _boundary_rows(engine, snap: int, boundary: int) -> dict[str, torch.Tensor]:
     return rows
 
 
-@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
-def test_rolled_back_drafts_leave_no_trace(model):
+@functools.cache
+def _plain_run(model):
+    """Plain decoding of the rollback test's prompts (shared by its sync and async variants; read only)."""
     prompts = prompts_of(45, 70, 33, seed=3)
     plain = _engine(model, spec=False)
-    ref = [o.outputs[0] for o in _generate(plain, prompts)]
+    return prompts, plain, [o.outputs[0] for o in _generate(plain, prompts)]
 
-    spec = _engine(model, spec=True)
-    spec.speculator.proposer = ScriptedDrafter([p + r.token_ids for p, r in zip(prompts, ref)], K)
-    got = [o.outputs[0] for o in _generate(spec, prompts)]
+
+@functools.cache
+def _cold_second_turn(model, turn2: tuple[int, ...]):
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=12, logprobs=1)
+    cold, = _generate(_engine(model, spec=False, enable_prefix_caching=False), [list(turn2)], params)
+    return cold.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("model,async_scheduling", [("deepseek-v4-tiny", False), ("deepseek-v41-tiny", False),
+                                                    ("deepseek-v4-tiny", True), ("deepseek-v41-tiny", True)])
+def test_rolled_back_drafts_leave_no_trace(model, async_scheduling):
+    """Under async scheduling a step is also queued on the guess that the verify step in flight keeps all its
+    drafts (rows at up to 2k + 1 positions past the last accepted one before a rejection is known: the rings keep
+    that much room); guesses are both kept and dropped, and the same properties hold."""
+    prompts, plain, ref = _plain_run(model)
+
+    spec = _engine(model, spec=True, async_scheduling=async_scheduling)
+    assert spec.async_scheduling == async_scheduling
+    room = 2 * K + 1 if async_scheduling else K
+    for s in spec.runner.cache_specs:
+        if isinstance(s, RequestStateSpec):       # every ring: its length without speculation + the room
+            plain_len = next(p for p in plain.runner.cache_specs if p.name == s.name).state_shape[0]
+            assert s.state_shape[0] in (plain_len + room, plain_len), s.name       # (HCA: 1 + room states)
+    assert any(s.state_shape[0] == 1 + room for s in spec.runner.cache_specs if isinstance(s, RequestStateSpec)
+               ) or model != "deepseek-v4-tiny"
+    spec.speculator.proposer = spec.speculator.proposer_ahead = ScriptedDrafter(
+        [p + r.token_ids for p, r in zip(prompts, ref)], K)
+    results = _generate(spec, prompts)
+    got = [o.outputs[0] for o in results]
     for o, r in zip(got, ref):
         assert o.token_ids == r.token_ids
         for a, b, t in zip(o.logprobs, r.logprobs, r.token_ids):
             assert abs(a[t].logprob - b[t].logprob) < 1e-4
     drafted, accepted = sum(o.num_draft_tokens for o in got), sum(o.num_accepted_tokens for o in got)
     assert accepted > 40 and drafted - accepted > 20           # long accepted runs and many rejections
+    guessed = sum(o.metrics.num_guessed_steps for o in results)
+    dropped = sum(o.metrics.num_guessed_steps_dropped for o in results)
+    assert (guessed > dropped > 0) if async_scheduling else guessed == 0
     assert_pool_idle(spec)
+    assert not spec.kv_manager._unkeyed
 
     # the prefix cache: the same blocks and the same state snapshots, whose rows equal plain decoding's
     kv_plain, kv_spec = plain.kv_manager, spec.kv_manager
@@ -112,28 +147,33 @@ def test_rolled_back_drafts_leave_no_trace(model):
         assert a.keys() == b.keys() and a
         for name in b:
             torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+    # no snapshot slot leaked: each is keyed or free
+    assert len(kv_spec._snapshots) + len(kv_spec._free_snapshots) == kv_spec.num_state_snapshots
 
     # a second turn restores a snapshot the spec engine kept inside a verify step, and decodes as a cold engine
     turn2 = prompts[1] + ref[1].token_ids[:-1] + [5, 6, 7]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=12, logprobs=1)
     warm, = _generate(spec, [turn2], params)
-    cold, = _generate(_engine(model, spec=False, enable_prefix_caching=False), [turn2], params)
     assert warm.num_cached_tokens == (len(prompts[1]) + len(ref[1].token_ids) - 1) // bs * bs > 70
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].token_ids == _cold_second_turn(model, tuple(turn2))
     assert_pool_idle(spec)
 
 
-def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows(async_scheduling):
     """`method: mtp` on deepseek-v4-tiny (one MTP head, chained for 3 drafts): greedy output equals decoding
     without drafts; the head's context gets every accepted position once, in order, never a rejected row; and the
     head's output the last block was drafted from (so its first draft) equals the head run over the whole accepted
-    context in one chunk — the rows the chained drafts wrote into its ring left no trace."""
+    context in one chunk — the rows the chained drafts wrote into its ring left no trace. Also under async
+    scheduling (the head extends and drafts after the next step is queued)."""
     from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 
     prompts = prompts_of(37, 52, seed=5)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24, logprobs=1)
     ref = [o.outputs[0] for o in _generate(_engine("deepseek-v4-tiny", spec=False), prompts, params)]
-    engine = _engine("deepseek-v4-tiny", spec=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    engine = _engine("deepseek-v4-tiny", spec=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+                     async_scheduling=async_scheduling)
+    assert engine.async_scheduling == async_scheduling
     drafter = engine.speculator.features.drafter
     extended: dict[int, list] = {}
     drafted = []
@@ -197,9 +237,45 @@ def test_preempted_requests_with_drafts_recompute_to_plain_greedy():
     assert_pool_idle(engine)
 
 
-def test_async_scheduling_with_speculation_on_per_request_state_is_refused_by_name():
-    """Under async scheduling a step is scheduled on the guess that the verify step in flight keeps every draft,
-    which would advance DeepSeek's state rings past their rollback room: asked for explicitly, the engine refuses at
-    start and says why (left to the device's default, speculation on such a model runs synchronously)."""
-    with pytest.raises(ValueError, match="keeps per-request state .* runs synchronously"):
-        _engine("deepseek-v4-tiny", True, async_scheduling=True)
+@pytest.mark.parametrize("guess_right", [True, False])
+def test_snapshots_of_a_verify_step_and_the_step_guessed_on_it_both_wait_for_their_hashes(guess_right):
+    """Async scheduling with speculation (the KV manager alone; blocks of 4, k = 3): verify step N crosses a
+    block boundary, and so does the step queued on the guess that N keeps its drafts, before N is read back. Both
+    state copies wait for their block's hash (neither block's tokens are known yet): right guess — both keyed once
+    known; wrong — both let go. No snapshot slot is lost either way (one pending copy per request would drop N's)."""
+    from openinfer.engine.request import Request
+    from openinfer.kv_cache.kv_cache_manager import KVCacheManager
+    from openinfer.outputs import RequestMetrics
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_state_slots=2, num_state_snapshots=4)
+    req = Request("r", list(range(10, 16)), SamplingParams(), RequestMetrics(0.0))       # 6 prompt tokens
+
+    def step(n, drafts=()):
+        assert kv.allocate_slots(req, n, num_drafts=len(drafts))
+        req.num_computed_tokens += n
+        req.num_pending += n
+        req.pending_drafts = list(drafts)
+
+    step(6)                                   # the prompt; its sample (position 6) stays on the device
+    step(4, [20, 21, 22])                     # N: positions 6..9 (boundary 8), on the guess that 6 is known
+    step(4, [23, 24, 25])                     # N + 1 on the guess that N keeps 20, 21, 22: positions 10..13 (12)
+    assert [i for i, _ in kv._unkeyed["r"]] == [1, 2] and len(kv._free_snapshots) == 2
+    req.num_pending = 8                       # the prompt's sample read back: token 16
+    req.output_token_ids.append(16)
+    if guess_right:                           # N kept all: tokens to 10 known; then N + 1 all too
+        req.output_token_ids += [20, 21, 22, 30]
+        req.num_pending = 4
+        step(1)
+        assert [i for i, _ in kv._unkeyed["r"]] == [2] and len(kv._snapshots) == 1
+        req.output_token_ids += [23, 24, 25, 31]
+        req.num_pending = 1
+        step(1)                               # (to 16: the next boundary's copy waits for its last token)
+        assert [i for i, _ in kv._unkeyed["r"]] == [3] and len(kv._snapshots) == 2
+    else:                                     # N rejected 20: its sample at 7 follows; N + 1's rows dropped
+        req.output_token_ids.append(40)
+        req.num_computed_tokens -= 3 + 4
+        req.num_pending = 0
+        step(1)                               # position 7 again, up to boundary 8: a copy of its own, keyed
+        assert "r" not in kv._unkeyed and len(kv._snapshots) == 1 and len(kv._free_snapshots) == 3
+    kv.free(req)
+    assert len(kv._snapshots) + len(kv._free_snapshots) == 4

@@ -179,18 +179,12 @@ class LLMEngine:
         """Async scheduling as configured, with speculation only when asked for explicitly: the next step is then
         scheduled on the guess that the verify step in flight keeps all its drafts (docs/spec_decode.md, "Async
         scheduling"); measured on the H200 (BENCHMARKS.md) it lowers TPOT at low concurrency but costs throughput
-        and TTFT at 16-64 requests, so the device default stays synchronous. Never on a model with per-request
-        state (DeepSeek's rings) or a sliding-window group: a guessed step would advance state rings and release
-        window blocks past what a rejection rolls back to (their rollback room is k positions)."""
+        and TTFT at 16-64 requests, so the device default stays synchronous. Models with per-request state
+        (DeepSeek's rings) then keep 2k + 1 rows of rollback room instead of k (`EngineConfig.rollback_rows`), and
+        a sliding-window group releases blocks only past what the verify step in flight could roll back to."""
         if not self.config.use_async_scheduling or self.speculator is None:
             return self.config.use_async_scheduling
-        if self.config.async_scheduling is None:
-            return False
-        if self.runner.num_state_slots or self.runner.swa_layout is not None:
-            raise ValueError(f"async_scheduling=True with speculative_config: {type(self.runner.model).__name__} "
-                             f"keeps per-request state or sliding windows, whose rollback room covers one verify "
-                             f"step, so speculation on it runs synchronously; leave async_scheduling unset (or False)")
-        return True
+        return self.config.speculates_async
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_position_embeddings

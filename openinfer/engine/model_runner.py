@@ -82,9 +82,8 @@ class ModelRunner:
         # DP groups draw different noise (else the same prompt on two groups samples the same text); the TP
         # ranks of a group share it, so they sample the same tokens from the same logits
         self.generator.manual_seed(config.seed + self.parallel.dp_rank)
-        # per-request rings keep room for the drafts a verify step may write and then reject
-        spec = config.speculative_config
-        self.cache_specs = model.cache_specs(self.dtype, rollback_rows=spec.num_speculative_tokens if spec else 0)
+        # per-request rings keep room for the rows a verify step (and a step guessed on it) may write, then reject
+        self.cache_specs = model.cache_specs(self.dtype, rollback_rows=config.rollback_rows)
         # one state slot per running request when the model declares per-request state
         self.num_state_slots = config.max_num_seqs if any(
             isinstance(s, RequestStateSpec) for s in self.cache_specs) else 0
@@ -540,7 +539,11 @@ class ModelRunner:
         graph.replay()
         self.graph_replays += 1
         self.max_graph_rows = max(self.max_graph_rows, b)
-        return hidden[:b], None if captured is None else {k: v[:b] for k, v in captured.items()}
+        if captured is not None:
+            # the graph's own buffers, rewritten by the next replay: under async scheduling the next step is
+            # queued before the drafter reads this one's features, so they are copied out
+            captured = {k: v[:b].clone() if self.config.speculates_async else v[:b] for k, v in captured.items()}
+        return hidden[:b], captured
 
     # ---- one step ---------------------------------------------------------------------------------------
     def _as_decode_rows(self, s) -> bool:

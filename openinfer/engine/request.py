@@ -91,6 +91,12 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
+    def num_unconfirmed_drafts(self) -> int:
+        """Drafts of the verify step still on the device (async scheduling): num_computed_tokens counts them as
+        kept, so it may fall back by this many when that step is read back."""
+        return len(self.pending_drafts) if self.num_pending else 0
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

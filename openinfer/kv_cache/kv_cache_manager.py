@@ -141,7 +141,9 @@ class KVCacheManager:
         self._free_snapshots = list(range(num_state_snapshots - 1, -1, -1))
         self.num_state_snapshots = num_state_snapshots
         self._restore: dict[str, int] = {}      # request -> snapshot slot to restore once it has a slot
-        self._unkeyed: dict[str, tuple[int, int]] = {}   # request -> (block index, snapshot) awaiting its hash
+        # request -> [(block index, snapshot)] awaiting the block's hash (two under async scheduling with
+        # speculation: the verify step read back next, and the one queued after it)
+        self._unkeyed: dict[str, list[tuple[int, int]]] = {}
         self.state_copies = StateCopies()       # drained by the scheduler into each step's output
 
     @property
@@ -359,8 +361,9 @@ class KVCacheManager:
                     and not (self.num_state_snapshots and (total % self.block_size == 0 or rid in self._unkeyed
                                                            or (num_drafts and total // self.block_size
                                                                > request.num_computed_tokens // self.block_size)))):
-                if self.window is not None:
-                    self.window.release(rid, self.window.first_needed(request.num_computed_tokens))
+                if self.window is not None:    # (not past what the verify step in flight may roll back to)
+                    self.window.release(rid, self.window.first_needed(request.num_computed_tokens
+                                                                      - request.num_unconfirmed_drafts))
                 return True
         computed_blocks = computed_blocks or []
         loaded = self._store_hits.get(rid, []) if self.store is not None else []
@@ -375,7 +378,7 @@ class KVCacheManager:
         need_slot = self.num_state_slots > 0 and rid not in self._state_slot
         planned = None
         if self.window is not None:   # the window group's entries from the step's first query's window on
-            first_w = self.window.first_needed(request.num_computed_tokens + cached,
+            first_w = self.window.first_needed(request.num_computed_tokens + cached - request.num_unconfirmed_drafts,
                                                plan.window_floor if plan is not None else 0)
             self.window.release(rid, first_w)     # no step reads them again (a refused step is preempted)
             upto = -(-max(total, hit_tokens if plan is None else 0) // self.block_size)
@@ -464,7 +467,9 @@ class KVCacheManager:
         A verify step (`num_drafts` > 0) keeps a copy when its tokens cross a boundary: the state rings hold
         the boundary's state for up to `rollback_rows` positions past it (a restored request reads only
         positions before the boundary), so the copy is good if the drafts up to the boundary are accepted —
-        known at the next step, which keys it or lets it go (`_resolve_unkeyed`)."""
+        known once the step is read back; the next schedule after that keys it or lets it go
+        (`_resolve_unkeyed`). Under async scheduling a step queued on the guess that the verify step in flight
+        keeps its drafts may take a copy too; both wait, and the guessed one is let go if the guess was wrong."""
         rid, hashes, bs = request.request_id, request.block_hashes, self.block_size
         self._resolve_unkeyed(request)
         if num_drafts:
@@ -491,7 +496,7 @@ class KVCacheManager:
         if index < len(hashes):
             self._key_snapshot(hashes[index], snap, request)
         else:
-            self._unkeyed[rid] = (index, snap)
+            self._unkeyed.setdefault(rid, []).append((index, snap))
 
     def _register_computed(self, request: Request) -> None:
         """A request leaves (finished or preempted): offer the prefix cache the blocks its computed tokens filled
@@ -514,13 +519,18 @@ class KVCacheManager:
         unkeyed = self._unkeyed.get(request.request_id)
         if unkeyed is None:
             return
-        index, snap = unkeyed
-        if request.num_computed_tokens < (index + 1) * self.block_size:
+        waiting = []
+        for index, snap in unkeyed:
+            if request.num_computed_tokens < (index + 1) * self.block_size:
+                self._free_snapshots.append(snap)
+            elif len(request.block_hashes) > index:
+                self._key_snapshot(request.block_hashes[index], snap, request)
+            else:
+                waiting.append((index, snap))
+        if waiting:
+            self._unkeyed[request.request_id] = waiting
+        else:
             del self._unkeyed[request.request_id]
-            self._free_snapshots.append(snap)
-        elif len(request.block_hashes) > index:
-            del self._unkeyed[request.request_id]
-            self._key_snapshot(request.block_hashes[index], snap, request)
 
     def _key_snapshot(self, block_hash: bytes, snap: int, request: Request) -> None:
         if block_hash in self._snapshots:      # another request kept the same state meanwhile
@@ -548,9 +558,7 @@ class KVCacheManager:
             prefetch[1].cancel()                 # not started yet: never read; else its result is dropped
         if self.enable_prefix_caching and rid in self._blocks:
             self._register_computed(request)
-        unkeyed = self._unkeyed.pop(rid, None)
-        if unkeyed is not None:
-            self._free_snapshots.append(unkeyed[1])
+        self._free_snapshots.extend(snap for _, snap in self._unkeyed.pop(rid, ()))
         self.pool.free(list(reversed(self._blocks.pop(rid, []))))
         if self.window is not None:
             self.window.free(rid)
