@@ -11,10 +11,10 @@ Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
   position p at row p % R) and the compressors' raw rows for windows not yet closed (`csa_rows`,
   `csa_index_rows`: the current and the previous window, since a CSA entry overlaps two windows;
   `hca_state`: an online-softmax running state of the open window, after each of the last positions).
-  Every state is indexed by position, with `rollback_rows` (speculative decoding's draft count; 0 without it)
-  rows of room: a verify step writes its drafts' rows, and after a rejection the next step simply starts from
-  the last accepted position — the rows the drafts took alias positions no later read sees (spec 000 §5.3's
-  "6 extra slots"; docs/spec_decode.md, "Rolling back DeepSeek state").
+  Every state is indexed by position, with `rollback_rows` (EngineConfig.rollback_rows: k, 2k + 1 under async
+  speculation; 0 without speculation) rows of room: a verify step writes its drafts' rows, and after a rejection
+  the next step simply starts from the last accepted position — the rows the drafts took alias positions no later
+  read sees (spec 000 §5.3's "6 extra slots"; docs/spec_decode.md, "Rolling back DeepSeek state").
 A prefill chunk runs per sequence (any start, any length: windows close wherever the chunk crosses a
 boundary); decode rows run batched. Both read the state a previous step left and write it back.
 
@@ -927,8 +927,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[CacheSpec]:
-        """`rollback_rows`: room each per-request state keeps for rejected drafts (speculative decoding's draft
-        count): the rings grow by that many rows, the HCA running state keeps one per position."""
+        """`rollback_rows`: room each per-request state keeps for rejected drafts (EngineConfig.rollback_rows):
+        the rings grow by that many rows, the HCA running state keeps one per position."""
         c, E = self.config, rollback_rows
         L, D, Di = c.num_hidden_layers, c.head_dim, c.index_head_dim
         n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))

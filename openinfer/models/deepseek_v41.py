@@ -27,7 +27,7 @@ lives in a `StepShared` made per forward; the caches are per layer kind:
 - `ngram` (request state): the compressed ids of the last max_ngram-1 tokens (Engram's look-back, row p % R).
 Prefill chunks run per sequence (any start and length); decode rows run batched; both read what the previous
 step left in the state and write it back. Each ring is indexed by position and keeps `rollback_rows` rows
-beyond what it needs (R = need + rollback_rows; speculative decoding's draft count, else 0), so after a verify
+beyond what it needs (R = need + rollback_rows; EngineConfig.rollback_rows, 0 without speculation), so after a verify
 step whose drafts were rejected the next step starts from the last accepted position and never reads what the
 drafts wrote (spec 000 §5.3's extra ring slots; docs/spec_decode.md, "Rolling back DeepSeek state").
 

@@ -19,7 +19,7 @@ DeepSeek's MTP — and predicts the token at q + 2 (DeepSeek-V3 §2.2's MTP modu
   and k - 1 decode steps of the head's block — and the decode rows of `extend` replay from graphs per batch
   bucket (spec_decode/graphs.py); padded rows write only the runner's scratch state slot.
 - Rollback: the chain writes ring rows for positions past P that a rejection makes stale; the ring keeps
-  `rollback_rows` = k rows of room (runner caches), so those rows alias positions no later read sees, and the
+  `rollback_rows` ≥ k rows of room (runner caches), so those rows alias positions no later read sees, and the
   next `extend` rewrites the accepted ones from the target's real hidden states.
 
 Context the engine did not compute (a prefix-cache hit) is restored with the request's state snapshot (the
