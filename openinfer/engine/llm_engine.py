@@ -113,7 +113,7 @@ class LLMEngine:
             from openinfer.spec_decode.speculator import Speculator
 
             self.speculator = Speculator(config.speculative_config, self.max_model_len, config.max_num_seqs,
-                                         self.runner)
+                                         self.runner, async_scheduling=config.speculates_async)
             self.kv_manager.min_uncached_tokens = max(self.kv_manager.min_uncached_tokens,
                                                       self.speculator.context_tokens_after_hit)
         self.async_scheduling = self._resolve_async_scheduling()

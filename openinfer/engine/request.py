@@ -64,10 +64,12 @@ class Request:
     # Speculation under async scheduling: the drafts of the verify step still on the device (valid while
     # num_pending > 0); how often this request's verify steps kept every draft (a moving average, 1 at start);
     # whether it waits for its verify step to be read back instead of being scheduled on the guess that all
-    # drafts are kept (set by the speculator each step)
+    # drafts are kept (set by the speculator each step); steps since it last drafted while that rate was low
+    # (under async it then drafts only every ASYNC_PROBE_INTERVAL steps, spec_decode/speculator.py)
     pending_drafts: list[int] = field(default_factory=list)
     spec_full_accept_rate: float = 1.0
     spec_wait: bool = False
+    spec_steps_without_drafts: int = 0
 
     @property
     def waiting_for_grammar(self) -> bool:

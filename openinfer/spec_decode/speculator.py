@@ -13,7 +13,9 @@ that step verified drafts, the next one is scheduled on the guess that all of th
 sample after the last draft, fed from the device; docs/spec_decode.md, "Async scheduling"), and its drafts
 continue that guessed sequence: the drafter's continuation past the token still on the device. A request whose
 verify steps often reject a draft (`ASYNC_MIN_FULL_ACCEPT`) waits for the read-back instead: its guessed rows
-would mostly be dropped.
+would mostly be dropped. Waiting costs that request a step, so under async scheduling such a request does not
+draft at all (it decodes one token per step, overlapped like plain async decoding) except for a probe every
+`ASYNC_PROBE_INTERVAL` steps, whose verify step tells whether its drafts are kept again.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ from openinfer.spec_decode.ngram import NgramProposer
 # its drafts while at least this share of its recent verify steps did (a moving average over steps, halving weight
 # per step); below it, the guessed rows would be dropped more often than kept, so it waits for the read-back.
 ASYNC_MIN_FULL_ACCEPT = 0.5
+# Under async scheduling a request below ASYNC_MIN_FULL_ACCEPT drafts only once per this many steps (a probe): a verify
+# step it is not scheduled on a guess after costs it the next step, which plain decoding would have used for a token.
+ASYNC_PROBE_INTERVAL = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int, runner=None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_seqs: int, runner=None,
+                 async_scheduling: bool = False):
         """`runner`: the engine's model runner (drafters over the target's features need its model, its state
-        slots and, for `mtp`, its caches)."""
+        slots and, for `mtp`, its caches). `async_scheduling`: whether steps are queued before the previous one
+        is read back (then requests whose drafts are mostly rejected draft only to probe)."""
         self.config = config
+        self.async_scheduling = async_scheduling
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.features = None          # a drafter over the target's features: drafts made after each step
@@ -123,6 +131,10 @@ class Speculator:
                                                            or self._seeded(req)):
                 req.spec_wait = True          # its verify step is on the device and likely rejects a draft
                 continue
+            if (self.async_scheduling and req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT
+                    and req.spec_steps_without_drafts < ASYNC_PROBE_INTERVAL - 1):
+                req.spec_steps_without_drafts += 1       # decodes plainly: its next step need not wait
+                continue
             p = req.sampling_params
             room = self.max_model_len - req.num_tokens_with_pending - 1
             if p.max_tokens is not None:
@@ -149,6 +161,7 @@ class Speculator:
                 drafts, conf = drafts[:n], conf[:n]
             if drafts:
                 req.spec_token_ids, req.spec_confidences = drafts, conf
+                req.spec_steps_without_drafts = 0
                 drafting.append(req)
         if len(self._token_arrays) > len(running):     # requests that left
             live = {r.request_id for r in running}
