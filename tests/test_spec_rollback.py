@@ -211,21 +211,23 @@ def test_mtp_drafter_keeps_plain_greedy_and_its_ring_holds_only_accepted_rows(as
     # runner's spare state slot
     model, runner = engine.runner.model, engine.runner
     slot, P, tokens = drafted[-1]
-    rows = extended[slot][:P + 1]
+    last = extended[slot][-1][0]         # its newest position (under async a step may extend without drafting)
+    rows = extended[slot][:last + 1]
     spare = runner.num_state_slots
-    meta = AttentionMetadata(block_size=runner.block_size, slot_mapping=torch.zeros(P + 1, dtype=torch.long),
-                             prefills=[PrefillChunk(0, P + 1, P + 1, torch.zeros(0, dtype=torch.long),
+    meta = AttentionMetadata(block_size=runner.block_size, slot_mapping=torch.zeros(last + 1, dtype=torch.long),
+                             prefills=[PrefillChunk(0, last + 1, last + 1, torch.zeros(0, dtype=torch.long),
                                                     runner.block_size, spare)])
     with torch.inference_mode():
         hidden = model.mtp_hidden(0, torch.stack([f for _, f, _ in rows]), torch.tensor([t for _, _, t in rows]),
-                                  torch.arange(P + 1), runner.caches, meta)
-        assert model.mtp_head(0, hidden[-1:]).argmax(-1).item() == tokens[0]
+                                  torch.arange(last + 1), runner.caches, meta)
+        assert model.mtp_head(0, hidden[P:P + 1]).argmax(-1).item() == tokens[0]
+    assert last == P or async_scheduling
     torch.testing.assert_close(drafter._newest[slot], hidden[-1], atol=1e-5, rtol=1e-5)
     # the same context as a prompt's chunk, then a verify step that kept all k drafts: its 1 + k rows run as decode
     # rows of one batched call (the random head never has a draft accepted above, so no step had more than one)
     run = 1 + 3
     feats, toks = torch.stack([f for _, f, _ in rows]), torch.tensor([t for _, _, t in rows])
-    for part in (slice(0, P + 1 - run), slice(P + 1 - run, P + 1)):
+    for part in (slice(0, last + 1 - run), slice(last + 1 - run, last + 1)):
         n = part.stop - part.start
         drafter.extend(torch.full((n,), spare), torch.arange(part.start, part.stop), feats[part], toks[part])
     torch.testing.assert_close(drafter._newest[spare], hidden[-1], atol=1e-5, rtol=1e-5)

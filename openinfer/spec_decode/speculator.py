@@ -101,7 +101,7 @@ class Speculator:
         """A step's samples are on the host: a feature drafter extends its context and drafts the next block."""
         if self.features is not None:
             try:
-                self.features.after_step(runner_out, requests)
+                self.features.after_step(runner_out, requests, wants=self._drafts_next_step)
             except Exception as e:        # drafting stops for the step's requests; the engine goes on
                 for rid in runner_out.rows:
                     req = requests.get(rid)
@@ -109,6 +109,13 @@ class Speculator:
                         req.spec_disabled = True
                         print(f"[openinfer] drafter failed on request {rid} ({e!r}): speculation off for it",
                               file=sys.stderr, flush=True)
+
+    def _drafts_next_step(self, req: Request) -> bool:
+        """Whether `propose` will give `req` drafts at its next step (under async scheduling a request below
+        ASYNC_MIN_FULL_ACCEPT drafts only to probe): a feature drafter drafts a block only for those."""
+        return self.drafts_allowed(req) and not (
+            self.async_scheduling and req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT
+            and req.spec_steps_without_drafts < ASYNC_PROBE_INTERVAL - 1)
 
     @staticmethod
     def _seeded(req: Request) -> bool:
@@ -131,8 +138,7 @@ class Speculator:
                                                            or self._seeded(req)):
                 req.spec_wait = True          # its verify step is on the device and likely rejects a draft
                 continue
-            if (self.async_scheduling and req.spec_full_accept_rate < ASYNC_MIN_FULL_ACCEPT
-                    and req.spec_steps_without_drafts < ASYNC_PROBE_INTERVAL - 1):
+            if not self._drafts_next_step(req):
                 req.spec_steps_without_drafts += 1       # decodes plainly: its next step need not wait
                 continue
             p = req.sampling_params
