@@ -723,7 +723,7 @@ def test_deepseek_speculation_under_async_scheduling_in_graphs(model):
             proposer = llm.engine.speculator.features
             after_step = proposer.after_step
 
-            def recording_after_step(runner_out, requests):
+            def recording_after_step(runner_out, requests, **kw):
                 if runner_out.captured is not None:
                     rows = proposer.drafter.features_of(runner_out.captured).float().cpu()
                     for rid, (row, start, n, _) in runner_out.rows.items():
@@ -731,7 +731,7 @@ def test_deepseek_speculation_under_async_scheduling_in_graphs(model):
                         kept = min(n, req.num_computed_tokens - start) if req is not None else 0
                         for j in range(max(kept, 0)):
                             features.setdefault((rid, start + j), rows[row + j])
-                return after_step(runner_out, requests)
+                return after_step(runner_out, requests, **kw)
             proposer.after_step = recording_after_step
         results = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
         guessed = sum(o.metrics.num_guessed_steps for o in results)

@@ -57,9 +57,6 @@ class RunnerOutput:
     # row, first position, rows, state slot) of its rows in this forward, and the features the model kept
     rows: dict[str, tuple[int, int, int, int | None]] = field(default_factory=dict)
     captured: dict[int, torch.Tensor] | None = None
-    # async speculation on CUDA: recorded once `captured` is written (the drafter's stream waits for it, not for
-    # the step queued after this one)
-    captured_ready: torch.cuda.Event | None = None
 
     def sampled_on_host(self) -> dict[str, torch.Tensor | None]:
         """The sampler's outputs on the host; waits only for this step's GPU work."""
@@ -681,9 +678,6 @@ class ModelRunner:
             self.eplb.after_forward()
         if capture:
             out.captured = self.model.captured if captured is None else captured
-            if self.config.speculates_async and self.device.type == "cuda":
-                out.captured_ready = torch.cuda.Event()
-                out.captured_ready.record()
 
         self._copy_states(sched.state_copies.saves, restore=False)
         if copies.state_saves and self.state_store is not None:

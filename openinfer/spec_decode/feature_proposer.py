@@ -8,12 +8,9 @@ every request still decoding, and keeps the drafts for the next `Speculator.prop
 are never written (a ring row is overwritten by the position W later, so a rejected row would take the slot of a
 still-visible accepted position).
 
-Under async scheduling on CUDA the step after is queued before a step's samples are read, and everything the
-drafter does (ring writes, drafting, reading its drafts back) would wait behind that step on the one stream. It
-runs on a stream of its own instead, which waits only for the features of the step it reads
-(`RunnerOutput.captured_ready`); the main stream waits for it before the next step is queued, so no state the
-drafter writes is touched by both at once. Requests that will not draft at their next step (`wants`) get their
-rings extended but no block drafted; a step where none drafts reads nothing back.
+Requests that will not draft at their next step (`wants`; under async scheduling, those whose drafts are mostly
+rejected draft only to probe) get their rings extended but no block drafted, and a step where none drafts reads
+nothing back from the device.
 
 Context a request did not compute here (a prefix-cache hit, a replay from the KV store) has no features: the
 drafter's ring slots for it are zeroed (`reset`), which makes drafts worse until W new positions are in, never
@@ -28,7 +25,6 @@ context then starts over: `reset`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import nullcontext
 
 import torch
 
@@ -47,7 +43,6 @@ class FeatureProposer:
         self._context_end: dict[str, int] = {}      # request_id -> the next position its ring expects
         self._own_slots: OrderedDict[str, int] = OrderedDict()   # models without state slots: request -> slot
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._stream = None                          # async scheduling on CUDA: the drafter's own stream
 
     def _slot(self, rid: str, state_slot: int | None) -> int | None:
         if state_slot is not None or not (self._own_slots or self._free_slots):
@@ -84,20 +79,6 @@ class FeatureProposer:
         if `wants` is given, for which `wants(request)` says it will draft at its next step)."""
         if runner_out.captured is None or not runner_out.rows:
             return
-        ready = runner_out.captured_ready
-        if ready is None:
-            return self._after_step(runner_out, requests, wants)
-        main = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=main.device)
-        self._stream.wait_event(ready)
-        for t in runner_out.captured.values():      # (allocated on the main stream, read on this one)
-            t.record_stream(self._stream)
-        with torch.cuda.stream(self._stream):
-            self._after_step(runner_out, requests, wants)
-        main.wait_stream(self._stream)
-
-    def _after_step(self, runner_out, requests: dict[str, Request], wants) -> None:
         features = self.drafter.features_of(runner_out.captured)
         dev = features.device
         reads_next = getattr(self.drafter, "reads_next_tokens", False)
