@@ -640,6 +640,20 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir, async
     assert (guessed > dropped > 0) if async_scheduling else guessed == 0
 
 
+def _tokens_agree(label, spec_outs, plain_outs) -> list[int]:
+    """Per request, how many tokens two bf16 runs agree on before the first divergence (a near-tie flipped by a
+    different batch shape); up to there the tokens' logprobs agree too."""
+    firsts = []
+    for a, b in zip(spec_outs, plain_outs):
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
+        for i in range(same):
+            t = b.token_ids[i]
+            assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 5e-2, (i, same)
+        firsts.append(same)
+    print(label, "tokens agreeing before the first divergence:", firsts)
+    return firsts
+
+
 @pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
 def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
     """DeepSeek-V4 / V4.1 (per-request state: window rings, compressor rows, V4's HCA running state, V4.1's Engram
@@ -670,15 +684,7 @@ def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
         return outs, runner, drafter
 
     def agree(spec_outs, plain_outs):
-        firsts = []
-        for a, b in zip(spec_outs, plain_outs):
-            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
-            for i in range(same):
-                t = b.token_ids[i]
-                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 5e-2, (i, same)
-            firsts.append(same)
-        print(model, "tokens agreeing before the first divergence:", firsts)
-        return firsts
+        return _tokens_agree(model, spec_outs, plain_outs)
 
     plain, plain_runner, _ = run(None)
     assert plain_runner.graph_replays > 0 and plain_runner.max_graph_rows <= 4
@@ -745,16 +751,7 @@ def test_deepseek_speculation_under_async_scheduling_in_graphs(model):
         return results, runner, (guessed, dropped), features
 
     def agree(spec_results, plain_results):
-        firsts = []
-        for a, b in zip(spec_results, plain_results):
-            a, b = a.outputs[0], b.outputs[0]
-            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
-            for i in range(same):
-                t = b.token_ids[i]
-                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 5e-2, (i, same)
-            firsts.append(same)
-        print(model, "tokens agreeing before the first divergence:", firsts)
-        return firsts
+        return _tokens_agree(model, [r.outputs[0] for r in spec_results], [r.outputs[0] for r in plain_results])
 
     plain, _, _, _ = run(None)
     spec, runner, (guessed, dropped), _ = run({"method": "ngram", "num_speculative_tokens": k}, True,
