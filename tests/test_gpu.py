@@ -909,3 +909,35 @@ def test_dspark_propose_graphs_equal_eager():
         torch.testing.assert_close(a.logits, b.logits, atol=5e-2, rtol=1e-2)
     assert sorted(graphed.graphs.graphs) == [1, 2, 4] and graphed.graphs.replays == 5
     llm.shutdown()
+
+
+def test_confidence_policy_in_a_captured_graph_follows_eager():
+    """The DSpark verification-length policy (spec §6.5) inside a CUDA graph: confidences, draft counts and the
+    budget are device buffers updated in place before each replay (no host value is frozen into the graph), and
+    every replay equals the eager policy on the same inputs; a budget passed as a Python int would be frozen."""
+    from openinfer.spec_decode.policy import confidence_lengths
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    batch, k = 48, 5
+    conf = torch.zeros(batch, k, device="cuda")
+    num = torch.zeros(batch, dtype=torch.long, device="cuda")
+    budget = torch.zeros((), dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                       # warm-up outside the capture, as CUDA graphs require
+        confidence_lengths(conf, num, budget)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = confidence_lengths(conf, num, budget)
+    seen = set()
+    for step in range(40):
+        conf.copy_(torch.rand(batch, k, generator=g, device="cuda"))
+        num.copy_(torch.randint(0, k + 1, (batch,), generator=g, device="cuda"))
+        budget.fill_(step * 6)                             # 0 (the per-request minimum wins) .. past sum(num)
+        graph.replay()
+        want = confidence_lengths(conf.clone(), num.clone(), int(budget))
+        assert torch.equal(out, want), f"replay {step}: {out.tolist()} != {want.tolist()}"
+        assert int(out.sum()) == min(max(step * 6, int((num > 0).sum())), int(num.sum()))
+        seen.add(int(out.sum()))
+    assert len(seen) > 20                                  # the replays really saw different budgets and inputs
