@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
@@ -88,15 +87,3 @@ def test_too_small_kv_budget(smollm_dir):
         LLM(str(smollm_dir), device="cpu", kv_cache_memory_bytes=1000)
     with pytest.raises(ValueError, match="does not fit the KV pool"):
         LLM(str(smollm_dir), device="cpu", num_kv_blocks=2, block_size=16, max_model_len=64)
-
-
-def test_gguf_copy_converts_to_same_weights(tmp_path, smollm_gguf, llm):
-    """A .gguf path given directly is converted into the given cache dir and loads like the registered one (the
-    session's engine on it: CPU, float32, as `dtype="auto"` gives on CPU)."""
-    copy = tmp_path / "copy.gguf"
-    shutil.copy(smollm_gguf, copy)
-    a = LLM(str(copy), device="cpu", cache_dir=str(tmp_path / "cache"))
-    b = llm
-    sp = SamplingParams(temperature=0, max_tokens=6)
-    assert a.generate("Hello there", sp, use_tqdm=False)[0].outputs[0].token_ids == \
-        b.generate("Hello there", sp, use_tqdm=False)[0].outputs[0].token_ids

