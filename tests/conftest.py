@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ import torch
 from openinfer.config import default_cache_dir
 from openinfer.loader.model_source import fetch_registered, resolve_model_dir
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# `make test` runs the suite in pytest-xdist workers, one per core: each worker's torch gets its share of the cores
+# (more threads than cores crawl: OpenMP threads spin while they wait for each other)
+torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(scope="session")
