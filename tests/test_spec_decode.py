@@ -56,6 +56,8 @@ def test_ngram_proposer_equals_brute_force():
         got = NgramProposer(k, min_n, max_n).propose(np.asarray(toks, dtype=np.int64))
         want = _ngram_reference(toks, k, min_n, max_n) if len(toks) >= min_n + 1 else ([], [])
         assert got[0] == want[0] and np.allclose(got[1], want[1]), (toks, k, min_n, max_n)
+        # the `fixed` policy's proposer skips the confidences: same drafts, none computed
+        assert NgramProposer(k, min_n, max_n, confidences=False).propose(toks) == (want[0], [])
 
 
 @pytest.fixture(scope="module")

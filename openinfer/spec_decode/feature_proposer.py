@@ -136,4 +136,6 @@ def guessed_continuation(tokens: list[int], conf: list[float], skip: int) -> tup
     follows. The first draft is kept only if that guess was right too: its confidence carries the guess's."""
     if len(tokens) <= skip + 1:
         return [], []
+    if not conf:                      # a drafter made without confidences (the `fixed` policy reads none)
+        return tokens[skip + 1:], []
     return tokens[skip + 1:], [conf[skip] * conf[skip + 1], *conf[skip + 2:]]

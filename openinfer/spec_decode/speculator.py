@@ -82,9 +82,11 @@ class Speculator:
             self.features = FeatureProposer(MtpDrafter(runner.model, runner.caches, runner.block_size, self.k,
                                                        max_batch=graphs, scratch_slot=runner.num_state_slots), self.k)
         else:
-            self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+            # confidences only where the verify policy reads them
+            conf = config.policy == "confidence"
+            self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max, conf)
             # with the token still on the device: one more, its guess leading the continuation
-            self.proposer_ahead = NgramProposer(self.k + 1, config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer_ahead = NgramProposer(self.k + 1, config.prompt_lookup_min, config.prompt_lookup_max, conf)
         # A prefix hit leaves this many prompt tokens to compute: a drafter whose context ring is its own (draft
         # head, DSpark stages; not the MTP ring, a per-request state restored with the hit) then gets the features
         # of the hit's last W positions instead of starting from an empty ring (W + block_size - 1 more tokens
