@@ -76,7 +76,7 @@ def run_cache(model: str, dtype: str, kv_cache_dtype: str, n: int, forced: list[
     tokens = greedy(llm, prompts, n)
     secs = time.perf_counter() - t
     rows = teacher_forced(llm, prompts, forced or tokens)
-    kv_bytes = llm.engine.runner.bytes_per_block() / llm.engine.config.block_size
+    kv_bytes = llm.engine.runner.pool.bytes_per_block() / llm.engine.config.block_size
     llm.shutdown()
     return prompts, tokens, rows, secs, kv_bytes
 

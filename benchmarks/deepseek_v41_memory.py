@@ -25,9 +25,10 @@ import torch
 
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 from openinfer.layers.engram import EngramLayout
-from openinfer.loader.deepseek_v41 import published_modules, published_state_dict, quant_scheme
-from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-from openinfer.models.deepseek_v41_config import DeepseekV41Config
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.loader import published_modules, quant_scheme
+from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from openinfer.models.deepseek_v41.writer import published_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RELEASED_CONFIG = Path("/work/shared/reference/deepseek_v41/config.json")
@@ -50,7 +51,7 @@ def load_config(path: Path = RELEASED_CONFIG) -> tuple[dict, DeepseekV41Config]:
 
 
 def engram_layout(cfg: DeepseekV41Config) -> EngramLayout | None:
-    """As `openinfer.loader.deepseek_v41.engram_hasher` builds it (the layout needs no tokenizer)."""
+    """As `openinfer.models.deepseek_v41.loader.engram_hasher` builds it (the layout needs no tokenizer)."""
     if not cfg.engram_layer_ids:
         return None
     return EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
@@ -243,7 +244,7 @@ def weights_report(hf: dict, cfg: DeepseekV41Config, layout) -> dict:
 
 def runner_state_bytes(state_per_request: int, snapshot_per_boundary: int, max_num_seqs: int = 256,
                        num_state_snapshots: int | None = None) -> dict:
-    """ModelRunner.state_bytes with the engine's defaults: (max_num_seqs + 1) live slots, 2 x max_num_seqs
+    """CachePool.state_bytes with the engine's defaults: (max_num_seqs + 1) live slots, 2 x max_num_seqs
     prefix-cache snapshots of the kinds needed at block boundaries (swa, ngram)."""
     snaps = 2 * max_num_seqs if num_state_snapshots is None else num_state_snapshots
     total = (max_num_seqs + 1) * state_per_request + snaps * snapshot_per_boundary

@@ -14,7 +14,8 @@ import json
 import torch
 
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
-from openinfer.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM
+from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 FLASH = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
              num_attention_heads=64, head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256,

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_llama8b import ceilings, start_decoding  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
-from openinfer.models.deepseek_v4 import CSA, HCA  # noqa: E402
+from openinfer.models.deepseek_v4.config import CSA, HCA  # noqa: E402
 
 FLASH_WIDTH = dict(
     model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=4096,
@@ -194,8 +194,9 @@ def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
 def fidelity(tokenizer_json: str) -> dict:
     from safetensors.torch import save_file
 
-    from openinfer.loader.weights import init_deepseek_v4_random
-    from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+    from openinfer.models.deepseek_v4.loader import init_random as init_deepseek_v4_random
+    from openinfer.models.deepseek_v4.config import DeepseekV4Config
+    from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     over = {**layout(2), "n_routed_experts": 16, "index_topk": 64}
     d = model_dir(tokenizer_json, **over)

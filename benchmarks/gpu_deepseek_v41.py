@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from openinfer import LLM, SamplingParams  # noqa: E402
-from openinfer.models.deepseek_v4 import QuantizedExperts  # noqa: E402
+from openinfer.models.deepseek_v4.model import QuantizedExperts  # noqa: E402
 
 RELEASED = Path(__file__).resolve().parents[2] / "shared" / "reference" / "deepseek_v41" / "config.json"
 TINY_PROMPTS = [(100, 1), (37, 2), (200, 3)]
@@ -318,7 +318,7 @@ def main() -> None:
     model = llm.engine.runner.model
     res["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(model).items()}
     res["kv_blocks"] = llm.engine.runner.num_blocks
-    res["kv_bytes_per_token"] = llm.engine.runner.bytes_per_block() / llm.engine.config.block_size
+    res["kv_bytes_per_token"] = llm.engine.runner.pool.bytes_per_block() / llm.engine.config.block_size
     res["state_bytes_per_request"] = sum(s.bytes_per_slot() for s in llm.engine.runner.cache_specs
                                          if hasattr(s, "bytes_per_slot"))
     res["config"] = {"layers": args.layers, "yoco_split": model.config.yoco_split,

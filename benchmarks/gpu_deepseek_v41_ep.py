@@ -74,9 +74,9 @@ def released_dir(args, root: Path) -> Path:
 def floor_model(path: Path):
     """The one-process backbone on the meta device in the published formats (byte counts for the floors; the
     DSpark stages do not run in a plain decode step)."""
-    from openinfer.loader.deepseek_v41 import published_modules, quant_scheme
-    from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-    from openinfer.models.deepseek_v41_config import DeepseekV41Config
+    from openinfer.models.deepseek_v41.loader import published_modules, quant_scheme
+    from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from openinfer.models.deepseek_v41.config import DeepseekV41Config
 
     hf = json.loads((path / "config.json").read_text())
     cfg = DeepseekV41Config.from_dict({**hf, "n_mtp_layers": 0, "dspark_block_size": 0,
@@ -191,7 +191,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.tiny:
         from openinfer.config import default_cache_dir
-        from openinfer.loader.model_source import generated_model_dir
+        from openinfer.models.registry import generated_model_dir
 
         path = generated_model_dir(TINY, default_cache_dir())
     else:

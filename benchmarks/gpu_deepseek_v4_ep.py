@@ -34,8 +34,9 @@ from gpu_deepseek_v4 import PUBLISHED, floor_ms, model_dir  # noqa: E402
 from gpu_llama8b import ceilings  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
-from openinfer.loader.weights import published_formats  # noqa: E402
-from openinfer.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
+from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
+from openinfer.models.deepseek_v4.loader import published_formats  # noqa: E402
+from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM  # noqa: E402
 from openinfer.quantization.checkpoint import QuantScheme  # noqa: E402
 from openinfer.sampling_params import RequestOutputKind  # noqa: E402
 

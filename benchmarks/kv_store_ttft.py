@@ -97,7 +97,7 @@ def main() -> None:
     res["cold"] = _summary(_ttfts(llm, prompts, waits))
     res["writer_drain_s_after_ttft"] = waits
     res["pool_hit"] = _summary(_ttfts(llm, prompts))
-    res["kv_bytes_per_token"] = llm.engine.runner.bytes_per_block() // llm.config.block_size
+    res["kv_bytes_per_token"] = llm.engine.runner.pool.bytes_per_block() // llm.config.block_size
     llm.shutdown()
     del llm
     gc.collect()

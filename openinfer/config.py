@@ -26,6 +26,61 @@ _DTYPES = {
 # kv_cache_dtype values for the FP8 KV cache of the Llama family and Gemma-3 (vLLM's names; docs/kv_cache_fp8.md)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
+# ---- speculative decoding (spec_decode/, docs/spec_decode.md) ----------------------------------------------
+SPECULATIVE_METHODS = ("ngram", "draft_head", "mtp", "dspark")
+SPECULATIVE_POLICIES = ("fixed", "confidence")
+MAX_NGRAM_DRAFTS = 16                # prompt lookup copies at most this many tokens per step
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # "fixed": verify every draft; "confidence": DSpark's global budget split by the drafts' confidences
+    # (spec_decode/policy.py)
+    policy: str = "fixed"
+    # "confidence": draft tokens verified per step over the whole batch (None: half of max_num_seqs x k)
+    verify_budget: int | None = None
+    # ngram (prompt lookup): the longest suffix n-gram in [min, max] that occurred earlier is matched
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # draft_head: the directory of a head trained by `python -m openinfer.tools.train_draft_head`
+    draft_model: str | None = None
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """A dict (CLI JSON, LLM keyword) or an instance; unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in value]
+        if missing:
+            raise ValueError(f"speculative_config needs {missing}")
+        return cls(**value)
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not available; built: {list(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 1 or k > MAX_NGRAM_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_NGRAM_DRAFTS}] for "
+                             f"{self.method!r}, got {k!r}")
+        if (self.method == "draft_head") != (self.draft_model is not None):
+            raise ValueError("speculative_config: method 'draft_head' needs draft_model (a directory written by "
+                             "python -m openinfer.tools.train_draft_head), and draft_model needs method 'draft_head'")
+        if self.policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_config policy must be one of {list(SPECULATIVE_POLICIES)}, got {self.policy!r}")
+        if self.verify_budget is not None and self.verify_budget < 1:
+            raise ValueError(f"verify_budget must be >= 1, got {self.verify_budget}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+
 
 def default_cache_dir() -> Path:
     """`OPENINFER_CACHE` if set, else `~/.cache/openinfer`."""
@@ -42,117 +97,124 @@ def parse_host_port(address: str, name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _opt(default, help: str, **cli):
+    """A field of EngineConfig with its one description: `help` is what the CLI shows (entrypoints/cli_args.py
+    generates every engine flag from these), `cli` its extras: `aliases` (more flags), `choices`, `metavar`,
+    `json` (the value is JSON on the command line), `cli=False` (no flag: a secret, or set another way)."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    device: str | None = None             # "cpu" / "cuda" / "cuda:N"; None: cuda if present
-    dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on CUDA
-    max_model_len: int | None = None      # None: the model's max_position_embeddings, capped to the KV pool
-    max_num_seqs: int = 256               # running requests per step
-    max_num_batched_tokens: int = 2048    # tokens per step (decodes + prefill chunks)
-    block_size: int = 128                 # tokens per KV page (DeepInfer's block size)
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # KV pool budget; None: 2 GiB on CPU, see gpu_memory_utilization
-    gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the engine may use in total
-    num_kv_blocks: int | None = None      # exact pool size (overrides the byte budget; tests use it)
-    # sliding-window models: exact size of the window group's pool (kv_cache/window_group.py; None: sized by
-    # ModelRunner._pool_sizes from max_num_seqs, max_num_batched_tokens and the window)
-    num_window_kv_blocks: int | None = None
-    # models with per-request state (DeepSeek-V4's sliding window, compressor rows): how many copies of that
-    # state, taken at 128-token block boundaries, the prefix cache keeps (None: 2 x max_num_seqs)
-    num_state_snapshots: int | None = None
-    seed: int = 0                         # engine RNG for requests without their own seed
-    logprobs_mode: str = "raw_logprobs"   # "raw_logprobs" (model) or "processed_logprobs" (after penalties/temperature/top-k/p)
-    cache_dir: str | None = None          # converted weights and fetched models; alias: OPENINFER_CACHE
-    attention_backend: str = "auto"       # "torch" (reference) | "triton" (CUDA); auto: triton on CUDA
-    enforce_eager: bool = False           # CUDA: no CUDA graphs for decode steps
-    load_format: str = "auto"             # "auto": weights from the checkpoint; "dummy": random (benchmarks)
-    async_scheduling: bool | None = None  # schedule step N+1 while the GPU runs N; None: on for CUDA (off with
-    #                                       speculation), off for CPU
-    # speculative decoding (spec_decode/, docs/spec_decode.md): {"method": "ngram", "num_speculative_tokens": k,
-    # "policy": "fixed" | "confidence", ...}; synchronous scheduling unless async_scheduling=True
-    speculative_config: object = None
-    quantization: str | None = None       # "int4": weight-only int4 linears, bf16 activations (CPU)
-    # FP8 checkpoints (DeepSeek's published format): quantize the activations of FP8 linears per token in
-    # groups of the weight block (E4M3, power-of-two scales), as DeepSeek's inference code does (W8A8);
-    # False: dequantize the weights only (W8A16), exactly "dequantize, then multiply" (docs/quantization.md)
-    quantize_activations: bool = True
-    # how KV caches store their entries: "auto" = the model's own format (DeepSeek-V4.1: FP8 window keys, FP4
-    # compressed entries and indexer keys, as DeepSeek stores them; other models: the model dtype); a dtype name
-    # equal to the model dtype = unquantized (for V4.1: measuring what the cache formats cost, docs/deepseek_v41.md);
-    # "fp8" (alias "fp8_e4m3"), Llama family and Gemma-3: K/V in FP8 E4M3 with a float32 scale per token, K/V and
-    # KV head (docs/kv_cache_fp8.md)
-    kv_cache_dtype: str = "auto"
-    # DeepSeek-V4.1 prefill (docs/deepseek_v41.md): "exact" runs every layer over every prompt token (DeepSeek's
-    # reference); "yoco" runs the encoder over every token and the decoder only over the last
-    # v41_prefill_keep_tokens, its window attention truncated to them (DeepInfer's `compact` truncation, spec
-    # 000 §5.5-5.6; prefix-cache hits then leave at least that many tokens to compute)
-    v41_prefill_mode: str = "exact"
-    # DeepSeek-V4.1 Engram tables: "device" (GPU memory) or "host" (pinned host memory, read by the GPU in place:
-    # the released 2 x 98 GB tables; CPU engines keep them in host memory either way)
-    engram_tables: str = "device"
-    v41_prefill_keep_tokens: int = 140
-    # Structured output (docs/structured_output.md): worker threads compiling grammars, the longest a request
-    # waits for its grammar before it fails, compiled grammars kept, whether JSON may hold free whitespace
-    # (off: compact separators, which keeps small models from padding with spaces)
-    structured_output_compile_threads: int = 2
-    structured_output_compile_timeout_s: float = 30.0
-    structured_output_cache_size: int = 256
-    structured_output_any_whitespace: bool = False
-    # Time-budgeted chunked prefill (engine/cost_model.py): each step's prefill chunks are sized so the step's
-    # predicted time (decodes first) stays within this many ms, from a step cost fitted on this model and
-    # device (`openinfer calibrate`; calibrated at start if missing). None: the token budget only.
-    prefill_step_budget_ms: float | None = None
-    # Batch-invariant mode (layers/batch_invariant.py, docs/structured_output.md "Determinism"): a request's
-    # logits and tokens are bitwise the same alone or in any batch, chunking and row position -- GEMMs, attention,
-    # norms and the sampler reduce in orders that do not depend on the batch. Costs speed; see BENCHMARKS.md.
-    batch_invariant: bool = False
-    # Prefix-KV store (kv_cache/kv_store.py, docs/kv_cache.md): full KV blocks kept beyond the GPU pool, keyed by
-    # the prefix hash chain, so a later request -- in this process, after a restart, or in any process sharing
-    # the directory or Redis server -- skips recomputing a prefix it finds there. Tiers: host RAM
-    # (kv_host_cache_bytes; None: 1 GiB when a directory or Redis is set, else none), a directory (local disk or
-    # a shared mount: 3FS, NFS, Lustre; capped at kv_store_capacity_bytes, None: uncapped), a Redis server
-    # ("redis://host:port/db"). Blocks are kept kv_store_ttl_s seconds (a request's cache_ttl overrides it).
-    # Models without per-request state, one process (world size 1) for now.
-    kv_store_dir: str | None = None
-    kv_store_url: str | None = None
-    kv_host_cache_bytes: int | None = None
-    kv_store_capacity_bytes: int | None = None
-    kv_store_ttl_s: float = 7 * 86400.0
-    # host bytes of blocks waiting for the store's writer thread; past it a write is dropped (and counted), so a
-    # step never waits for the store. A long prompt queues all its blocks at once: 1 GiB holds 8K tokens of a
-    # Llama-3-8B-shaped KV
-    kv_store_write_buffer_bytes: int = 1 << 30
-    # Sliding-window models (Gemma-3) with a store (kv_cache/bounded_replay.py, docs/kv_cache.md): the store keeps
-    # only the full-attention layers' rows; the windowed layers' rows of the last window before a request's
-    # last block boundary go to host memory when it ends (swa_state_bytes; None: 256 MiB when a store is set).
-    # A hit without them replays the end of the prefix: "bounded" (the last window, attention truncated to it;
-    # the spec's §5.4, approximate) or "exact" (from the first missing block, full windows).
-    swa_state_bytes: int | None = None
-    swa_replay: str = "bounded"
-    # Parallelism (docs/parallelism.md; vLLM's names). One worker process per rank, world = DP x TP ranks:
-    # DP ranks own their requests and KV pools, TP ranks split each matrix; with expert parallelism the
-    # routed experts of MoE models are split over all ranks (attention DP + EP, DeepInfer's layout).
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    # EPLB: redundant experts (a lower bound, rounded up so routed + redundant divide by the EP size), token
-    # counts per expert over a window of steps, a new placement every interval, weights moved between ranks
-    enable_eplb: bool = False
-    num_redundant_experts: int = 0
-    eplb_window_steps: int = 1000             # the spec's decode values (prefill: 100 / 1,000)
-    eplb_rebalance_interval_steps: int = 10000
-    # rendezvous of the worker processes: None = a free local TCP port; "env://" = torchrun's variables
-    # (MASTER_ADDR, MASTER_PORT) for several hosts; or "tcp://host:port"
-    distributed_init_method: str | None = None
-    # Several hosts (docs/parallelism.md): the front end spawns ranks 0..num_local_ranks-1 on its host (None:
-    # all of them); the others are `openinfer worker --connect` processes on other hosts, which connect to
-    # worker_listen_address ("host:port") and authenticate with worker_authkey (HMAC; alias:
-    # OPENINFER_WORKER_AUTHKEY). worker_start_timeout_s bounds the wait for every rank to connect and load.
-    num_local_ranks: int | None = None
-    worker_listen_address: str | None = None
-    worker_authkey: str | None = None
-    worker_start_timeout_s: float = 1800.0
+    """Every engine setting, declared once: `LLM(**options)`, the CLI flags (`--max-num-seqs`, ...) and the server
+    take these fields and nothing else (unknown options are an error, never silently dropped)."""
+    model: str = _opt(DEFAULT_MODEL, "short name, HF directory or .gguf file")
+    device: str | None = _opt(None, "cpu | cuda | cuda:N (default: cuda if present)")
+    dtype: str = _opt("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
+    max_model_len: int | None = _opt(None, "longest request in tokens (default: the model's, capped to the KV pool)")
+    max_num_seqs: int = _opt(256, "running requests per step")
+    max_num_batched_tokens: int = _opt(2048, "tokens per step (decodes + prefill chunks)")
+    block_size: int = _opt(128, "tokens per KV page (DeepInfer's block size)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes", aliases=["--no-prefix-caching"])
+    kv_cache_memory_bytes: int | None = _opt(None, "KV pool budget in bytes (default: 2 GiB on CPU, else from "
+                                                   "--gpu-memory-utilization)")
+    gpu_memory_utilization: float = _opt(0.90, "CUDA: fraction of device memory the engine may use in total")
+    num_kv_blocks: int | None = _opt(None, "exact KV pool size in blocks (overrides the byte budget)")
+    num_window_kv_blocks: int | None = _opt(
+        None, "sliding-window models: exact size of the window group's pool (default: sized from max_num_seqs, "
+              "max_num_batched_tokens and the window; kv_cache/window_group.py)")
+    num_state_snapshots: int | None = _opt(
+        None, "models with per-request state (DeepSeek's windows and compressor rows): copies of that state kept at "
+              "block boundaries for prefix hits (default: 2 x max_num_seqs)")
+    seed: int = _opt(0, "engine RNG for requests without their own seed")
+    logprobs_mode: str = _opt("raw_logprobs", "logprobs from the model (raw_logprobs) or after penalties, "
+                                              "temperature, top-k/p (processed_logprobs)",
+                              choices=["raw_logprobs", "processed_logprobs"])
+    cache_dir: str | None = _opt(None, "converted weights and fetched models (default: $OPENINFER_CACHE or "
+                                       "~/.cache/openinfer)")
+    attention_backend: str = _opt("auto", "torch (reference) | triton (CUDA); auto: triton on CUDA",
+                                  choices=["auto", "torch", "triton"])
+    enforce_eager: bool = _opt(False, "CUDA: no CUDA graphs for decode steps")
+    load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights of its shape and "
+                                    "formats (benchmarks)", choices=["auto", "dummy"])
+    async_scheduling: bool | None = _opt(
+        None, "queue step N+1 while the device runs N (default: on for CUDA, off for CPU; with speculation only "
+              "when given: steps then start on the guess that all drafts in flight are kept)")
+    speculative_config: object = _opt(
+        None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} (policy "fixed" | '
+              '"confidence", verify_budget, prompt_lookup_min/max; docs/spec_decode.md)', json=True, metavar="JSON")
+    quantization: str | None = _opt(None, "int4: weight-only int4 linears with bf16 activations (CPU)",
+                                    choices=["int4"])
+    quantize_activations: bool = _opt(
+        True, "FP8 checkpoints: quantize the inputs of FP8 linears per token in groups of the weight block, as "
+              "DeepSeek's inference code does (W8A8); off: dequantize the weights only (W8A16; docs/quantization.md)")
+    kv_cache_dtype: str = _opt(
+        "auto", "how caches store entries: auto (the model's own format: DeepSeek-V4.1 FP8/FP4 as DeepSeek stores "
+                "them, else the model dtype); the model dtype (unquantized); fp8 or fp8_e4m3 (Llama family, Gemma-3: "
+                "FP8 E4M3 K/V with a float32 scale per token and head; docs/kv_cache_fp8.md)")
+    v41_prefill_mode: str = _opt(
+        "exact", "DeepSeek-V4.1 prefill: exact (every layer over every prompt token, DeepSeek's reference) or yoco "
+                 "(decoder layers over the prompt's last v41_prefill_keep_tokens only; docs/deepseek_v41.md)",
+        choices=["exact", "yoco"])
+    engram_tables: str = _opt("device", "DeepSeek-V4.1 Engram tables in GPU memory or pinned host memory (read in "
+                                        "place; CPU engines keep them in host memory either way)",
+                              choices=["device", "host"])
+    v41_prefill_keep_tokens: int = _opt(140, "DeepSeek-V4.1 YOCO: prompt tokens the decoder layers run over "
+                                             "(prefix hits leave at least that many to compute)")
+    structured_output_compile_threads: int = _opt(2, "structured output: threads compiling grammars")
+    structured_output_compile_timeout_s: float = _opt(30.0, "structured output: the longest a request waits for its "
+                                                            "grammar before it fails")
+    structured_output_cache_size: int = _opt(256, "structured output: compiled grammars kept")
+    structured_output_any_whitespace: bool = _opt(False, "structured output: JSON may hold free whitespace (off: "
+                                                         "compact separators, which keeps small models from padding)")
+    prefill_step_budget_ms: float | None = _opt(
+        None, "size prefill chunks so each step's predicted time stays within this many ms (step cost fitted by "
+              "`openinfer calibrate`, or at start if missing; engine/cost_model.py)", metavar="MS")
+    batch_invariant: bool = _opt(False, "a request's logits and tokens are the same bits alone or in any batch, "
+                                        "chunking and row position (slower; Llama family and Gemma-3, one process; "
+                                        "docs/structured_output.md, Determinism)")
+    kv_store_dir: str | None = _opt(
+        None, "prefix-KV store directory (local disk or a shared mount): full KV blocks any process using it "
+              "computed are hits for every other (docs/kv_cache.md)", metavar="DIR")
+    kv_store_url: str | None = _opt(None, "prefix-KV store on a Redis server (redis://HOST:PORT/DB; needs the redis "
+                                          "package)", metavar="URL")
+    kv_host_cache_bytes: int | None = _opt(None, "prefix-KV store: host-RAM tier size (default 1 GiB with a store "
+                                                 "directory or Redis, else none)", metavar="BYTES")
+    kv_store_capacity_bytes: int | None = _opt(None, "prefix-KV store: cap of the directory tier (default: uncapped)",
+                                               metavar="BYTES")
+    kv_store_ttl_s: float = _opt(7 * 86400.0, "prefix-KV store: seconds a block is kept (a request's cache_ttl "
+                                              "overrides it)", metavar="SECONDS")
+    kv_store_write_buffer_bytes: int = _opt(
+        1 << 30, "prefix-KV store: host bytes of blocks waiting for the store's writer thread; past it a write is "
+                 "dropped (and counted), so a step never waits for the store", metavar="BYTES")
+    swa_state_bytes: int | None = _opt(
+        None, "sliding-window models with a store: host memory for the windowed layers' rows of ended requests' "
+              "last windows (default 256 MiB with a store, 0: none; docs/kv_cache.md)", metavar="BYTES")
+    swa_replay: str = _opt("bounded", "a prefix hit without its window state replays the last window with attention "
+                                      "truncated to it (bounded, the spec's §5.4) or from the first missing block "
+                                      "(exact)", choices=["bounded", "exact"])
+    data_parallel_size: int = _opt(1, "DP ranks, each with its own requests and KV pool (one process per rank)",
+                                   aliases=["-dp"])
+    tensor_parallel_size: int = _opt(1, "TP ranks per DP group", aliases=["-tp"])
+    enable_expert_parallel: bool = _opt(False, "MoE models: split the routed experts over all ranks (attention DP + "
+                                               "EP, DeepInfer's layout)")
+    enable_eplb: bool = _opt(False, "expert parallelism: rebalance experts by measured load (EPLB)")
+    num_redundant_experts: int = _opt(0, "EPLB: extra expert slots (at least; rounded up so routed + redundant "
+                                         "divide by the EP size)")
+    eplb_window_steps: int = _opt(1000, "EPLB: steps of load statistics (the spec's decode value)")
+    eplb_rebalance_interval_steps: int = _opt(10000, "EPLB: steps between rebalances")
+    distributed_init_method: str | None = _opt(
+        None, "rendezvous of the worker processes: env:// (torchrun's MASTER_ADDR/MASTER_PORT) or tcp://host:port "
+              "(default: a free local port; with ranks on other hosts required, reachable from every host)")
+    num_local_ranks: int | None = _opt(None, "several hosts: ranks 0..N-1 run on this host (default: all); the "
+                                             "others connect from `openinfer worker` on other hosts")
+    worker_listen_address: str | None = _opt(None, "several hosts: where the other hosts' workers connect (authkey: "
+                                                   "$OPENINFER_WORKER_AUTHKEY, the same on every host)",
+                                             metavar="HOST:PORT")
+    worker_authkey: str | None = _opt(None, "several hosts: the workers' shared HMAC key (alias: the environment "
+                                            "variable OPENINFER_WORKER_AUTHKEY)", cli=False)
+    worker_start_timeout_s: float = _opt(1800.0, "how long to wait for every rank to connect and load",
+                                         aliases=["--worker-start-timeout"], metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -214,8 +276,6 @@ class EngineConfig:
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("num_redundant_experts needs enable_eplb (replicas are placed by EPLB)")
         if self.speculative_config is not None:
-            from openinfer.spec_decode.config import SpeculativeConfig
-
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
             self.speculative_config.validate()
             if self.world_size > 1:

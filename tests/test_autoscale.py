@@ -1,16 +1,16 @@
-"""The autoscaling policy (serving/autoscale.py, spec 003 §2) and the P/D cluster simulator (serving/simulator.py).
+"""The autoscaling policy (cluster/autoscale.py, spec 003 §2) and the P/D cluster simulator (cluster/simulator.py).
 Everything here is pure Python over small simulated traces: the whole file runs in a few seconds."""
 
 import json
 
 import pytest
 
-from openinfer.entrypoints.cli import main
-from openinfer.serving import autoscale
-from openinfer.serving.autoscale import (OVER_PROVISION, READY_POOL, AutoscaleConfig, DecodeDrain, PoolBounds,
+from openinfer.cluster import autoscale
+from openinfer.cluster.autoscale import (OVER_PROVISION, READY_POOL, AutoscaleConfig, DecodeDrain, PoolBounds,
                                          PoolSignals, decide, migration_seconds)
-from openinfer.serving.simulator import (ClusterConfig, WorkloadConfig, h200_llama8b_decode_cost,
+from openinfer.cluster.simulator import (ClusterConfig, WorkloadConfig, h200_llama8b_decode_cost,
                                          h200_llama8b_prefill_cost, simulate)
+from openinfer.entrypoints.cli import main
 
 POLICY = AutoscaleConfig(prefill=PoolBounds(1, 10, max_add_per_interval=3, max_remove_per_interval=1),
                          decode=PoolBounds(2, 8, max_add_per_interval=2, max_remove_per_interval=2),

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
-from openinfer.layers.batch_invariant import (BatchInvariantTorchAttention, linear, make_batch_invariant,
-                                              matmul_rows)
+from openinfer.layers.batch_invariant import BatchInvariantTorchAttention, linear, matmul_rows
 
 
 @pytest.mark.parametrize("k, n", [(576, 1536), (1536, 576), (576, 49152)])
@@ -181,5 +180,5 @@ def test_batch_invariant_refusals():
         EngineConfig(device="cpu", batch_invariant=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="int4"):
         EngineConfig(device="cpu", batch_invariant=True, quantization="int4")
-    with pytest.raises(ValueError, match="Llama family and Gemma-3"):
-        make_batch_invariant(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="Llama family and Gemma-3; DeepSeek-V4 models are not covered"):
+        LLM("deepseek-v4-tiny", device="cpu", batch_invariant=True, num_kv_blocks=8)

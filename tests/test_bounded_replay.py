@@ -198,7 +198,7 @@ def test_replay_reuses_block_kv_untouched(tiny, tmp_path):
         hashes.append(parent)
     for i in (4, 5):    # the replayed blocks
         stored = engine.kv_store.get(hashes[i])
-        rows = torch.cat([r.reshape(-1).view(torch.uint8) for r in runner._block_rows(req_blocks[0][i])])
+        rows = torch.cat([r.reshape(-1).view(torch.uint8) for r in runner.store.block_rows(req_blocks[0][i])])
         assert bytes(rows.numpy()) == stored
     assert manager.prefix_stats.swa_replays == 1
 
@@ -237,7 +237,7 @@ def test_a_store_entry_holds_only_the_full_attention_layers(tiny, tmp_path):
               kv_store_dir=str(tmp_path / "store"))
     runner = llm.engine.runner
     assert runner.swa_layout.window_layers == (0, 1, 2, 3, 4)
-    assert runner.store_block_bytes() * 6 == runner.bytes_per_block()     # 1 of 6 layers attends to everything
+    assert runner.store.block_bytes() * 6 == runner.pool.bytes_per_block()     # 1 of 6 layers attends to everything
 
 
 def test_swa_options_are_validated():

@@ -16,9 +16,10 @@ from openinfer import LLM
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
-from openinfer.loader.model_source import DEEPSEEK_V4_TINY_CONFIG
-from openinfer.loader.weights import init_deepseek_v4_random
-from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+from openinfer.models.deepseek_v4.config import DeepseekV4Config
+from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
+from openinfer.models.deepseek_v4.loader import init_random as init_deepseek_v4_random
+from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from openinfer.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
 

@@ -43,6 +43,13 @@ TOOL_TURNS = [{"role": "system", "content": "Use tools."},
               {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"}]
 
 
+def _tokenizer(model_dir: Path) -> Tokenizer:
+    """The tokenizer of a directory with the vocabulary its config's family names (as the engine loads it)."""
+    from openinfer.models.registry import family_for
+
+    return Tokenizer.from_dir(model_dir, family_for(json.loads((model_dir / "config.json").read_text())).vocabulary)
+
+
 def _model_dir(tmp_path_factory, name: str, config: dict) -> Path:
     d = tmp_path_factory.mktemp(name)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -58,12 +65,12 @@ def v41_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v41(v41_dir):
-    return Tokenizer.from_dir(v41_dir)
+    return _tokenizer(v41_dir)
 
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    return Tokenizer.from_dir(_model_dir(tmp_path_factory, "v4", {"model_type": "deepseek_v4"}))
+    return _tokenizer(_model_dir(tmp_path_factory, "v4", {"model_type": "deepseek_v4"}))
 
 
 def _conv(model: str, messages: list[dict], **kw) -> dr.Conversation:
@@ -91,7 +98,7 @@ def test_v41_directories_are_recognised(tmp_path_factory, v41, v4):
     assert v4.is_deepseek and v4.deepseek_model == DEEPSEEK_V4
     # DeepSeek's inference-form config (no model_type) is V4.1 too
     cfg = {"vocab_size": VOCAB, "dim": 64, "n_layers": 2, "kv_source_layers": [0], "image_token_id": 129264}
-    assert Tokenizer.from_dir(_model_dir(tmp_path_factory, "v41-inference", cfg)).deepseek_model == DEEPSEEK_V41
+    assert _tokenizer(_model_dir(tmp_path_factory, "v41-inference", cfg)).deepseek_model == DEEPSEEK_V41
     assert v41.eos_token_ids == {1} and v41.vocab_size == VOCAB
 
 
@@ -225,7 +232,7 @@ def test_chat_frontend_encodes_and_parses_as_v41(v41, v41_dir):
 
 def test_image_content_is_refused_not_dropped(v41_dir):
     """The vision tower is not loaded: an image part must not silently become a bare placeholder token."""
-    tok = Tokenizer.from_dir(v41_dir)
+    tok = _tokenizer(v41_dir)
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     with pytest.raises(ValueError, match="text-only"):

@@ -1,5 +1,6 @@
 """benchmarks/deepseek_v41_memory.py: the analytic V4.1 memory report is internally consistent and agrees with the
-runner's own accounting (ModelRunner.bytes_per_block / state_bytes, applied to the model's cache specs)."""
+runner's own accounting (engine/cache_pool.py: CachePool.bytes_per_block / state_bytes, applied to the model's
+cache specs)."""
 
 import importlib.util
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from openinfer.engine.model_runner import ModelRunner
+from openinfer.engine.cache_pool import CachePool
 from openinfer.kv_cache.spec import PagedCacheSpec, RequestStateSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +43,9 @@ def result(bench, tmp_path_factory):
 
 
 def _fake_runner(specs, block_size=128, max_num_seqs=256, snapshots=512):
-    ns = types.SimpleNamespace(cache_specs=specs, block_size=block_size, num_state_slots=max_num_seqs,
+    ns = types.SimpleNamespace(specs=specs, block_size=block_size, num_state_slots=max_num_seqs,
                                num_state_snapshots=snapshots)
-    ns._snapshot_specs = lambda: ModelRunner._snapshot_specs(ns)
+    ns.snapshot_specs = lambda: CachePool.snapshot_specs(ns)
     return ns
 
 
@@ -78,14 +79,14 @@ def test_matches_runner_accounting(bench, result, quantized):
     specs = model.cache_specs(torch.bfloat16)
     runner = _fake_runner(specs)
     r = result["quantized" if quantized else "unquantized_bf16"]
-    assert ModelRunner.bytes_per_block(runner) == r["paged_bytes_per_block"]
-    assert ModelRunner.bytes_per_block(runner) / 128 == r["paged_bytes_per_token"]
+    assert CachePool.bytes_per_block(runner) == r["paged_bytes_per_block"]
+    assert CachePool.bytes_per_block(runner) / 128 == r["paged_bytes_per_token"]
     live = sum(s.bytes_per_slot() for s in specs if isinstance(s, RequestStateSpec))
     assert live == r["state_bytes_per_request"]
-    snaps = sum(s.bytes_per_slot() for s in ModelRunner._snapshot_specs(runner))
+    snaps = sum(s.bytes_per_slot() for s in CachePool.snapshot_specs(runner))
     assert snaps == r["snapshot_bytes_per_kept_boundary"]
     if quantized:
-        assert ModelRunner.state_bytes(runner) == result["runner_state_default"]["bytes"]
+        assert CachePool.state_bytes(runner) == result["runner_state_default"]["bytes"]
     assert {s.name for s in specs if isinstance(s, PagedCacheSpec)} == set(r["paged"])
 
 

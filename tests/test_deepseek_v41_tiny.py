@@ -18,8 +18,9 @@ import torch
 from openinfer import LLM
 from openinfer.config import default_cache_dir
 from openinfer.layers.engram import EngramLayout
-from openinfer.loader.model_source import DEEPSEEK_V41_TINY_CONFIG, GENERATED, generated_model_dir
-from openinfer.models.deepseek_v41_config import DeepseekV41Config
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
+from openinfer.models.registry import generated_model_dir, tiny_models
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import DEEPSEEK_V41, deepseek_v41_vocabulary
 
@@ -51,7 +52,7 @@ def _header(path: Path) -> dict:
 
 
 def test_config_covers_every_v41_block_kind():
-    assert GENERATED[NAME][0] is DEEPSEEK_V41_TINY_CONFIG
+    assert tiny_models()[NAME][1].config is DEEPSEEK_V41_TINY_CONFIG
     cfg = DeepseekV41Config.from_dict(DEEPSEEK_V41_TINY_CONFIG)
     roles = []
     for i in range(cfg.n_layers):
@@ -78,9 +79,9 @@ def test_config_covers_every_v41_block_kind():
 
 
 def test_directory_is_in_deepseeks_published_formats_and_loads_as_such(llm, capfd):
-    from openinfer.models.deepseek_v4 import QuantizedExperts
-    from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-    from openinfer.quantization.linear import Fp8Linear
+    from openinfer.models.deepseek_v4.model import QuantizedExperts
+    from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from openinfer.layers.fp8_linear import Fp8Linear
 
     path = generated_model_dir(NAME, default_cache_dir())
     assert "RANDOM weights" in capfd.readouterr().err

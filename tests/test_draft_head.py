@@ -1,4 +1,4 @@
-"""The trainable DSpark-shaped draft head (spec_decode/draft_head.py, spec_decode/train.py) on the real SmolLM2
+"""The trainable DSpark-shaped draft head (spec_decode/draft_head.py, tools/train_draft_head.py) on the real SmolLM2
 (CPU, fp32): training on the target's own generations lowers the loss and lengthens accepted runs on prompts it
 never saw; the batched ring drafter equals the head's direct forward; save/load round-trips and refuses another
 target; and the HF features used for training are exactly openinfer's own residual stream entering those layers."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from openinfer.benchmarks.spec import CHAT_QUESTIONS
-from openinfer.spec_decode import train
 from openinfer.spec_decode.draft_head import DraftHead, DraftHeadConfig, DraftHeadDrafter, hf_target_features
+from openinfer.tools import train_draft_head as train
 from tests.conftest import record_drafter_extends
 
 BLOCK, WINDOW = 3, 16

@@ -104,7 +104,7 @@ def test_gemma3_config_formats():
     multimodal configs (text_config) read as transformers reads them."""
     from transformers import Gemma3TextConfig
 
-    from openinfer.models.gemma3 import Gemma3Config
+    from openinfer.models.gemma3.model import Gemma3Config
 
     hub = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=96, num_hidden_layers=8,
                num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_theta=1e6,
@@ -124,14 +124,15 @@ def test_triton_backend_refuses_windows(tmp_path, smollm_dir):
     """A model with window layers refuses a backend without window support (the torch and Triton backends
     both have it; a backend added later might not)."""
     from openinfer.layers.attention import TorchPagedAttention
-    from openinfer.loader.weights import build_model
+    from openinfer.config import EngineConfig
+    from openinfer.models.registry import load_model
 
     class NoWindows(TorchPagedAttention):
         supports_window = False
 
     path, _ = make_tiny_gemma3(tmp_path, smollm_dir)
     with pytest.raises(NotImplementedError, match="attention_backend='torch'"):
-        build_model(path, torch.float32, torch.device("cpu"), NoWindows())
+        load_model(path, EngineConfig(device="cpu", dtype="float32"), backend=NoWindows())
 
 
 # ---- the real Gemma-3-270M -----------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def hf_gemma(gemma_dir):
 def gemma_tok(gemma_dir):
     from openinfer.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(gemma_dir)
+    return Tokenizer.from_dir(gemma_dir)   # Gemma-3 names the "hf" vocabulary
 
 
 @pytest.fixture(scope="module")

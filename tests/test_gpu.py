@@ -332,8 +332,9 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_dummy_dir):
 
 # ---- DeepSeek-V4 ------------------------------------------------------------------------------------------
 def test_v4_grouped_expert_gemm_matches_the_expert_loop():
-    from openinfer.loader.model_source import DEEPSEEK_V4_TINY_CONFIG
-    from openinfer.models.deepseek_v4 import DeepseekV4Config, Experts
+    from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
+    from openinfer.models.deepseek_v4.config import DeepseekV4Config
+    from openinfer.models.deepseek_v4.model import Experts
 
     cfg = DeepseekV4Config.from_hf({**DEEPSEEK_V4_TINY_CONFIG, "hidden_size": 256, "moe_intermediate_size": 128,
                                     "n_routed_experts": 64, "num_experts_per_tok": 6})

@@ -25,7 +25,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention, gather_kv
-from openinfer.loader.weights import build_model
+from openinfer.models.registry import load_model
 from openinfer.quantization.kv_formats import fp8_kv_dequantize, fp8_kv_quantize
 from tests.conftest import assert_pool_idle
 from tests.test_gemma3 import _run_recording, make_tiny_gemma3
@@ -333,11 +333,11 @@ def test_fp8_block_holds_the_predicted_bytes(llm, fp8_llm):
     kvh, d, layers, bs = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, 128
     assert (kvh, d) == (3, 64)
     fp8, ref = fp8_llm.engine.runner, llm.engine.runner
-    assert fp8.bytes_per_block() == layers * bs * (2 * kvh * d + 2 * kvh * 4)
-    assert fp8.bytes_per_block() / ref.bytes_per_block() == (2 * kvh * d + 2 * kvh * 4) / (2 * kvh * d * 4) == 0.265625
+    assert fp8.pool.bytes_per_block() == layers * bs * (2 * kvh * d + 2 * kvh * 4)
+    assert fp8.pool.bytes_per_block() / ref.pool.bytes_per_block() == (2 * kvh * d + 2 * kvh * 4) / (2 * kvh * d * 4) == 0.265625
     bf16 = sum(s.bytes_per_block(bs) for s in llm.engine.runner.model.cache_specs(torch.bfloat16))
-    assert fp8.bytes_per_block() / bf16 == (2 * kvh * d + 2 * kvh * 4) / (2 * kvh * d * 2) == 0.53125
-    assert fp8.num_blocks == (2 << 30) // fp8.bytes_per_block() and ref.num_blocks == (2 << 30) // ref.bytes_per_block()
+    assert fp8.pool.bytes_per_block() / bf16 == (2 * kvh * d + 2 * kvh * 4) / (2 * kvh * d * 2) == 0.53125
+    assert fp8.num_blocks == (2 << 30) // fp8.pool.bytes_per_block() and ref.num_blocks == (2 << 30) // ref.pool.bytes_per_block()
 
 
 def test_tiny_gemma3_fp8_one_pass_prefill_equals_hf_over_quantized_kv(tmp_path, smollm_dir, hf_fp8_attention):
@@ -388,14 +388,14 @@ def test_tiny_gemma3_fp8_through_chunks_and_decode_stays_close_to_hf_over_quanti
 
 # ---- 4. refusals ------------------------------------------------------------------------------------------
 def test_fp8_kv_cache_is_refused_for_deepseek_v41():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*Llama-family.*Gemma-3.*'deepseek_v41'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*Llama-family.*Gemma-3.*DeepSeek-V4.1"):
         LLM("deepseek-v41-tiny", device="cpu", kv_cache_dtype="fp8")
 
 
 def test_fp8_kv_cache_needs_a_backend_that_reads_it(smollm_dir):
     for backend in (OldSignatures(), object()):
         with pytest.raises(ValueError, match=r"does not read FP8 KV caches.*attention_backend='torch'"):
-            build_model(smollm_dir, torch.float32, torch.device("cpu"), backend, kv_cache_dtype="fp8")
+            load_model(smollm_dir, EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="fp8"), backend=backend)
 
 
 @pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "FP8", "float8"])

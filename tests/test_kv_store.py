@@ -19,8 +19,9 @@ from prometheus_client import generate_latest
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv_cache.kv_cache_manager import hash_block
-from openinfer.kv_cache.kv_store import TTL_CLASSES, TieredKVStore, resolve_ttl
+from openinfer.kv_cache.kv_store import TieredKVStore
 from openinfer.kv_cache.tiers import HEADER_BYTES, DirectoryTier, HostMemoryTier, pack_entry, unpack_entry
+from openinfer.sampling_params import TTL_CLASSES, resolve_ttl
 from openinfer.serving.metrics import EngineMetrics
 from tests.conftest import assert_pool_idle
 

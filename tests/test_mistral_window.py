@@ -64,7 +64,7 @@ def test_tiny_mistral_equals_hf_with_every_layer_in_the_window_group(tmp_path, s
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=BS, max_num_batched_tokens=8))
     runner, kv = engine.runner, engine.kv_manager
     assert [(s.name, s.window) for s in runner.cache_specs] == [("kv_window", W)]
-    assert runner.bytes_per_block(window=False) == 0 and "kv" not in runner.caches
+    assert runner.pool.bytes_per_block(window=False) == 0 and "kv" not in runner.caches
     assert runner.swa_layout.window_layers == (0, 1, 2)
     assert engine.max_model_len == 512            # not clipped to the window: every layer runs it for real
     held = []

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from openinfer import LLM, EngineConfig
-from openinfer.distributed.executor import WorkerError
+from openinfer.executor.multiproc import WorkerError
 from tests.live_server import _free_port
 from tests.test_deepseek_v4 import prompts_of
 from tests.test_parallel import EP2, V4_OPTS, assert_gone, assert_same_outputs, generate, params, v4_path  # noqa: F401 (fixture)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from openinfer import LLM
 from openinfer.distributed.eplb import num_physical_experts
 from openinfer.distributed.eplb_controller import _MEASURE_EVERY
-from openinfer.distributed.executor import WorkerError
+from openinfer.executor.multiproc import WorkerError
 from openinfer.sampling_params import SamplingParams
 from tests.live_server import _free_port
 from tests.test_deepseek_v4 import make_v4, prompts_of

@@ -18,13 +18,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.loader.model_source import DEEPSEEK_V4_TINY_CONFIG
-from openinfer.models.deepseek_v4 import QuantizedExperts, native_to_hf
+from openinfer.layers.fp8_linear import Fp8Linear
+from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
+from openinfer.models.deepseek_v4.loader import native_to_hf
+from openinfer.models.deepseek_v4.model import QuantizedExperts
 from openinfer.quantization import reference
 from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
 from openinfer.quantization.formats import (dequantize_activations, dequantize_fp8, dequantize_mxfp4,
                                             quantize_activations, quantize_fp8, quantize_mxfp4)
-from openinfer.quantization.linear import Fp8Linear
 from openinfer.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
 from tests.test_deepseek_v4 import engine_for, prompts_of, reference_topk_is_unambiguous, run_recording

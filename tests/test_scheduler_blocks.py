@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from openinfer import LLM, SamplingParams
-from openinfer.engine.request import Request
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.outputs import RequestMetrics
+from openinfer.request import Request
 from tests.conftest import assert_pool_idle
 
 PROMPTS = [f"Story {i}: the {w} walked into the forest and" for i, w in

@@ -257,19 +257,19 @@ def test_bad_speculative_config_is_refused_at_start(spec, match):
         EngineConfig(model="unused", device="cpu", speculative_config=spec)
 
 
-def test_contradicting_scheduling_flags_are_refused():
+def test_contradicting_scheduling_flags_are_refused(capsys):
     """`--async-scheduling` asks for async scheduling even with speculation; with `--no-async-scheduling` as well
     the CLI stops and names both, instead of picking one."""
-    import argparse
+    from openinfer.entrypoints.cli import build_parser
 
-    from openinfer.entrypoints.cli import _async_scheduling_flag
+    def flags(*argv):
+        return build_parser().parse_args(["serve", *argv]).async_scheduling
 
-    def flags(on, off):
-        return _async_scheduling_flag(argparse.Namespace(async_scheduling=on, no_async_scheduling=off))
-
-    assert (flags(False, False), flags(True, False), flags(False, True)) == (None, True, False)
-    with pytest.raises(SystemExit, match="--async-scheduling and --no-async-scheduling"):
-        flags(True, True)
+    assert (flags(), flags("--async-scheduling"), flags("--no-async-scheduling")) == (None, True, False)
+    assert flags("--async-scheduling", "--async-scheduling") is True
+    with pytest.raises(SystemExit):
+        flags("--async-scheduling", "--no-async-scheduling")
+    assert "--async-scheduling and --no-async-scheduling contradict each other" in capsys.readouterr().err
 
 
 def test_model_drafters_need_their_heads_and_at_most_their_block_size():

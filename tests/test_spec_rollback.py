@@ -79,7 +79,7 @@ def _boundary_rows(engine, snap: int, boundary: int) -> dict[str, torch.Tensor]:
     need = {s.name: s.state_shape[0] for s in runner.model.cache_specs(runner.dtype)
             if isinstance(s, RequestStateSpec)}                      # ring lengths without rollback room
     rows = {}
-    for name, layers in runner.snapshots.items():
+    for name, layers in runner.pool.snapshots.items():
         ring = torch.stack([t[snap] for t in layers])                # [layers, R, ...]
         pos = torch.arange(max(boundary - need[name], 0), boundary)
         rows[name] = ring[:, pos % ring.shape[1]].float()
@@ -271,7 +271,7 @@ def test_snapshots_of_a_verify_step_and_the_step_guessed_on_it_both_wait_for_the
     block boundary, and so does the step queued on the guess that N keeps its drafts, before N is read back. Both
     state copies wait for their block's hash (neither block's tokens are known yet): right guess — both keyed once
     known; wrong — both let go. No snapshot slot is lost either way (one pending copy per request would drop N's)."""
-    from openinfer.engine.request import Request
+    from openinfer.request import Request
     from openinfer.kv_cache.kv_cache_manager import KVCacheManager
     from openinfer.outputs import RequestMetrics
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from openinfer import SamplingParams
-from openinfer.engine.request import Request
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.outputs import RequestMetrics
-from openinfer.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
+from openinfer.request import Request
+from openinfer.sampling.bitmask import GrammarBitmask, apply_token_bitmask
 from openinfer.structured_output.manager import GrammarState
 from openinfer.structured_output.params import StructuredOutputsParams
 from tests.conftest import assert_pool_idle

@@ -17,7 +17,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.models.llama import LlamaConfig
+from openinfer.models.llama.model import LlamaConfig
 from openinfer.sampling_params import SamplingParams
 from tests.test_models_tiny import VARIANTS, make_tiny
 

@@ -16,12 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openinfer import LLM
-from openinfer.config import default_cache_dir
+from openinfer.config import EngineConfig, default_cache_dir
 from openinfer.distributed.expert_parallel import initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
-from openinfer.loader.deepseek_v41 import build_deepseek_v41
-from openinfer.loader.model_source import generated_model_dir
-from openinfer.loader.weights import read_hf_config
+from openinfer.models.registry import generated_model_dir, load_model
 from tests.test_parallel import EP2, assert_ranks_idle, assert_same_outputs, params
 from tests.test_deepseek_v4 import prompts_of
 
@@ -75,11 +73,10 @@ def test_each_rank_loads_only_its_expert_slots(fmt, tmp_path):
         from tests.test_deepseek_v41 import save_dequantized
 
         src = save_dequantized(src, tmp_path / "bf16")
-    hf = read_hf_config(src)
-    from openinfer.layers.basic import TORCH_OPS
+    config = EngineConfig(device="cpu", dtype="bfloat16")
 
     def build(ctx):
-        return build_deepseek_v41(src, hf, torch.bfloat16, torch.device("cpu"), None, False, TORCH_OPS, ctx)
+        return load_model(src, config, parallel=ctx)
 
     one = build(ParallelContext.single())
     n_layers, n_experts = one.config.n_layers, one.config.n_routed_experts

@@ -101,9 +101,10 @@ def test_v4_tp_shards_of_our_own_stacked_layout():
     import torch
 
     from openinfer.distributed.parallel_state import ParallelContext
-    from openinfer.loader.model_source import DEEPSEEK_V4_TINY_CONFIG
-    from openinfer.loader.weights import init_deepseek_v4_random
-    from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+    from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
+    from openinfer.models.deepseek_v4.loader import init_random as init_deepseek_v4_random, load_weights
+    from openinfer.models.deepseek_v4.config import DeepseekV4Config
+    from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     cfg = DeepseekV4Config.from_hf(DEEPSEEK_V4_TINY_CONFIG)
     full = DeepseekV4ForCausalLM(cfg)
@@ -112,7 +113,7 @@ def test_v4_tp_shards_of_our_own_stacked_layout():
     I, H = cfg.moe_intermediate_size // 2, cfg.num_attention_heads // 2
     for r in range(2):
         shard = DeepseekV4ForCausalLM(cfg, parallel=ParallelContext(tp_size=2, tp_rank=r))
-        shard.load_weights(state.items())
+        load_weights(shard, state.items())
         got = dict(shard.named_parameters())
         gu = state["layers.2.mlp.experts.gate_up_proj"]
         assert torch.equal(got["layers.2.mlp.experts.gate_up_proj"],
@@ -132,4 +133,4 @@ def test_v4_tp_shards_of_our_own_stacked_layout():
                            state["mtp.0.layer.self_attn.q_b_proj.weight"][r * H * cfg.head_dim:(r + 1) * H * cfg.head_dim])
         assert torch.equal(got["layers.1.self_attn.kv_proj.weight"], state["layers.1.self_attn.kv_proj.weight"])
     with pytest.raises(ValueError, match="dimension 0 should be tensor_parallel_size"):
-        shard.load_weights([("embed_tokens.weight", state["embed_tokens.weight"][:-2])])
+        load_weights(shard, [("embed_tokens.weight", state["embed_tokens.weight"][:-2])])

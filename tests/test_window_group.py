@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from openinfer import LLM, SamplingParams
-from openinfer.engine.request import Request
 from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.outputs import RequestMetrics
+from openinfer.request import Request
 from tests.conftest import assert_pool_idle
 from tests.test_gemma3 import make_tiny_gemma3
 

@@ -70,7 +70,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _engine(cfg: PrefixBenchConfig, **kw):
-    from openinfer import LLM
+    from openinfer.entrypoints.llm import LLM
 
     opts = dict(device=cfg.device, dtype=cfg.dtype, load_format=cfg.load_format, block_size=cfg.block_size,
                 max_num_seqs=cfg.conversations, max_num_batched_tokens=cfg.max_num_batched_tokens)
@@ -81,7 +81,7 @@ def _engine(cfg: PrefixBenchConfig, **kw):
 
 
 def _workload(llm, cfg: PrefixBenchConfig, measure: bool) -> dict:
-    from openinfer import SamplingParams
+    from openinfer.sampling_params import SamplingParams
 
     tok = llm.tokenizer
     system = _text_tokens(tok, cfg.system_tokens, 0)

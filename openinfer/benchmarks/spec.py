@@ -242,7 +242,7 @@ class SpecBenchConfig:
     sampled_concurrency: tuple[int, ...] | None = None   # None: all of `concurrency`
     tasks: tuple[str, ...] = TASKS
     modes: tuple[str, ...] = DEFAULT_MODES
-    draft_model: str | None = None                       # the `head-*` modes' trained head (spec_decode/train.py)
+    draft_model: str | None = None                       # the `head-*` modes' trained head (tools/train_draft_head.py)
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_tokens: int = 128
     min_requests: int = 4
@@ -316,7 +316,7 @@ def _env_info(device: str) -> dict:
 
 
 def _run_cell(llm, counter: _StepCounter, prompts: list[str], temperature: float, max_tokens: int, seed: int):
-    from openinfer import SamplingParams
+    from openinfer.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
                              seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
@@ -364,7 +364,8 @@ def _run_cell(llm, counter: _StepCounter, prompts: list[str], temperature: float
 def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
     import torch
 
-    from openinfer import LLM, SamplingParams
+    from openinfer.entrypoints.llm import LLM
+    from openinfer.sampling_params import SamplingParams
 
     sampled_c = set(cfg.concurrency if cfg.sampled_concurrency is None else cfg.sampled_concurrency)
     for m in cfg.modes:
@@ -397,7 +398,7 @@ def run_spec_bench(cfg: SpecBenchConfig, log=print) -> dict:
             if spec is not None and spec["method"] == "draft_head":
                 if cfg.draft_model is None:
                     raise ValueError(f"mode {mode!r} needs --draft-model (a head trained by "
-                                     f"python -m openinfer.spec_decode.train)")
+                                     f"python -m openinfer.tools.train_draft_head)")
                 spec = dict(spec, draft_model=cfg.draft_model)
             t0 = time.perf_counter()
             llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=c,
@@ -521,7 +522,7 @@ def add_cli_args(p) -> None:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}; "
                    f"a mode + {ASYNC_SUFFIX!r} runs it with async scheduling")
-    p.add_argument("--draft-model", default=None, help="the head-* modes' draft head directory (spec_decode/train.py)")
+    p.add_argument("--draft-model", default=None, help="the head-* modes' draft head directory (tools/train_draft_head.py)")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 = greedy (checked against none)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-requests", type=int, default=4, help="requests per cell: max(concurrency, this)")

@@ -196,7 +196,7 @@ class _MaskTimer:
 
 def _compile_times(llm, cfg: StructuredBenchConfig) -> dict:
     """Cold (pool cache empty) vs cached submission of each structured mode's grammar to the engine's pool."""
-    from openinfer import SamplingParams
+    from openinfer.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     pool = llm.engine.structured_output.pool     # built here: the engine's first constrained request would
@@ -221,7 +221,7 @@ def _compile_times(llm, cfg: StructuredBenchConfig) -> dict:
 
 
 def _run_cell(llm, timer: _MaskTimer, texts: list[str], mode: str, cfg: StructuredBenchConfig) -> dict:
-    from openinfer import SamplingParams
+    from openinfer.sampling_params import SamplingParams
 
     so = structured_outputs(mode, cfg)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, structured_outputs=so)
@@ -273,7 +273,8 @@ def _run_cell(llm, timer: _MaskTimer, texts: list[str], mode: str, cfg: Structur
 def run_structured_bench(cfg: StructuredBenchConfig, log=print) -> dict:
     import torch
 
-    from openinfer import LLM, SamplingParams
+    from openinfer.entrypoints.llm import LLM
+    from openinfer.sampling_params import SamplingParams
 
     for m in cfg.modes:
         if m not in MODES:

@@ -15,18 +15,18 @@ import time
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.engine.model_runner import ModelRunner
 from openinfer.engine.output_processor import OutputProcessor
-from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
-from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
 from openinfer.layers.basic import TORCH_OPS
-from openinfer.quantization.reference import weight_only_fp8_linear
-from openinfer.loader.model_source import resolve_model_dir
-from openinfer.loader.weights import build_model
+from openinfer.models.interface import ResolvedModel
+from openinfer.models.registry import resolve
 from openinfer.outputs import RequestMetrics, RequestOutput
+from openinfer.quantization.reference import weight_only_fp8_linear
+from openinfer.request import Request, RequestStatus
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
 
@@ -54,41 +54,41 @@ def make_kernels(config: EngineConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
+                 model: ResolvedModel | None = None):
         """`parallel`: this process's ranks and groups when it is one worker of a multi-rank engine
-        (`distributed/executor.py` makes it); None for the one-process engine."""
+        (`executor/multiproc.py` makes it); None for the one-process engine. `model`: the model as the front end
+        resolved it (its directory, config and family: read once per start); None: resolved here."""
         self.config = config
         self.parallel = parallel or ParallelContext.single(config.device)
-        self.model_dir = resolve_model_dir(config.model, config.cache_path)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model_source = model or resolve(config)
+        self.model_dir = self.model_source.path
+        family = self.model_source.family
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, family.vocabulary)
         backend, ops = make_kernels(config)
-        model = build_model(self.model_dir, config.torch_dtype, self.parallel.device, backend, ops,
-                            max_positions=config.max_model_len, dummy=config.load_format == "dummy",
-                            quantization=config.quantization, parallel=self.parallel,
-                            kv_cache_dtype=config.kv_cache_dtype, engram_tables=config.engram_tables)
+        model = family.build(self.model_source, config, backend, ops, self.parallel)
         if config.batch_invariant:
             from openinfer.layers.batch_invariant import make_batch_invariant
 
+            if not model.traits.batch_invariant:
+                raise ValueError(f"batch_invariant supports the Llama family and Gemma-3; {family.name} models are "
+                                 f"not covered yet (their MoE/grouped GEMMs and compressed attention reduce across "
+                                 f"the batch)")
             make_batch_invariant(model)
         self.model_config = model.config
         self.runner = ModelRunner(config, model, vocab_size=model.config.vocab_size, parallel=self.parallel)
         self.max_model_len = self._resolve_max_model_len()
-        yoco = config.v41_prefill_mode == "yoco"
-        if yoco:
-            check = getattr(model, "check_yoco", None)
-            if check is None:
-                raise ValueError("v41_prefill_mode='yoco' applies to DeepSeek-V4.1 models only")
-            check(config.v41_prefill_keep_tokens)
+        yoco = config.v41_prefill_mode == "yoco"     # the family checked the model runs it (ModelFamily.build)
         self.kv_store = self._make_kv_store(model) if config.kv_store_enabled else None
-        self.runner.kv_store = self.kv_store
+        self.runner.store.kv_store = self.kv_store
         # models with per-request state: the state at a stored block boundary, in the same tiers
         self.state_store = None
         if self.kv_store is not None and self.runner.num_state_slots:
             from openinfer.kv_cache.kv_store import TieredKVStore
 
-            self.state_store = TieredKVStore(self.kv_store.tiers, self.runner.state_snapshot_bytes(),
+            self.state_store = TieredKVStore(self.kv_store.tiers, self.runner.pool.state_snapshot_bytes(),
                                              config.kv_store_ttl_s, queue_bytes=config.kv_store_write_buffer_bytes)
-        self.runner.state_store = self.state_store
+        self.runner.store.state_store = self.state_store
         # sliding-window models with a store: window state in host memory (kv_cache/bounded_replay.py)
         self.swa_state = None
         if self.kv_store is not None and self.runner.swa_layout is not None and config.resolved_swa_state_bytes:
@@ -96,7 +96,7 @@ class LLMEngine:
 
             self.swa_state = DeferredPutTier(HostMemoryTier(config.resolved_swa_state_bytes))
             self.swa_state.name = "swa_state"
-        self.runner.swa_state = self.swa_state
+        self.runner.store.swa_state = self.swa_state
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_state_slots=self.runner.num_state_slots,
                                          num_state_snapshots=self.runner.num_state_snapshots,
@@ -117,7 +117,7 @@ class LLMEngine:
             self.kv_manager.min_uncached_tokens = max(self.kv_manager.min_uncached_tokens,
                                                       self.speculator.context_tokens_after_hit)
         self.async_scheduling = self._resolve_async_scheduling()
-        if config.use_cuda_graphs and getattr(model, "supports_cuda_graphs", True):
+        if config.use_cuda_graphs and model.traits.cuda_graph_decode:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
@@ -147,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: {type(model).__name__} keeps "
                              f"per-request state, which a stored prefix needs as of its last block: that state is "
                              f"kept with prefix caching (enable_prefix_caching and num_state_snapshots > 0)")
-        if runner.swa_layout is not None and runner.store_block_bytes() == 0:
+        if runner.swa_layout is not None and runner.store.block_bytes() == 0:
             raise ValueError(f"kv_store_dir / kv_store_url / kv_host_cache_bytes: every layer of this "
                              f"{type(model).__name__} attends through a sliding window, and a stored block holds "
                              f"only full-attention layers' rows, so the store would keep nothing; prefix hits come "
@@ -161,7 +161,7 @@ class LLMEngine:
             caches=[(s.name, s.num_layers, tuple(s.entry_shape), str(s.dtype), s.tokens_per_entry)
                     for s in runner.cache_specs if isinstance(s, PagedCacheSpec)],
             # per-request state stored at block boundaries (DeepSeek-V4/V4.1): its layout, rollback room included
-            state=[(s.name, s.num_layers, tuple(s.state_shape), str(s.dtype)) for s in runner._snapshot_specs()],
+            state=[(s.name, s.num_layers, tuple(s.state_shape), str(s.dtype)) for s in runner.pool.snapshot_specs()],
             ranks=(self.parallel.dp_size, self.parallel.dp_rank, self.parallel.tp_size, self.parallel.tp_rank),
             # sliding-window models: entries hold the full-attention layers' rows only
             windowed_layers_left_out=runner.swa_layout.window_layers if runner.swa_layout is not None else ())
@@ -172,7 +172,7 @@ class LLMEngine:
             tiers.append(DirectoryTier(c.kv_store_dir, namespace, c.kv_store_capacity_bytes))
         if c.kv_store_url:
             tiers.append(RedisTier(c.kv_store_url, namespace))
-        return TieredKVStore(tiers, runner.store_block_bytes(), c.kv_store_ttl_s,
+        return TieredKVStore(tiers, runner.store.block_bytes(), c.kv_store_ttl_s,
                              queue_bytes=c.kv_store_write_buffer_bytes)
 
     def _resolve_async_scheduling(self) -> bool:
@@ -295,15 +295,14 @@ class LLMEngine:
                 seen.add(t.data_ptr())
                 weights += t.numel() * t.element_size()
         return {"weight_bytes": weights, "kv_blocks": runner.num_blocks, "block_size": self.config.block_size,
-                "kv_pool_bytes": (runner.num_blocks * runner.bytes_per_block(window=False)
-                                  + runner.num_window_blocks * runner.bytes_per_block(window=True)),
-                "kv_window_blocks": runner.num_window_blocks, "state_bytes": runner.state_bytes(),
+                "kv_pool_bytes": runner.pool.pool_bytes(),
+                "kv_window_blocks": runner.num_window_blocks, "state_bytes": runner.pool.state_bytes(),
                 "kv_capacity_tokens": runner.num_blocks * self.config.block_size,
                 "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
                 else None}
 
     def touch_cache_pages(self) -> None:
-        self.runner.touch_cache_pages()
+        self.runner.pool.touch_pages()
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight whose requests all finished holds nothing: the next step() reads it back.
@@ -416,7 +415,7 @@ class LLMEngine:
         the next lookup (kv_cache/bounded_replay.py; on CUDA the copy waits for the queued step)."""
         saves = self.kv_manager.state_copies.swa_saves
         if saves:
-            self.runner.save_window_state(saves)
+            self.runner.store.save_window_state(saves)
             saves.clear()
 
     # ---- introspection ----------------------------------------------------------------------------------

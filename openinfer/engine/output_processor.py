@@ -13,8 +13,8 @@ import time
 import torch
 
 from openinfer.engine.model_runner import PromptLogprobsChunk, RunnerOutput
-from openinfer.engine.request import Request, RequestStatus
 from openinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from openinfer.request import Request, RequestStatus
 from openinfer.sampling_params import RequestOutputKind
 from openinfer.tokenizer import Tokenizer
 

@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from openinfer.engine.cost_model import StepCostModel
-from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv_cache.bounded_replay import ReplayPlan
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager, StateCopies
+from openinfer.request import Request, RequestStatus
 
 
 @dataclass

@@ -8,126 +8,13 @@ import json
 import sys
 import time
 
-from openinfer.config import DEFAULT_MODEL
-
-
-def _async_scheduling_flag(args) -> bool | None:
-    """EngineConfig.async_scheduling from the two flags (neither: the device's default)."""
-    if args.async_scheduling and args.no_async_scheduling:
-        raise SystemExit("openinfer: --async-scheduling and --no-async-scheduling contradict each other")
-    return True if args.async_scheduling else False if args.no_async_scheduling else None
-
-
-def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    g = p.add_argument_group("engine")
-    return [
-        g.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF directory or .gguf file"),
-        g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)"),
-        g.add_argument("--dtype", default="auto"),
-        g.add_argument("--max-model-len", type=int, default=None),
-        g.add_argument("--max-num-seqs", type=int, default=256),
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048),
-        g.add_argument("--block-size", type=int, default=128),
-        g.add_argument("--no-prefix-caching", action="store_true"),
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=None),
-        g.add_argument("--quantization", choices=["int4"], default=None, help="CPU weight-only int4 linears"),
-        g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs"),
-        g.add_argument("--no-async-scheduling", action="store_true", help="CUDA: read each step back before the next"),
-        g.add_argument("--async-scheduling", action="store_true",
-                       help="queue each step before reading the last one back even with --speculative-config (steps "
-                            "then start on the guess that all drafts in flight are kept; off by default there)"),
-        g.add_argument("--batch-invariant", action="store_true",
-                       help="a request's logits and tokens are the same bits in any batch (slower; Llama family and "
-                            "Gemma-3, one process; docs/structured_output.md, Determinism)"),
-        g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                       help="dummy: random weights of the checkpoint's shape and formats"),
-        g.add_argument("--no-quantize-activations", action="store_true",
-                       help="FP8 checkpoints: keep activations unquantized (W8A16) instead of DeepSeek's W8A8"),
-        g.add_argument("--kv-cache-dtype", default="auto",
-                       help="auto: the model's own cache format (DeepSeek-V4.1: FP8/FP4 as DeepSeek stores them); "
-                            "the model dtype: unquantized caches; fp8 (or fp8_e4m3): Llama family and Gemma-3, "
-                            "FP8 E4M3 K/V with a float32 scale per token and head (about half the bytes of bf16; "
-                            "docs/kv_cache_fp8.md)"),
-        g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
-                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                            '(policy "fixed" | "confidence", verify_budget, prompt_lookup_min/max; '
-                            'docs/spec_decode.md)'),
-        g.add_argument("--v41-prefill-mode", choices=["exact", "yoco"], default="exact",
-                       help="DeepSeek-V4.1: yoco = decoder layers over the prompt's last --v41-prefill-keep-tokens only"),
-        g.add_argument("--v41-prefill-keep-tokens", type=int, default=140),
-        g.add_argument("--engram-tables", choices=["device", "host"], default="device",
-                       help="DeepSeek-V4.1: Engram tables in GPU memory or pinned host memory (read in place)"),
-        g.add_argument("--prefill-step-budget-ms", type=float, default=None, metavar="MS",
-                       help="size prefill chunks so each step's predicted time stays within MS (step cost fitted by "
-                            "`openinfer calibrate`, or at start if missing)"),
-        g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="DP ranks, each with its own requests and KV pool (one process per rank)"),
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per DP group"),
-        g.add_argument("--enable-expert-parallel", action="store_true",
-                       help="MoE models: split the routed experts over all ranks (attention DP + EP)"),
-        g.add_argument("--enable-eplb", action="store_true", help="EP: rebalance experts by measured load"),
-        g.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB: extra expert slots (at least)"),
-        g.add_argument("--eplb-window-steps", type=int, default=1000, help="EPLB: steps of load statistics"),
-        g.add_argument("--eplb-rebalance-interval-steps", type=int, default=10000,
-                       help="EPLB: steps between rebalances"),
-        g.add_argument("--distributed-init-method", default=None,
-                       help="worker rendezvous: env:// (torchrun's variables) or tcp://host:port; default a local port "
-                            "(with ranks on other hosts: required, reachable from every host)"),
-        g.add_argument("--num-local-ranks", type=int, default=None,
-                       help="several hosts: ranks this host runs (0..N-1; default all); the others connect from "
-                            "`openinfer worker` on other hosts"),
-        g.add_argument("--worker-listen-address", default=None, metavar="HOST:PORT",
-                       help="several hosts: where the other hosts' workers connect (authkey: the environment "
-                            "variable OPENINFER_WORKER_AUTHKEY, the same on every host)"),
-        g.add_argument("--worker-start-timeout", type=float, default=1800.0, metavar="SECONDS",
-                       help="how long to wait for every rank to connect and load"),
-        g.add_argument("--kv-store-dir", default=None, metavar="DIR",
-                       help="prefix-KV store directory (local disk or a shared mount): prefixes computed by any "
-                            "process using it are hits for every other (docs/kv_cache.md)"),
-        g.add_argument("--kv-store-url", default=None, metavar="redis://HOST:PORT",
-                       help="prefix-KV store on a Redis server (needs the redis package)"),
-        g.add_argument("--kv-host-cache-bytes", type=int, default=None, metavar="BYTES",
-                       help="prefix-KV store: host-RAM tier size (default 1 GiB with a store, 0: none)"),
-        g.add_argument("--swa-state-bytes", type=int, default=None, metavar="BYTES",
-                       help="sliding-window models with a store: host memory for window state at prefix "
-                            "boundaries (default 256 MiB with a store, 0: none; docs/kv_cache.md)"),
-        g.add_argument("--swa-replay", choices=["bounded", "exact"], default="bounded",
-                       help="a prefix hit without its window state replays the last window with attention "
-                            "truncated to it (bounded, the spec's) or from the first missing block (exact)"),
-    ]
-
-
-def _as_flags(args, actions: list[argparse.Action]) -> list[str]:
-    """The options of `args` that differ from their defaults, as command-line flags again."""
-    flags = []
-    for action in actions:
-        value = getattr(args, action.dest)
-        if value != action.default:
-            flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
-    return flags
+from openinfer.entrypoints.cli_args import add_engine_args, as_flags, engine_options
 
 
 def _make_llm(args):
     from openinfer import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
-               enforce_eager=args.enforce_eager, async_scheduling=_async_scheduling_flag(args),
-               load_format=args.load_format, quantize_activations=not args.no_quantize_activations,
-               data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
-               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
-               num_redundant_experts=args.num_redundant_experts, eplb_window_steps=args.eplb_window_steps,
-               eplb_rebalance_interval_steps=args.eplb_rebalance_interval_steps,
-               distributed_init_method=args.distributed_init_method, num_local_ranks=args.num_local_ranks,
-               worker_listen_address=args.worker_listen_address, worker_start_timeout_s=args.worker_start_timeout,
-               prefill_step_budget_ms=args.prefill_step_budget_ms, kv_cache_dtype=args.kv_cache_dtype,
-               v41_prefill_mode=args.v41_prefill_mode, v41_prefill_keep_tokens=args.v41_prefill_keep_tokens,
-               engram_tables=args.engram_tables, speculative_config=args.speculative_config,
-               kv_store_dir=args.kv_store_dir, kv_store_url=args.kv_store_url,
-               kv_host_cache_bytes=args.kv_host_cache_bytes, batch_invariant=args.batch_invariant,
-               swa_state_bytes=args.swa_state_bytes, swa_replay=args.swa_replay)
+    return LLM(**engine_options(args))
 
 
 def cmd_generate(args) -> int:
@@ -170,9 +57,9 @@ def cmd_generate(args) -> int:
     print(f"[{len(outs)} prompt(s): {sum(len(o.prompt_token_ids) for o in outs)} prompt tokens "
           f"({n_cached} cached), {n_out} generated tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s "
           f"on {llm.config.device}]")
-    from openinfer.loader.model_source import GENERATED
+    from openinfer.models.registry import tiny_models
 
-    if args.model in GENERATED:
+    if args.model in tiny_models():
         print(f"[{args.model} has random weights: the text above is noise; it exists for tests and demos]")
     return 0
 
@@ -187,7 +74,7 @@ def cmd_worker(args) -> int:
     import signal
 
     from openinfer.config import parse_host_port
-    from openinfer.distributed.worker import remote_worker_main
+    from openinfer.executor.worker import remote_worker_main
 
     address = parse_host_port(args.connect, "--connect")
     try:
@@ -244,14 +131,9 @@ def cmd_worker(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Fit (or refit) the step cost model of this model, device and dtype; print it and where it is saved."""
-    import json
-
-    from openinfer import LLM
     from openinfer.engine.cost_model import load_or_calibrate
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              load_format=args.load_format)
+    llm = _make_llm(args)
     model, path = load_or_calibrate(llm.engine, refit=True)
     saved = json.loads(path.read_text())
     print(json.dumps({"path": str(path), "coefficients_ms": saved["coefficients_ms"],
@@ -347,10 +229,10 @@ def cmd_bench_soak(args) -> int:
         result = run_soak(cfg)
     else:   # start our own server, so RSS is measured from its first moment
         log = args.server_log or tempfile.mkstemp(prefix="openinfer-soak-server-", suffix=".log")[1]
-        with serve_process(_as_flags(args, args.engine_actions), log) as (base_url, proc):
+        with serve_process(as_flags(args), log) as (base_url, proc):
             cfg.base_url, cfg.rss_pid = base_url, proc.pid
             result = run_soak(cfg)
-        result.update(server_args=_as_flags(args, args.engine_actions), server_exit_code=proc.returncode,
+        result.update(server_args=as_flags(args), server_exit_code=proc.returncode,
                       server_log=log)
         print(f"  server stopped with exit code {proc.returncode} (log: {log})")
     if args.result_json:
@@ -371,8 +253,8 @@ def cmd_simulate(args) -> int:
     import os
     import subprocess
 
-    from openinfer.serving import simulator as sim
-    from openinfer.serving.autoscale import AutoscaleConfig, PoolBounds
+    from openinfer.cluster import simulator as sim
+    from openinfer.cluster.autoscale import AutoscaleConfig, PoolBounds
 
     workload = sim.WorkloadConfig(
         seed=args.seed, duration_s=args.duration, day_s=args.day or args.duration, peak_rate=args.peak_rate,
@@ -460,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="answer prompts (chat template applied unless --raw)")
-    _engine_args(gen)
+    add_engine_args(gen, taken={"--seed"})
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -476,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
-    _engine_args(serve)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model (as vLLM's `serve MODEL`; --model also works)")
+    add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer / x-api-key)")
@@ -514,12 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=cmd_router)
 
     cal = sub.add_parser("calibrate", help="fit the step cost model used by --prefill-step-budget-ms (saved in the cache)")
-    for flag, kw in (("--model", dict(default=DEFAULT_MODEL)), ("--device", dict(default=None)),
-                     ("--dtype", dict(default="auto")), ("--max-model-len", dict(type=int, default=None)),
-                     ("--max-num-batched-tokens", dict(type=int, default=2048)),
-                     ("--block-size", dict(type=int, default=128)),
-                     ("--load-format", dict(choices=["auto", "dummy"], default="auto"))):
-        cal.add_argument(flag, **kw)
+    add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 
     worker = sub.add_parser(
@@ -552,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="offline throughput on random prompts, EOS ignored")
-    _engine_args(off)
+    add_engine_args(off, taken={"--seed"})
     off.add_argument("--num-requests", type=int, default=64)
     off.add_argument("--input-len", default="128", help="N or LO:HI (uniform)")
     off.add_argument("--output-len", default="128", help="N or LO:HI (uniform)")
@@ -577,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_bench_serve)
     soak = bench_sub.add_parser("soak", help="hold a server under streaming load, cut requests and fuzzed bodies; "
                                              "RSS over time, errors, leaked KV blocks")
-    soak.set_defaults(engine_actions=_engine_args(soak))     # for the server it starts
+    add_engine_args(soak, taken={"--seed"})     # for the server it starts
     soak.add_argument("--base-url", default=None, help="soak a running server instead of starting one")
     soak.add_argument("--server-pid", type=int, default=None, help="with --base-url: its pid, to sample RSS")
     soak.add_argument("--server-log", default=None, help="where the started server writes its log")
@@ -610,7 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:      # `serve MODEL`
+        flag = getattr(args, "_engine_flags_seen", {}).get("model")
+        if flag is not None and flag[1] != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} and {flag[0]} {flag[1]!r}")
+        args.model = args.model_tag
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:

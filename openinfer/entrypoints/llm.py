@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from openinfer.config import EngineConfig
-from openinfer.distributed.executor import make_engine
+from openinfer.executor import make_engine
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import RequestOutputKind, SamplingParams
 

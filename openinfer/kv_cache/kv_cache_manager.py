@@ -41,11 +41,12 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
-from openinfer.engine.request import Request
 from openinfer.kv_cache.block_pool import BlockPool, KVBlock
 from openinfer.kv_cache.bounded_replay import ReplayPlan, SlidingWindowLayout, plan_replay, window_blocks
-from openinfer.kv_cache.kv_store import TieredKVStore, resolve_ttl
+from openinfer.kv_cache.kv_store import TieredKVStore
 from openinfer.kv_cache.window_group import WindowGroup
+from openinfer.request import Request
+from openinfer.sampling_params import resolve_ttl
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:

@@ -31,22 +31,6 @@ from openinfer.kv_cache.tiers import KVTier
 
 logger = logging.getLogger("openinfer.kv_store")
 
-# cache_ttl classes (DeepInfer's defaults): agent sessions are kept 3 days, chat 7 days
-TTL_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
-
-
-def resolve_ttl(value: float | str | None, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, str):
-        if value not in TTL_CLASSES:
-            raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
-        return TTL_CLASSES[value]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"cache_ttl must be seconds > 0 or one of {sorted(TTL_CLASSES)}, got {value!r}")
-    return float(value)
-
-
 def namespace_digest(**parts) -> bytes:
     """sha256 over the sorted parts' reprs: everything that changes a block's bytes for the same tokens."""
     return hashlib.sha256(repr(sorted(parts.items())).encode()).digest()

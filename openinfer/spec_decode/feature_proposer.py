@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from openinfer.engine.request import Request
+from openinfer.request import Request
 
 
 class FeatureProposer:
@@ -81,7 +81,7 @@ class FeatureProposer:
             return
         features = self.drafter.features_of(runner_out.captured)
         dev = features.device
-        reads_next = getattr(self.drafter, "reads_next_tokens", False)
+        reads_next = self.drafter.reads_next_tokens
         rows, positions, slots, following = [], [], [], []
         draft_reqs = []
         for rid, (row, start, n, state_slot) in runner_out.rows.items():

@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import torch
 
+from openinfer.config import MAX_NGRAM_DRAFTS
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
-from openinfer.models.deepseek_v4 import MTP_INPUT
-from openinfer.spec_decode.config import MAX_NGRAM_DRAFTS
+from openinfer.models.deepseek_v4.model import MTP_INPUT
 
 
 class MtpDraft(NamedTuple):
@@ -51,15 +51,14 @@ class MtpDrafter:
                  scratch_slot: int = 0):
         """`max_batch` > 0: `propose` for up to that many requests replays CUDA graphs, whose padded rows write
         the state slot `scratch_slot` (the runner's spare one)."""
-        if len(getattr(model, "mtp", ())) == 0 or not hasattr(model, "mtp_hidden"):
+        if "mtp" not in model.traits.drafters:
             raise ValueError(f"speculative_config method 'mtp' needs a DeepSeek-V4 model with MTP heads "
                              f"(num_nextn_predict_layers > 0); {type(model).__name__} has none")
         self.model, self.caches, self.kv_block_size, self.num_drafts = model, caches, block_size, num_drafts
         self._newest: dict[int, torch.Tensor] = {}      # request slot -> the head's hidden at P
         self.graphs = self.row_graphs = None
-        parallel = getattr(model, "parallel", None)
-        single = parallel is None or (parallel.tp_size == 1 and parallel.ep_size == 1)
-        if max_batch and single and model.lm_head.weight.is_cuda and model.supports_cuda_graphs:
+        single = model.parallel.tp_size == 1 and model.parallel.ep_size == 1
+        if max_batch and single and model.lm_head.weight.is_cuda and model.traits.cuda_graph_decode:
             from openinfer.spec_decode.graphs import BatchGraphs
 
             self.graphs = BatchGraphs(self._chain, max_batch, pad_values=(0, scratch_slot, 0, 0))

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from openinfer.config import SPECULATIVE_POLICIES
+
 __all__ = ["VERIFY_POLICIES", "VerifyPolicy", "confidence_lengths", "confidence_mask", "fixed_lengths", "lengths_for"]
 
-VERIFY_POLICIES = ("fixed", "confidence")
+VERIFY_POLICIES = SPECULATIVE_POLICIES
 
 
 def fixed_lengths(num_drafts: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ import sys
 import numpy as np
 import torch
 
-from openinfer.engine.request import Request
-from openinfer.spec_decode.config import SpeculativeConfig
+from openinfer.config import SpeculativeConfig
+from openinfer.request import Request
 from openinfer.spec_decode.feature_proposer import guessed_continuation
 from openinfer.spec_decode.ngram import NgramProposer
 
@@ -56,7 +56,7 @@ class Speculator:
             from openinfer.spec_decode.feature_proposer import FeatureProposer
 
             model = runner.model
-            if not hasattr(model, "capture_layers") or not getattr(model.config, "dspark_block_size", 0):
+            if "dspark" not in model.traits.drafters:
                 raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with DSpark draft "
                                  f"stages; {type(model).__name__} has none")
             graphs = max_num_seqs if runner.config.use_cuda_graphs else 0      # propose from CUDA graphs
@@ -66,7 +66,7 @@ class Speculator:
             from openinfer.spec_decode.feature_proposer import FeatureProposer
 
             model = runner.model
-            if not hasattr(model, "embed_tokens") or not hasattr(model, "lm_head"):
+            if "draft_head" not in model.traits.drafters:
                 raise ValueError(f"speculative_config method 'draft_head' runs on Llama-family targets; "
                                  f"{type(model).__name__} is not one")
             head = DraftHead.load(config.draft_model, model.embed_tokens.weight, model.lm_head.weight)

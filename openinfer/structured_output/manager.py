@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import torch
 import xgrammar as xgr
 
-from openinfer.structured_output.bitmask import GrammarBitmask
+from openinfer.sampling.bitmask import GrammarBitmask
 from openinfer.structured_output.compiler import GrammarCompilerPool, GrammarError, GrammarTimeoutError
 from openinfer.structured_output.params import StructuredOutputsParams
 

@@ -48,12 +48,13 @@ from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
-from openinfer.models.deepseek_v4 import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
-                                          entry_index)
-from openinfer.models.deepseek_v41_config import DeepseekV41Config
+from openinfer.layers.fp8_linear import to_fp8_linear
+from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
+                                                entry_index)
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.interface import ModelTraits
 from openinfer.quantization.formats import dequantize_activations, quantize_activations
 from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
-from openinfer.quantization.linear import to_fp8_linear
 
 ACT_BLOCK = 32          # FP8 activation group of V4.1's quantized GEMMs (= its weight block)
 
@@ -702,15 +703,20 @@ _FP32_EXACT = ()
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    decode_graph_context_buckets = True
-
     @property
-    def supports_cuda_graphs(self) -> bool:
+    def traits(self) -> ModelTraits:
         """Decode is capturable when the experts take the grouped (host-sync-free) path and the device gathers every
-        Engram table's rows itself (on the device, or in pinned host memory)."""
+        Engram table's rows itself (on the device, or in pinned host memory); it reads compressed entries up to the
+        longest context (one graph per context bucket); rings, compressor rows and Engram look-back are per-request
+        state; YOCO prefill where the schedule has the CED split; the DSpark stages draft (`dspark`)."""
         dev = self.embed.weight.device
-        return all(layer.ffn.experts.grouped for layer in self.layers) and all(
+        graphs = all(layer.ffn.experts.grouped for layer in self.layers) and all(
             layer.engram.embed.gathered_by_device(dev) for layer in self.layers if layer.engram is not None)
+        c = self.config
+        return ModelTraits(cuda_graph_decode=graphs, context_bucketed_graphs=True, per_request_state=True,
+                           prefill_modes=("exact", "yoco") if c.yoco_split is not None else ("exact",),
+                           drafters=frozenset({"dspark"}) if c.dspark_block_size and len(self.mtp) else frozenset(),
+                           feature_layers=c.n_layers)
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
                  quantized_caches: bool = True, parallel: ParallelContext | None = None):

@@ -22,6 +22,7 @@ from openinfer.layers.attention import (AttentionBackend, AttentionMetadata, att
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
+from openinfer.models.interface import ModelTraits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -186,12 +187,16 @@ class LlamaForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: dict[int, torch.Tensor] = {}
 
-    def swa_layout(self) -> SlidingWindowLayout | None:
-        """The windowed layers (kv_cache/bounded_replay.py; Mistral: all of them, so the prefix-KV store keeps no
-        rows of this model and a hit's window comes from the pool, host memory or a replay)."""
+    @property
+    def traits(self) -> ModelTraits:
+        """Windowed layers (kv_cache/bounded_replay.py; Mistral: all of them, so the prefix-KV store keeps no rows
+        of this model and a hit's window comes from the pool, host memory or a replay); every layer's input can be
+        kept for a draft head (spec_decode/draft_head.py)."""
         c = self.config
         layers = tuple(i for i, w in enumerate(c.window_layers) if w)
-        return SlidingWindowLayout(c.sliding_window, layers) if layers else None
+        return ModelTraits(sliding_window=SlidingWindowLayout(c.sliding_window, layers) if layers else None,
+                           drafters=frozenset({"draft_head"}), feature_layers=len(self.layers),
+                           fp8_kv_cache=True, batch_invariant=True)
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
         """Full layers' KV in "kv", windowed layers' in "kv_window" (the window group: blocks past the window

@@ -2,7 +2,7 @@
 
 Read top to bottom: config -> small ops (norms, interleaved partial RoPE) -> the compressor (CSA / HCA
 pooling) -> attention (sliding window + compressed entries + sinks) -> MoE (hash / learned) -> mHC ->
-decoder layer -> model -> MTP -> weight loading.
+decoder layer -> model -> MTP. The config is in `config.py`, checkpoint names and loading in `loader.py`.
 
 Cache layout (spec 003 §3; docs/deepseek_v4.md has the byte counts):
 - paged, 128-token blocks shared through the prefix cache: CSA main entries (`csa_kv`, one per 4 tokens),
@@ -23,7 +23,7 @@ split over the TP ranks (one all-reduce after o_b_proj), the routed and shared e
 intermediate dimension (one all-reduce per MoE for both), the embedding and LM head split by vocabulary
 (logits all-gathered, so every rank samples the same token); everything else — the shared KV head, the
 compressors, the indexer, the router, mHC, norms — and so every cache is replicated. MTP layers are
-decoder layers and are split the same way. `load_weights` cuts each checkpoint tensor (and a quantized
+decoder layers and are split the same way. `loader.load_weights` cuts each checkpoint tensor (and a quantized
 weight's scales, at the same block boundary) to this rank's slice. With tp_size 1 nothing changes.
 
 Where the reference and causal semantics part (the lightning indexer's top-k on tied scores, see
@@ -33,152 +33,22 @@ docs/deepseek_v4.md), this file is causal: ties go to the earlier entry.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.collectives import tp_all_reduce
-from openinfer.distributed.expert_parallel import (ExpertRouting, checkpoint_slots, expert_parallel_moe,
-                                                   initial_layout)
+from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
-from openinfer.quantization.linear import stored_parameters, to_fp8_linear
+from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from openinfer.models.interface import ModelTraits
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-V4_TP_WITH_EP = ("DeepSeek-V4 does not combine tensor_parallel_size > 1 with enable_expert_parallel: use "
-                 "data_parallel_size with enable_expert_parallel, or tensor_parallel_size without it")
-
-
-# ---- config -------------------------------------------------------------------------------------------
-@dataclass
-class DeepseekV4Config:
-    vocab_size: int
-    hidden_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    q_lora_rank: int
-    rope_head_dim: int
-    num_experts_per_tok: int
-    n_routed_experts: int
-    n_shared_experts: int
-    routed_scaling_factor: float
-    layer_types: list[str]
-    mlp_layer_types: list[str]
-    compress_rates: dict[str, int]
-    main_rope: dict
-    compress_rope: dict
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    swiglu_limit: float
-    sliding_window: int
-    o_groups: int
-    o_lora_rank: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    num_nextn_predict_layers: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    model_type: str = "deepseek_v4"
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "DeepseekV4Config":
-        """HF `DeepseekV4Config` semantics, including its legacy keys (compress_ratios, num_hash_layers,
-        qk_rope_head_dim, flat rope_scaling)."""
-        n = hf["num_hidden_layers"]
-        if hf.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
-            raise ValueError(f"DeepSeek-V4 scoring_func {hf['scoring_func']!r} is not supported (sqrtsoftplus)")
-        rates = dict(hf.get("compress_rates") or {CSA: 4, HCA: 128})
-        rates[CSA] = hf.get("compress_rate_csa", rates.get(CSA, 4))
-        rates[HCA] = hf.get("compress_rate_hca", rates.get(HCA, 128))
-        layer_types = hf.get("layer_types")
-        if layer_types is None and hf.get("compress_ratios") is not None:
-            layer_types = [_RATIO_TO_TYPE[r] for r in hf["compress_ratios"]]
-        if layer_types is None:
-            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        mlp_types = hf.get("mlp_layer_types")
-        if mlp_types is None:
-            n_hash = hf.get("num_hash_layers", 3)
-            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-        head_dim = hf.get("head_dim", 512)
-        prf = hf.get("partial_rotary_factor")
-        if prf is None:
-            prf = hf["qk_rope_head_dim"] / head_dim if "qk_rope_head_dim" in hf else 64 / 512
-        rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-            main, compress = dict(rp["main"]), dict(rp["compress"])
-        else:
-            main = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-            compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
-            compress["rope_theta"] = hf.get("compress_rope_theta", 160000.0)
-            compress.setdefault("rope_type", compress.pop("type", "default"))
-            if compress["rope_type"] == "yarn":
-                compress.setdefault("attention_factor", 1.0)   # the V4 reference does not scale cos/sin
-        for name, types, allowed in (("layer_types", layer_types, (SLIDING, CSA, HCA)),
-                                     ("mlp_layer_types", mlp_types, ("hash_moe", "moe"))):
-            if len(types) < n or any(t not in allowed for t in types[:n]):
-                raise ValueError(f"{name} must list {n} entries from {allowed}; got {types}")
-        return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            moe_intermediate_size=hf["moe_intermediate_size"], num_hidden_layers=n,
-            num_attention_heads=hf["num_attention_heads"], head_dim=head_dim, q_lora_rank=hf["q_lora_rank"],
-            rope_head_dim=int(head_dim * prf), num_experts_per_tok=hf["num_experts_per_tok"],
-            n_routed_experts=hf["n_routed_experts"], n_shared_experts=hf.get("n_shared_experts", 1),
-            routed_scaling_factor=hf.get("routed_scaling_factor", 1.5), layer_types=list(layer_types[:n]),
-            mlp_layer_types=list(mlp_types[:n]), compress_rates=rates, main_rope=main, compress_rope=compress,
-            hc_mult=hf.get("hc_mult", 4), hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
-            hc_eps=hf.get("hc_eps", 1e-6), swiglu_limit=hf.get("swiglu_limit", 10.0),
-            sliding_window=hf.get("sliding_window", 128), o_groups=hf["o_groups"], o_lora_rank=hf["o_lora_rank"],
-            index_n_heads=hf["index_n_heads"], index_head_dim=hf["index_head_dim"], index_topk=hf["index_topk"],
-            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 1 << 20),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-
-    def layers_of(self, kind: str) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == kind]
-
-    def check_tensor_parallel(self, tp_size: int, block: int | None = None, expert_fmt: str | None = None) -> None:
-        """Raise ValueError naming the field if this model cannot be split over `tp_size` ranks (query heads,
-        output groups, the experts' intermediate dimension and the vocabulary in equal slices). `block` /
-        `expert_fmt`: a quantized checkpoint's FP8 block and routed-expert format ("fp8" | "mxfp4"); every
-        shard boundary must then fall on a scale block (FP8: `block` rows/columns; MXFP4: 32 values along K)."""
-        if tp_size == 1:
-            return
-        for name in ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size"):
-            value = getattr(self, name)
-            if value % tp_size:
-                raise ValueError(f"tensor_parallel_size={tp_size} must divide {name} ({value}) of this DeepSeek-V4 "
-                                 f"model (every rank holds an equal slice)")
-        if block is None:
-            return
-        inter = self.moe_intermediate_size // tp_size
-        fp8 = f"FP8 block ({block})"
-        cuts = [("num_attention_heads * head_dim / tp (the rows of q_b_proj / wq_b per rank)",
-                 self.num_attention_heads * self.head_dim // tp_size, block, fp8),
-                ("o_groups * o_lora_rank / tp (the rows of o_a_proj / wo_a and columns of o_b_proj / wo_b per rank)",
-                 self.o_groups * self.o_lora_rank // tp_size, block, fp8),
-                ("moe_intermediate_size * n_shared_experts / tp (the shared expert's slice per rank)",
-                 inter * self.n_shared_experts, block, fp8),
-                ("moe_intermediate_size / tp (the routed experts' slice per rank)", inter,
-                 *((32, "MXFP4 scale group (32)") if expert_fmt == "mxfp4" else (block, fp8)))]
-        for what, size, unit, unit_name in cuts:
-            if size % unit:
-                raise ValueError(f"tensor_parallel_size={tp_size} cuts the quantized checkpoint's scale blocks: "
-                                 f"{what} is {size}, not a multiple of the {unit_name}")
 
 
 # ---- small ops ----------------------------------------------------------------------------------------
@@ -871,13 +741,14 @@ _FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.h
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    # decode gathers compressed entries up to max_decode_context_len: one graph per context bucket
-    decode_graph_context_buckets = True
-
     @property
-    def supports_cuda_graphs(self) -> bool:
-        """Graph capture needs the host-sync-free expert path (grouped GEMM: bf16 on CUDA)."""
-        return self.lm_head.weight.dtype == torch.bfloat16
+    def traits(self) -> ModelTraits:
+        """Decode is capturable on the host-sync-free expert path (grouped GEMM: bf16 on CUDA) and gathers the
+        compressed entries up to the longest context (one graph per context bucket); windows and compressor rows
+        are per-request state; the MTP heads draft (`mtp`)."""
+        return ModelTraits(cuda_graph_decode=self.lm_head.weight.dtype == torch.bfloat16,
+                           context_bucketed_graphs=True, per_request_state=True,
+                           drafters=frozenset({"mtp"}) if len(self.mtp) else frozenset())
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None):
         """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime; `parallel`:
@@ -1018,204 +889,3 @@ class DeepseekV4ForCausalLM(nn.Module):
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")
             setattr(parent, child, new)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dry_run: bool = False) -> None:
-        """Tensors named as transformers' modules or as the upstream checkpoint (what `save_pretrained`
-        writes: `attn.wq_a`, `ffn.experts.{e}.w1`, `hc_attn_fn`, ...; renamed by transformers' own rules,
-        see `native_to_hf`); `mtp.{k}.*` for the MTP heads; quantized weights as stored with their scales
-        named `<weight>_scale` (the loader's canonical name for `.scale` / `.weight_scale_inv`). Every
-        parameter and routing buffer must be covered exactly once. A checkpoint without MTP tensors
-        (transformers drops them) drops the heads. `dry_run`: check names and shapes only (meta tensors
-        are fine), before anything is allocated."""
-        params = dict(self.named_parameters())
-        params.update({n: b for n, b in self.named_buffers() if n.endswith(("tid2eid", "e_score_correction_bias"))})
-        n_experts = self.config.n_routed_experts
-        local_slots = None
-        if self.expert_placement is not None:    # expert e -> the slots of this rank that hold it
-            local_slots = checkpoint_slots(self.expert_placement, self.parallel.ep_rank)
-            local_logical = self.expert_placement.local_logical(self.parallel.ep_rank)[0]
-        loaded = set()
-        for name, tensor in weights:
-            name, part = native_to_hf(name)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM")
-            dst = params[name].data
-            key = name
-            dsts = [dst]
-            if (part is None and local_slots is not None and ".experts." in name and tensor.dim() == 3
-                    and tensor.shape[0] == n_experts):   # stacked experts (transformers' layout): this rank's
-                tensor = tensor[local_logical]
-            if part is not None:            # one expert's w1 / w3 / w2 (or its scale) of a stacked parameter
-                e, w = part
-                if e >= n_experts:
-                    raise ValueError(f"checkpoint expert {e} of {name!r} is beyond n_routed_experts={n_experts}")
-                half = dst.shape[1] // 2
-                slots = [e] if local_slots is None else local_slots.get(e, [])   # EP: this rank's copies
-                dsts = [dst[i] if w == "w2" else dst[i, :half] if w == "w1" else dst[i, half:] for i in slots]
-                key = f"{name}#{e}.{w}"
-            if self.parallel.tp_size > 1:    # tensor parallelism: this rank's slice (weights and their scales)
-                tensor = self._tp_shard(name, part, tensor, dsts[0] if dsts else None, key)
-            stored_raw = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
-            for dst in dsts:
-                if stored_raw and dst.dtype.is_floating_point and dst.dtype.itemsize > 1:
-                    raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but its place holds "
-                                     f"{dst.dtype}: quantized weights are never read as plain floats")
-                if dst.dtype.itemsize == 1 and not stored_raw:
-                    raise ValueError(f"checkpoint tensor {key!r} is stored {tensor.dtype} but the other tensors "
-                                     f"of its module are quantized ({dst.dtype}): one module, one format")
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                if not dry_run:
-                    dst.copy_(tensor.view(dst.dtype) if stored_raw and tensor.dtype.itemsize == 1 == dst.dtype.itemsize
-                              else tensor.to(dst.dtype))
-            loaded.add(key)
-        if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
-            self.mtp = nn.ModuleList()
-        expected = set()
-        for n in (*dict(self.named_parameters()), *[b for b in dict(self.named_buffers())
-                                                     if b.endswith(("tid2eid", "e_score_correction_bias"))]):
-            if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")) and n not in loaded:
-                expected |= {f"{n}#{e}.{w}" for e in range(n_experts) for w in ("w1", "w3")}
-            elif n.endswith(("experts.down_proj", "experts.down_proj_scale")) and n not in loaded:
-                expected |= {f"{n}#{e}.w2" for e in range(n_experts)}
-            else:
-                expected.add(n)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
-
-    def _tp_shard(self, name: str, part, tensor: torch.Tensor, dst: torch.Tensor | None, key: str) -> torch.Tensor:
-        """This TP rank's slice of full checkpoint tensor `tensor` (our name `name`, one expert's `part`),
-        for a parameter slice shaped `dst`. A quantized weight and its scale are cut along the same
-        dimension at the same fraction: FP8 scales hold one value per block x block tile, MXFP4 scales one
-        per 32 values along K and its bytes two values each, so slice i of the weight is slice i of its
-        bytes and of its scales when the cut falls on a block (checked at start-up, check_tensor_parallel;
-        a full size that is not tp x the local one is refused here)."""
-        if dst is None:
-            return tensor
-        if part is not None:
-            dim = 1 if part[1] == "w2" else 0
-        else:
-            dim = _tp_shard_dim(name)
-            if dim is None:
-                return tensor
-            if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):   # stacked [E, 2I, H]
-                gate, up = tensor.chunk(2, dim=1)
-                half = dst.shape[1] // 2
-                return torch.cat((self._tp_narrow(gate, 1, half, key), self._tp_narrow(up, 1, half, key)), dim=1)
-        return self._tp_narrow(tensor, dim, dst.shape[dim], key)
-
-    def _tp_narrow(self, tensor: torch.Tensor, dim: int, local: int, key: str) -> torch.Tensor:
-        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
-        if tensor.dim() <= dim or tensor.shape[dim] != local * tp:
-            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}: dimension {dim} should be "
-                             f"tensor_parallel_size ({tp}) x {local} (this rank's slice)")
-        return tensor.narrow(dim, rank * local, local)
-
-
-# tensor parallelism: which dimension of a (non-expert-slice) parameter is split over the TP ranks
-_TP_SPLIT = [(re.compile(a), d) for a, d in (
-    (r"^embed_tokens\.weight$", 0), (r"^lm_head\.weight$", 0),
-    (r"\.self_attn\.q_b_proj\.weight(_scale)?$", 0), (r"\.self_attn\.sinks$", 0),
-    (r"\.self_attn\.o_a_proj\.weight(_scale)?$", 0), (r"\.self_attn\.o_b_proj\.weight(_scale)?$", 1),
-    (r"\.shared_experts\.(gate|up)_proj\.weight(_scale)?$", 0), (r"\.shared_experts\.down_proj\.weight(_scale)?$", 1),
-    (r"\.experts\.gate_up_proj(_scale)?$", 1), (r"\.experts\.down_proj(_scale)?$", 2))]
-
-
-def _tp_shard_dim(name: str) -> int | None:
-    for pattern, dim in _TP_SPLIT:
-        if pattern.search(name):
-            return dim
-    return None
-
-
-# transformers' renaming of the upstream checkpoint (conversion_mapping.py, "deepseek_v4"), in its order
-_NATIVE_RENAMES = [(re.compile(a), b) for a, b in (
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
-    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
-    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
-    (r"\.attn_sink", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))]
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight(_scale)?$")
-_MTP_OWN = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head")
-
-
-def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
-    """Our parameter name for a checkpoint tensor name, and (expert, w1|w2|w3) for one expert's slice."""
-    name = name.removeprefix("model.")
-    prefix = ""
-    if name.startswith("mtp."):          # mtp.{k}.<a decoder block's names, or the head's own>
-        k, rest = name.split(".", 2)[1:]
-        if not rest.startswith(("layer.", *_MTP_OWN)):
-            rest = "layer." + rest
-        prefix, name = f"mtp.{k}.", rest
-        if name.startswith("layer."):
-            prefix, name = prefix + "layer", name[len("layer"):]
-    for pattern, repl in _NATIVE_RENAMES:
-        name = pattern.sub(repl, name)
-    name = prefix + name
-    m = _EXPERT.match(name)
-    if m:
-        stacked = m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj") + (m.group(4) or "")
-        return stacked, (int(m.group(2)), m.group(3))
-    return name, None
-
-
-# the inverse: our parameter name -> the upstream checkpoint's (for writing checkpoints in the published layout)
-_HF_TO_NATIVE = [(re.compile(a), b) for a, b in (
-    (r"^embed_tokens\.weight$", "embed.weight"), (r"^lm_head\.weight$", "head.weight"),
-    (r"(^|\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2"),
-    (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
-    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
-    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."), (r"\.compressor\.indexer\.", ".indexer.compressor."),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."), (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."), (r"\.compressor\.position_bias$", ".compressor.ape"),
-    (r"\.self_attn\.", ".attn."), (r"\.attn\.q_a_proj\.", ".attn.wq_a."), (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
-    (r"\.attn\.kv_proj\.", ".attn.wkv."), (r"\.attn\.o_a_proj\.", ".attn.wo_a."), (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
-    (r"\.attn\.q_a_norm\.", ".attn.q_norm."), (r"\.attn\.sinks$", ".attn.attn_sink"), (r"\.mlp\.", ".ffn."),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"), (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    (r"^mtp\.(\d+)\.layer\.", r"mtp.\1."))]
-
-# which upstream tensors DeepSeek publishes in FP8 (block-scaled); routed experts follow `expert_dtype`;
-# float32 ones; everything else (embeddings, head, norms, router, compressors, indexer weights_proj) is bf16
-_PUBLISHED_FP8 = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
-                            r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
-_PUBLISHED_FP32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.attn_sink|\.ape|\.gate\.bias)$")
-
-
-def hf_to_native(name: str) -> str:
-    """The upstream checkpoint's name of one of our (non-expert) tensors; `native_to_hf` inverts it."""
-    for pattern, repl in _HF_TO_NATIVE:
-        name = pattern.sub(repl, name)
-    return name
-
-
-def published_dtype(native_name: str, expert_fmt: str | None) -> str:
-    """"fp8" | "mxfp4" | "fp32" | "bf16" | "int": how DeepSeek publishes an upstream tensor; `expert_fmt`
-    None means a bf16 checkpoint (nothing quantized)."""
-    if native_name.endswith("tid2eid"):
-        return "int"
-    if _PUBLISHED_FP32.search(native_name):
-        return "fp32"
-    if expert_fmt is not None:
-        if native_to_hf(native_name)[1] is not None:      # one routed expert's w1 / w2 / w3
-            return expert_fmt
-        if _PUBLISHED_FP8.search(native_name):
-            return "fp8"
-    return "bf16"

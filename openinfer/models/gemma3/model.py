@@ -38,6 +38,7 @@ from openinfer.layers.attention import (AttentionBackend, AttentionMetadata, att
 from openinfer.layers.basic import TORCH_OPS, LayerOps, RotaryEmbedding
 from openinfer.layers.parallel_linear import (ColumnParallelLinear, ParallelGatedMLP, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, load_fused_hf_weights)
+from openinfer.models.interface import ModelTraits
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -236,17 +237,20 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.capture_layers, self.captured = (), {}     # no feature taps (no drafter reads Gemma-3's layers)
 
     def reset_rotary_tables(self, device: torch.device) -> None:
         self.rotary.reset_tables(device)
         self.rotary_local.reset_tables(device)
 
-    def swa_layout(self) -> SlidingWindowLayout | None:
+    @property
+    def traits(self) -> ModelTraits:
         """The sliding layers (kv_cache/bounded_replay.py: the prefix-KV store keeps only the other layers' rows,
         a hit rebuilds the window's from host memory or by replay)."""
         c = self.config
         layers = tuple(i for i, t in enumerate(c.layer_types) if t == SLIDING)
-        return SlidingWindowLayout(c.sliding_window, layers) if layers else None
+        return ModelTraits(sliding_window=SlidingWindowLayout(c.sliding_window, layers) if layers else None,
+                           fp8_kv_cache=True, batch_invariant=True)
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[PagedCacheSpec]:
         """Full layers' KV in "kv", sliding layers' in "kv_window" (the window group: blocks past the window

@@ -1,4 +1,4 @@
-"""`python -m openinfer.spec_decode.train`: fit a DSpark-shaped draft head (`draft_head.py`) to an HF model by
+"""`python -m openinfer.tools.train_draft_head`: fit a DSpark-shaped draft head (`draft_head.py`) to an HF model by
 self-distillation (issue 12 item 6; docs/spec_decode.md, "Training a draft head").
 
 Why self-distillation: the head is judged by one thing, whether the *target's* greedy verification keeps its
@@ -436,7 +436,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m openinfer.spec_decode.train", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m openinfer.tools.train_draft_head", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = TrainConfig(model="")
     p.add_argument("--model", default="smollm2-135m-instruct",

@@ -25,7 +25,7 @@ idles, so the cluster follows the traffic by resizing each pool on its own signa
   once its queue is empty.
 
 `decide` is one interval's decision for one pool; `DecodeDrain` is one draining decode instance's clock. The
-cluster simulator (`serving/simulator.py`) drives both.
+cluster simulator (`cluster/simulator.py`) drives both.
 """
 
 from __future__ import annotations

@@ -1,42 +1,30 @@
-"""Build a DeepSeek-V4.1 model from a directory in DeepSeek's published layout: `config.json` (inference form,
-or HF release form with `model_type: deepseek_v41`), safetensors under the reference's own tensor names (FP8
+"""DeepSeek-V4.1 checkpoints in DeepSeek's published layout: safetensors under the reference's own tensor names (FP8
 32x32 E8M0 dense weights with `<name>.scale`, MXFP4 routed experts as int8/uint8 bytes, FP8 Engram tables with a
-per-32 E8M0 scale per row; bf16 checkpoints too), and `tokenizer.json`, whose compressed token map feeds Engram.
-
-Also the inverse (`published_state_dict`): a model's tensors under the published names and dtypes, which is how
-`deepseek-v41-tiny` and the tests write checkpoints.
+per-32 E8M0 scale per row; bf16 checkpoints too), and `tokenizer.json`, whose compressed token map feeds Engram:
+which modules are stored quantized, loading with expert parallelism, random weights of a working shape. The
+inverse (writing the published layout) is `writer.py`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import sys
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from openinfer.distributed.parallel_state import ParallelContext
-from openinfer.layers.basic import LayerOps
-from openinfer.layers.engram import EngramLayout, EngramTable, NgramHasher, compressed_token_map
-from openinfer.loader.weights import materialize
-from openinfer.models.deepseek_v4 import Experts
-from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-from openinfer.models.deepseek_v41_config import INFERENCE_FORM_KEYS, DeepseekV41Config
-from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
+from openinfer.layers.engram import EngramLayout, NgramHasher, compressed_token_map
+from openinfer.models.deepseek_v4.model import Experts
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from openinfer.quantization.checkpoint import QuantScheme, pair_quantized
 from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 
-V41_NO_TP = ("DeepSeek-V4.1 runs with data_parallel_size (attention DP), optionally with enable_expert_parallel; "
-             "tensor_parallel_size > 1 is not wired for it yet")
 V41_BLOCK = 32            # the released V4.1 weights: 32x32 FP8 blocks (inference form has no quantization_config)
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
 _SHARED_WITH_BACKBONE = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")     # DSpark stages' copies
-
-
-def is_deepseek_v41(hf: dict) -> bool:
-    return hf.get("model_type") == "deepseek_v41" or all(k in hf for k in INFERENCE_FORM_KEYS)
 
 
 def quant_scheme(hf: dict, cfg: DeepseekV41Config) -> QuantScheme | None:
@@ -74,58 +62,6 @@ def _token_map(path: str, mtime_ns: int, size: int) -> tuple[torch.Tensor, int]:
     from tokenizers import Tokenizer
 
     return compressed_token_map(Tokenizer.from_file(path))
-
-
-def build_deepseek_v41(model_dir: Path, hf: dict, dtype: torch.dtype, device: torch.device,
-                       max_positions: int | None, dummy: bool, ops: LayerOps,
-                       parallel: ParallelContext, quantized_caches: bool = True,
-                       engram_on_host: bool = False) -> DeepseekV41ForCausalLM:
-    """`engram_on_host`: Engram tables in pinned host memory (CUDA reads them in place), the rest on `device`."""
-    if parallel.tp_size > 1:
-        raise ValueError(V41_NO_TP)
-    cfg = DeepseekV41Config.from_dict(hf)
-    if cfg.vision_n_layers > 0:
-        print(f"[openinfer] {model_dir.name}: DeepSeek-V4.1 loads text-only (the {cfg.vision_n_layers}-layer vision "
-              f"tower is not loaded; requests with images are refused)", file=sys.stderr, flush=True)
-    if max_positions is not None:
-        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
-    scheme = quant_scheme(hf, cfg)
-    engram = engram_hasher(cfg, model_dir)
-    with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, ops, engram and engram[0], quantized_caches, parallel).cast(dtype)
-    if dummy:
-        fp8, experts = published_modules(model, scheme)
-        headers = None
-    else:
-        headers = read_headers(model_dir)
-        fp8, experts = stored_modules(headers, scheme)
-    if fp8 or experts:
-        model.quantize(fp8, scheme.block, experts)
-    if headers is not None:
-        from openinfer.loader.weights import _stored_dtype
-
-        load_weights(model, ((n, torch.empty(t.shape, dtype=_stored_dtype(t), device="meta"))
-                             for n, t in headers.items()), dry_run=True)
-    host_tables = []
-    if engram_on_host and device.type == "cuda":       # never allocated on the GPU, not even briefly
-        for layer in model.layers:
-            if layer.engram is not None:
-                host_tables.append((layer.engram, *layer.engram.embed.weight.shape))
-                del layer.engram.embed
-    model = materialize(model, device)
-    for module, rows, head_dim in host_tables:
-        module.embed = EngramTable(rows, head_dim, device="cpu", pin_memory=True)
-    for rope in model.ropes.values():
-        rope.reset(device)
-    if dummy:
-        init_deepseek_v41_random(model, seed=0)
-    else:
-        from openinfer.loader.weights import iter_safetensors
-
-        load_weights(model, iter_safetensors(model_dir, keep=model_keeps(model)))
-    if engram is not None:
-        model.attach_hasher(engram[1].to(device))
-    return model.eval()
 
 
 def stored_modules(headers: dict, scheme: QuantScheme | None) -> tuple[list[str], dict[str, str]]:
@@ -274,34 +210,7 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
                              f"backbone's embedding and head, separate copies are not supported")
 
 
-def published_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under DeepSeek's names and published dtypes: `.scale` for quantized weights, one
-    entry per routed expert (MXFP4 as uint8 bytes), bf16 for what the reference promotes to float32 on load
-    (head, compressors, confidence head), float32 for mHC, sinks and the router bias."""
-    out = {}
-    keep_fp32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.gate\.bias)$")
-    for name, p in model.named_parameters():
-        t = p.detach()
-        m = re.match(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)(_scale)?$", name)
-        if m:
-            suffix = "scale" if m.group(3) else "weight"
-            for e in range(t.shape[0]):
-                if m.group(2) == "down_proj":
-                    out[f"{m.group(1)}.{e}.w2.{suffix}"] = t[e].contiguous()
-                else:
-                    half = t.shape[1] // 2
-                    out[f"{m.group(1)}.{e}.w1.{suffix}"] = t[e, :half].contiguous()
-                    out[f"{m.group(1)}.{e}.w3.{suffix}"] = t[e, half:].contiguous()
-            continue
-        if name.endswith(".weight_scale"):
-            name = name[:-len(".weight_scale")] + ".scale"
-        if t.dtype == torch.float32 and not keep_fp32.search(name):
-            t = t.to(torch.bfloat16)
-        out[name] = t.contiguous()
-    return out
-
-
-def init_deepseek_v41_random(model: DeepseekV41ForCausalLM, seed: int, std: float = 0.02) -> None:
+def init_random(model: DeepseekV41ForCausalLM, seed: int, std: float = 0.02) -> None:
     """Random weights of a working shape (for `load_format="dummy"` and the tiny model): normal(std) matrices,
     norms and mHC scales at one, small random sinks / mHC biases / router bias; quantized weights get random
     stored values (FP8 values, E2M1 nibbles) with one power-of-two scale giving about the same std; Engram tables

@@ -1,5 +1,5 @@
 """A deterministic discrete-event simulator of a prefill/decode cluster (issue 15, item 4), to weigh the
-autoscaling policy (`serving/autoscale.py`, spec 003 §2) against static P:D splits before any cluster exists.
+autoscaling policy (`cluster/autoscale.py`, spec 003 §2) against static P:D splits before any cluster exists.
 
 What it models, and from what:
 - **Prefill instances** run FIFO queues in steps of up to `prefill_chunk_tokens` new tokens; a step costs the
@@ -32,9 +32,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from openinfer.cluster import autoscale
+from openinfer.cluster.autoscale import AutoscaleConfig, DecodeDrain, PoolSignals
 from openinfer.engine.cost_model import StepCostModel, fit
-from openinfer.serving import autoscale
-from openinfer.serving.autoscale import AutoscaleConfig, DecodeDrain, PoolSignals
 from openinfer.serving.balancers import (InstanceState, QuotaRounds, assign_buckets, bucket_of, pick_decode,
                                          pick_prefill, prefill_cost)
 
@@ -719,71 +719,54 @@ __all__ = ["WorkloadConfig", "ClusterConfig", "Simulator", "SimResult", "simulat
 
 
 # ---- results on disk ------------------------------------------------------------------------------------------
-_COLORS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75))
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (the `plots` extra: pip install 'openinfer[plots]')."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'openinfer[plots]' (or drop --out)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-
-def _panel(draw, font, box, title, series, xlabel, log_x=False):
-    """One line chart in `box` (x0, y0, x1, y1): series = [(label, xs, ys)], axes from 0, a legend."""
-    x0, y0, x1, y1 = box
-    left, bottom = x0 + 56, y1 - 30
-    top, right = y0 + 22, x1 - 10
-    draw.text((left, y0 + 2), title, fill="black", font=font)
-    xs_all = [x for _, xs, _ in series for x in xs] or [1.0]
-    ys_all = [y for _, _, ys in series for y in ys] or [1.0]
-    fx = (lambda v: math.log10(max(v, 1e-3))) if log_x else (lambda v: v)
-    xmin, xmax = (fx(min(xs_all)), fx(max(xs_all))) if log_x else (0.0, max(xs_all) or 1.0)
-    ymax = max(ys_all) * 1.08 or 1.0
-    px = lambda v: left + (fx(v) - xmin) / ((xmax - xmin) or 1.0) * (right - left)   # noqa: E731
-    py = lambda v: bottom - v / ymax * (bottom - top)                                  # noqa: E731
-    draw.rectangle((left, top, right, bottom), outline="black")
-    for k in range(5):
-        yv = ymax * k / 4
-        draw.line((left - 4, py(yv), left, py(yv)), fill="black")
-        draw.text((x0 + 2, py(yv) - 6), f"{yv:.3g}", fill="black", font=font)
-        xv = 10 ** (xmin + (xmax - xmin) * k / 4) if log_x else xmax * k / 4
-        draw.line((px(xv), bottom, px(xv), bottom + 4), fill="black")
-        draw.text((px(xv) - 14, bottom + 5), f"{xv:.3g}", fill="black", font=font)
-    draw.text(((left + right) // 2 - 30, bottom + 16), xlabel, fill="black", font=font)
-    for i, (label, xs, ys) in enumerate(series):
-        color = _COLORS[i % len(_COLORS)]
-        if len(xs) > 1:
-            draw.line([(px(x), py(y)) for x, y in zip(xs, ys)], fill=color, width=2)
-        draw.line((right - 150, top + 8 + 13 * i, right - 130, top + 8 + 13 * i), fill=color, width=2)
-        draw.text((right - 126, top + 2 + 13 * i), label, fill="black", font=font)
+    return plt
 
 
 def write_plots(prefix: str, runs: dict[str, SimResult]) -> list[str]:
     """`{prefix}_gpus.png` (arrival rate, prefill and decode GPUs over time, per run) and `{prefix}_latency.png`
-    (TTFT and TPOT distributions per run). Drawn with Pillow (the test extra); returns the paths written."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
+    (TTFT and TPOT distributions per run), drawn with matplotlib; returns the paths written."""
+    plt = _pyplot()
     first = next(iter(runs.values()))
     hours = lambda tl: [t / 3600 for t in tl["t"]]          # noqa: E731
-    img = Image.new("RGB", (900, 720), "white")
-    draw = ImageDraw.Draw(img)
-    _panel(draw, font, (0, 0, 900, 240), "arrival rate (requests/s)",
-           [("arrivals", hours(first.timeline), first.timeline["arrival_rate"])], "simulated hours")
-    _panel(draw, font, (0, 240, 900, 480), "prefill GPUs held",
-           [(name, hours(r.timeline), r.timeline["prefill_gpus"]) for name, r in runs.items()], "simulated hours")
-    _panel(draw, font, (0, 480, 900, 720), "decode GPUs held (ready pool not included)",
-           [(name, hours(r.timeline), r.timeline["decode_gpus"]) for name, r in runs.items()], "simulated hours")
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.2), sharex=True, layout="constrained")
+    axes[0].plot(hours(first.timeline), first.timeline["arrival_rate"], label="arrivals")
+    axes[0].set_title("arrival rate (requests/s)")
+    for ax, key, title in ((axes[1], "prefill_gpus", "prefill GPUs held"),
+                           (axes[2], "decode_gpus", "decode GPUs held (ready pool not included)")):
+        for name, r in runs.items():
+            ax.plot(hours(r.timeline), r.timeline[key], label=name)
+        ax.set_title(title)
+    axes[2].set_xlabel("simulated hours")
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper right")
     paths = [f"{prefix}_gpus.png"]
-    img.save(paths[0], optimize=True)
-    img = Image.new("RGB", (900, 480), "white")
-    draw = ImageDraw.Draw(img)
-    for row, (title, value) in enumerate((
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, 1, figsize=(9, 4.8), layout="constrained")
+    for ax, (title, value) in zip(axes, (
             ("TTFT CDF (fraction of requests)", lambda r: r.first_token - r.arrival),
             ("TPOT CDF (fraction of requests)", lambda r: (r.finish - r.first_token) / (r.output - 1)))):
-        series = []
         for name, res in runs.items():
             ms = np.sort([value(r) * 1e3 for r in res.requests if r.finish is not None and not r.dropped])
             if len(ms):
-                idx = np.unique(np.linspace(0, len(ms) - 1, 200).astype(int))
-                series.append((name, ms[idx].tolist(), ((idx + 1) / len(ms)).tolist()))
-        _panel(draw, font, (0, 240 * row, 900, 240 * (row + 1)), title, series, "ms (log scale)", log_x=True)
+                ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=name)
+        ax.set_xscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("ms (log scale)")
+        ax.legend(loc="lower right")
     paths.append(f"{prefix}_latency.png")
-    img.save(paths[1], optimize=True)
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
     return paths
 
 

@@ -16,7 +16,8 @@ that dies is reported as an error naming its rank and exit code, never a hang.
 Several hosts: the front end spawns ranks 0..num_local_ranks-1; the other ranks run under `openinfer worker
 --connect HOST:PORT --ranks ...` on other hosts and connect to `worker_listen_address` with
 `multiprocessing.connection` (TCP, HMAC challenge with the shared authkey; the stdlib's Listener/Client
-protocol). A remote worker sends ("hello", rank) and receives ("config", config, init_method); from then on
+protocol). A remote worker sends ("hello", rank) and receives ("config", config, init_method, model) (the model
+as the front end resolved it: its directory must exist on that host too); from then on
 its connection is used exactly like a local pipe. Tensors go through torch.distributed as before (the
 rendezvous must then be env:// or tcp://host:port reachable from every host). A remote rank has no process
 here: its liveness is its connection (closed or reset: an error naming the rank); shutdown sends
@@ -37,7 +38,7 @@ import weakref
 
 from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.loader.model_source import resolve_model_dir
+from openinfer.models.registry import check_layout, resolve
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
@@ -63,15 +64,15 @@ class MultiprocEngine:
     is_multiprocess = True
 
     def __init__(self, config: EngineConfig):
-        from openinfer.distributed.layout import check_layout
-        from openinfer.distributed.worker import rank_process_context, worker_main
+        from openinfer.executor.worker import rank_process_context, worker_main
 
         self.config = config
         self.requests: dict[str, int] = {}        # live request id -> DP group
         self._prompts: dict[str, tuple] = {}        # live request id -> (prompt token ids, prompt text)
-        self.model_dir = resolve_model_dir(config.model, config.cache_path)   # fetch/convert once, here
-        check_layout(config, self.model_dir)          # before any worker starts loading
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model_source = resolve(config)       # fetch/convert/generate once, here; its config read once
+        self.model_dir = self.model_source.path
+        check_layout(self.model_source, config)       # before any worker starts loading
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, self.model_source.family.vocabulary)
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
         ctx = rank_process_context()
         # one entry per rank; a remote rank has no process here (None) and its connection arrives later
@@ -85,7 +86,8 @@ class MultiprocEngine:
         try:
             for rank in range(config.local_ranks):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(config, rank, init_method, child, os.getpid()),
+                p = ctx.Process(target=worker_main, args=(config, self.model_source, rank, init_method, child,
+                                                          os.getpid()),
                                 name=f"openinfer-rank{rank}", daemon=True)
                 p.start()
                 child.close()
@@ -267,7 +269,7 @@ class MultiprocEngine:
                             conn.close()
                         continue
                     try:
-                        conn.send(("config", config, init_method))
+                        conn.send(("config", config, init_method, self.model_source))
                     except OSError as e:
                         problems.append(f"rank {rank} from {where}: the connection failed ({e})")
                         conn.close()
@@ -435,6 +437,3 @@ def _stop_workers(procs, conns, opts) -> None:
             conn.close()
 
 
-def make_engine(config: EngineConfig):
-    """The one-process `LLMEngine`, or the multi-process front end when the config asks for several ranks."""
-    return MultiprocEngine(config) if config.world_size > 1 else LLMEngine(config)

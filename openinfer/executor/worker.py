@@ -62,11 +62,11 @@ def _exit_with_parent(front_end_pid: int | None = None) -> None:
     threading.Thread(target=watch, name="openinfer-parent-watch", daemon=True).start()
 
 
-def worker_main(config, rank: int, init_method: str, conn, parent_pid: int | None = None) -> None:
+def worker_main(config, model, rank: int, init_method: str, conn, parent_pid: int | None = None) -> None:
     """A rank the front end spawned on its own host: uses GPU `rank`."""
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front end's to handle
-    _run(config, rank, init_method, conn, local_index=rank, ranks_on_host=config.local_ranks)
+    _run(config, model, rank, init_method, conn, local_index=rank, ranks_on_host=config.local_ranks)
 
 
 def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, local_index: int, ranks_on_host: int,
@@ -99,18 +99,19 @@ def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, loca
         if reply[0] != "config":
             raise SystemExit(f"openinfer worker rank {rank}: the front end at {address[0]}:{address[1]} refused "
                              f"it: {reply[1]}")
-        config, init_method = reply[1], reply[2]
+        config, init_method, model = reply[1], reply[2], reply[3]
         if device is not None and device.split(":")[0] != config.device.split(":")[0]:
             conn.send(("error", f"rank {rank}: this host's --device {device} differs from the front end's "
                                 f"device {config.device!r} (all ranks use one device type and backend)"))
             raise SystemExit(1)
     except EOFError:
         raise SystemExit(f"openinfer worker rank {rank}: the front end closed the connection") from None
-    _run(config, rank, init_method, conn, local_index=local_index, ranks_on_host=ranks_on_host)
+    _run(config, model, rank, init_method, conn, local_index=local_index, ranks_on_host=ranks_on_host)
     conn.close()
 
 
-def _run(config, rank: int, init_method: str, conn, local_index: int, ranks_on_host: int) -> None:
+def _run(config, model, rank: int, init_method: str, conn, local_index: int, ranks_on_host: int) -> None:
+    """`model`: the model as the front end resolved it (models/interface.py: ResolvedModel)."""
     engine = None
     try:
         import torch
@@ -125,7 +126,7 @@ def _run(config, rank: int, init_method: str, conn, local_index: int, ranks_on_h
             device = torch.device("cuda", local_index % max(1, torch.cuda.device_count()))
         ctx = init_parallel(config.data_parallel_size, config.tensor_parallel_size, config.enable_expert_parallel,
                             rank, device, init_method, num_redundant_experts=config.num_redundant_experts)
-        engine = LLMEngine(config, parallel=ctx)
+        engine = LLMEngine(config, parallel=ctx, model=model)
         conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
                              "num_blocks": engine.kv_manager.num_blocks, "stats": engine.stats()}))
         _serve(engine, ctx, conn)
@@ -178,7 +179,7 @@ def _serve(engine, ctx, conn) -> None:
                 stats["step_sync_s"] = engine.runner.step_sync.wait_s
             conn.send(("ok", (outputs, engine.has_unfinished_requests(), stats)))
         elif kind == "touch":
-            engine.runner.touch_cache_pages()
+            engine.touch_cache_pages()
             conn.send(("ok", None))
         elif kind == "call":
             conn.send(("ok", getattr(engine, msg[1])(*msg[2])))

@@ -1,0 +1,207 @@
+"""DecodeGraphs: the model's forward for decode-only batches, captured as CUDA graphs per batch bucket and replayed.
+
+Padded rows of a bucket attend to one token of the scratch page and write their KV (and state) there, so they
+touch no real block or slot. Models whose decode reads a context-sized gather (`ModelTraits.context_bucketed_graphs`:
+DeepSeek-V4/V4.1's compressed entries) get one graph per (batch bucket, power-of-two context bucket), captured the
+first time a step needs it; the others one per batch bucket at max_model_len, at start-up.
+
+With speculative decoding a verify step runs 1 + k decode rows per request: the buckets then reach
+max_num_seqs * (1 + k) rows (at most max_num_batched_tokens). With expert parallelism the ranks replay the bucket
+they agreed on, an idle rank with padding rows only (`valid` holds the real rows for the MoE exchanges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+import torch
+
+from openinfer.config import EngineConfig
+from openinfer.device_io import h2d
+from openinfer.engine.cache_pool import CachePool
+from openinfer.layers.attention import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+           *range(640, 1025, 128), *range(1280, 4097, 256))
+
+
+class DecodeGraphs:
+    def __init__(self, config: EngineConfig, model, pool: CachePool, max_model_len: int, lockstep: bool,
+                 context_buckets: bool):
+        """`lockstep`: expert parallelism (ranks replay together; the capture's warm-up runs without collectives);
+        `context_buckets`: one graph per context bucket too (`ModelTraits.context_bucketed_graphs`)."""
+        self.config, self.model, self.pool = config, model, pool
+        self.lockstep, self.context_buckets = lockstep, context_buckets
+        rows = config.max_num_seqs
+        spec = config.speculative_config
+        if spec is not None:
+            rows = max(rows, min(rows * (1 + spec.num_speculative_tokens), config.max_num_batched_tokens))
+        sizes = [b for b in BUCKETS if b <= rows] or [1]
+        if sizes[-1] < rows:
+            sizes.append(rows)
+        dev, bs, n = pool.device, pool.block_size, sizes[-1]
+        self.device, self.block_size = dev, bs
+        self.sizes, self.max_context = sizes, max_model_len
+        self.replays = self.max_rows = 0    # steps replayed with real rows, the most rows in one
+        # (decode batch bucket, context the graph was captured for) -> (graph, its output, the features it keeps)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, dict | None]] = {}
+        self.valid = torch.zeros((), dtype=torch.long, device=dev)   # EP: rows of the bucket that are real
+        self._live = 0      # rows holding a real request since the last replay (the rest are padding)
+        self._width = 0     # table columns those rows used
+        width = -(-max_model_len // bs)
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), pool.scratch_slot, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, width), pool.num_blocks, dtype=torch.long, device=dev)
+        self.lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.state_slots = torch.full((n,), pool.num_state_slots, dtype=torch.long, device=dev)   # scratch slot
+        # a verify step's rows on a model with per-request state: each row's offset in its request's rows
+        self.offsets = (torch.zeros(n, dtype=torch.long, device=dev)
+                        if spec is not None and pool.num_state_slots else None)
+        if pool.num_window_blocks:   # the windowed layers' slots and tables (kv_cache/window_group.py)
+            self.wslots = torch.full((n,), pool.window_scratch_slot, dtype=torch.long, device=dev)
+            self.wtables = torch.full((n, width), pool.num_window_blocks, dtype=torch.long, device=dev)
+        self.memory_pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every batch bucket now (models without context buckets; the others capture on first use)."""
+        if self.context_buckets:
+            print("[openinfer] CUDA graphs for decode are captured on first use per (batch, context) bucket",
+                  file=sys.stderr, flush=True)
+            return
+        t0 = time.perf_counter()
+        for b in reversed(self.sizes):
+            self.capture(b, self.max_context)
+        torch.cuda.synchronize(self.device)
+        print(f"[openinfer] captured CUDA graphs for decode batch sizes {self.sizes} in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    def capture(self, b: int, context: int) -> None:
+        """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without
+        collectives (same shapes): a capture is one rank's affair, the others are not waiting for it."""
+        bs, pool = self.block_size, self.pool
+
+        def meta_for(communicate: bool) -> AttentionMetadata:
+            meta = AttentionMetadata(block_size=bs, slot_mapping=self.slots[:b], num_decode_tokens=b,
+                                     decode_block_tables=self.tables[:b, :-(-context // bs)],
+                                     decode_context_lens=self.lens[:b], max_decode_context_len=context,
+                                     decode_state_slots=self.state_slots[:b] if pool.num_state_slots else None,
+                                     decode_row_offsets=None if self.offsets is None else self.offsets[:b],
+                                     moe_rows_per_rank=b if self.lockstep else None,
+                                     moe_valid_rows=self.valid if self.lockstep else None, moe_communicate=communicate)
+            if pool.num_window_blocks:
+                meta.layer_views = (dataclasses.replace(meta), dataclasses.replace(
+                    meta, slot_mapping=self.wslots[:b], decode_block_tables=self.wtables[:b, :-(-context // bs)]))
+            return meta
+
+        # Rows left from the last replay may address more context than this bucket covers: start every row
+        # as a padding row (scratch page, scratch state slot); the step's inputs are copied in after capture.
+        self._pad_rows(0, max(b, self._live))
+        self._live = self._width = 0
+        valid = int(self.valid)
+        self.valid.fill_(0)      # the warm-up's rows count as padding (no EPLB load)
+        self.model(self.ids[:b], self.pos[:b], pool.caches, meta_for(False))
+        self.valid.fill_(valid)
+        torch.cuda.synchronize(self.device)
+        meta = meta_for(True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            hidden = self.model(self.ids[:b], self.pos[:b], pool.caches, meta)
+        # a drafter reading the target's features (spec_decode/feature_proposer.py): the graph's own copies,
+        # rewritten by each replay
+        captured = dict(self.model.captured) if self.model.capture_layers else None
+        self.graphs[(b, context)] = (graph, hidden, captured)
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Make graph rows [start, end) padding rows: they read and write only the scratch page and slot."""
+        pool = self.pool
+        self.ids[start:end].zero_()
+        self.pos[start:end].zero_()
+        self.slots[start:end].fill_(pool.scratch_slot)
+        self.tables[start:end].fill_(pool.num_blocks)
+        self.lens[start:end].fill_(1)
+        self.state_slots[start:end].fill_(pool.num_state_slots)
+        if self.offsets is not None:
+            self.offsets[start:end].zero_()
+        if pool.num_window_blocks:
+            self.wslots[start:end].fill_(pool.window_scratch_slot)
+            self.wtables[start:end].fill_(pool.num_window_blocks)
+
+    def replay(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor, tables: list[list[int]],
+               lens: list[int], fixups=None, state_slots=None, min_batch: int = 0, window=None,
+               offsets: list[int] | None = None) -> tuple[torch.Tensor | None, dict[int, torch.Tensor] | None]:
+        """Replay the graph of the smallest bucket holding max(len(ids), min_batch) rows (expert parallelism:
+        the bucket all ranks agreed on; an idle rank replays it with padding rows only). Returns the hidden
+        rows and the features the model kept for a drafter (None: no bucket / none kept)."""
+        pool = self.pool
+        b = len(ids)
+        bucket = next((s for s in self.sizes if s >= max(b, min_batch)), None)
+        if bucket is None:
+            return None, None
+        if self.lockstep:
+            self.valid.fill_(b)
+        context = self.max_context
+        if self.context_buckets:
+            longest = max(lens) if lens else 1
+            context = min(max(self.block_size, 1 << (longest - 1).bit_length()), self.max_context)
+            if (bucket, context) not in self.graphs:
+                self.capture(bucket, context)
+        # Rows of the bucket past b must be padding rows (scratch page, scratch state slot, position 0): rows
+        # that held real requests in an earlier replay would otherwise write into those requests' slots
+        # and state (and address context the graph's tables may not cover).
+        if self._live > b:
+            self._pad_rows(b, self._live)
+        self._live = b
+        graph, hidden, captured = self.graphs[(bucket, context)]
+        if b == 0:
+            graph.replay()
+            return hidden[:0], None
+        host_tables = pad_tables(tables, fill=pool.num_blocks)
+        width = host_tables.shape[1]
+        dev = self.device
+        if self._width > width:
+            self.tables[:b, width:self._width].fill_(pool.num_blocks)
+            if window is not None:
+                self.wtables[:b, width:self._width].fill_(pool.num_window_blocks)
+        self._width = width
+        if window is not None:   # window tables have the full tables' lengths (kv_cache/window_group.py)
+            self.wslots[:b].copy_(h2d(torch.from_numpy(window[0]), dev))
+            self.wtables[:b, :width].copy_(h2d(torch.from_numpy(pad_tables(window[1], fill=pool.num_window_blocks)),
+                                               dev))
+        self.ids[:b].copy_(h2d(torch.tensor(ids, dtype=torch.long), dev))
+        if fixups is not None:
+            self.ids[fixups[0]] = fixups[1]
+        self.pos[:b].copy_(h2d(pos, dev))
+        self.slots[:b].copy_(h2d(slots, dev))
+        self.tables[:b, :width].copy_(h2d(torch.from_numpy(host_tables), dev))
+        self.lens[:b].copy_(h2d(torch.tensor(lens, dtype=torch.long), dev))
+        if state_slots is not None and pool.num_state_slots:
+            self.state_slots[:b].copy_(h2d(torch.tensor(state_slots, dtype=torch.long), dev))
+        if self.offsets is not None:
+            self.offsets[:b].copy_(h2d(torch.tensor(offsets or [0] * b, dtype=torch.long), dev))
+        graph.replay()
+        self.replays += 1
+        self.max_rows = max(self.max_rows, b)
+        if captured is not None:
+            # the graph's own buffers, rewritten by the next replay: under async scheduling the next step is
+            # queued before the drafter reads this one's features, so they are copied out
+            captured = {k: v[:b].clone() if self.config.speculates_async else v[:b] for k, v in captured.items()}
+        return hidden[:b], captured
+
+
+
+def pad_tables(tables: list[list[int]], fill: int) -> np.ndarray:
+    """Block tables as one [rows, longest] int64 array, short rows padded with `fill`."""
+    width = max(len(t) for t in tables)
+    out = np.full((len(tables), width), fill, dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
