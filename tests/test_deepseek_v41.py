@@ -35,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from openinfer.models.deepseek_v41_config import DeepseekV41Config
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.quantization.formats import dequantize_fp8, dequantize_mxfp4
 from openinfer.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
@@ -244,7 +244,10 @@ def test_decode_is_bit_equal_to_the_reference_decode_for_32_greedy_tokens(v41, p
 def test_random_chunks_and_batched_decode_keep_the_single_request_results(published_engine):
     """Random chunk budgets and three requests decoding together give each request the tokens it gets alone
     (which are the reference's, above); logits move only by what different GEMM shapes round differently and
-    the FP8/FP4 steps amplify (measured <= 0.04 here)."""
+    the FP8/FP4 steps amplify. Measured (logits of std 1): every position <= 0.04 on an AVX2 machine; on an
+    AVX-512 one (the CPU BLAS picks other kernels per M) one request has 2 of its 52 positions at up to 0.40 (an
+    FP8/FP4 value rounded to its neighbour, read by a few later rows) and the rest <= 0.03. So: at most 1 position
+    in 20 above 0.1, none above 1.0 (more than one such flip would show there)."""
     engine = published_engine
     prompts = prompts_of(100, 37, 70)
     params = SamplingParams(max_tokens=16, **GREEDY)
@@ -252,7 +255,8 @@ def test_random_chunks_and_batched_decode_keep_the_single_request_results(publis
     together = run_recording(engine, prompts, params, budgets=(3, 40))
     for (oa, la), (ot, lt) in zip(alone, together):
         assert ot.outputs[0].token_ids == oa.outputs[0].token_ids
-        assert (lt - la).abs().max() < 0.1
+        per_position = (lt - la).abs().amax(-1)
+        assert (per_position > 0.1).float().mean() <= 0.05 and per_position.max() < 1.0
     assert_pool_idle(engine)
 
 
@@ -268,8 +272,8 @@ def test_published_checkpoint_loads_the_weights_of_its_bf16_dequantization(v41):
     params = SamplingParams(max_tokens=1, **GREEDY)
     q_engine = v41_engine(published, dtype="bfloat16", quantize_activations=False)
     f_engine = v41_engine(dequantized, dtype="bfloat16")
-    from openinfer.models.deepseek_v4 import QuantizedExperts
-    from openinfer.quantization.linear import Fp8Linear
+    from openinfer.models.deepseek_v4.model import QuantizedExperts
+    from openinfer.layers.fp8_linear import Fp8Linear
 
     float_params = dict(f_engine.runner.model.named_parameters())
     checked = 0
