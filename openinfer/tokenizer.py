@@ -81,11 +81,12 @@ class Tokenizer:
         return self.deepseek_tokenizer_path is not None
 
     @classmethod
-    def from_dir(cls, path: str | Path, vocabulary: str = "hf") -> "Tokenizer":
+    def from_dir(cls, path: str | Path, vocabulary: str = "hf", model_config: dict | None = None) -> "Tokenizer":
         """The tokenizer of an HF-layout directory. `vocabulary` is what the model's family names
         (models/interface.py): "hf" (the directory's files as they are), "deepseek-v4" (conversations encoded by
         deepseek-recipe as DeepSeek-V4-Pro) or "deepseek-v4.1" (the V4 tokenizer.json with the ids V4.1's encoding
-        needs, conversations as DeepSeek-V4.1-Flash)."""
+        needs, conversations as DeepSeek-V4.1-Flash). `model_config`: the directory's config.json as already read
+        (its EOS ids count; read here if not given)."""
         if vocabulary not in VOCABULARIES:
             raise ValueError(f"unknown tokenizer vocabulary {vocabulary!r} (one of {', '.join(VOCABULARIES)})")
         path = Path(path)
@@ -98,7 +99,9 @@ class Tokenizer:
         if isinstance(template, list):   # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         eos_ids = []
-        for src in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+        if model_config is None:
+            model_config = _read_json(path / "config.json")
+        for src in (_read_json(path / "generation_config.json"), model_config):
             e = src.get("eos_token_id")
             eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
         v41 = vocabulary == "deepseek-v4.1"

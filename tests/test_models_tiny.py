@@ -1,5 +1,5 @@
-"""Tiny random Llama-family models: our paged engine's logits equal HF transformers' within 1e-4 (fp32, CPU),
-through chunked prefill, batched decode and every supported model variant."""
+"""Tiny random Llama-family (and OLMo-2) models: our paged engine's logits equal HF transformers' within 1e-4 (fp32,
+CPU), through chunked prefill, batched decode and every supported model variant."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ VARIANTS = {
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0)),
+    # its own family package (models/olmo2/, docs/architecture.md's walk-through): norms after the sublayers,
+    # q/k norms over all heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
 }
 
 

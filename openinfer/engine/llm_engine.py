@@ -64,7 +64,7 @@ class LLMEngine:
         self.model_source = model or resolve(config)
         self.model_dir = self.model_source.path
         family = self.model_source.family
-        self.tokenizer = Tokenizer.from_dir(self.model_dir, family.vocabulary)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, family.vocabulary, self.model_source.hf_config)
         backend, ops = make_kernels(config)
         model = family.build(self.model_source, config, backend, ops, self.parallel)
         if config.batch_invariant:

@@ -72,7 +72,8 @@ class MultiprocEngine:
         self.model_source = resolve(config)       # fetch/convert/generate once, here; its config read once
         self.model_dir = self.model_source.path
         check_layout(self.model_source, config)       # before any worker starts loading
-        self.tokenizer = Tokenizer.from_dir(self.model_dir, self.model_source.family.vocabulary)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, self.model_source.family.vocabulary,
+                                            self.model_source.hf_config)
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
         ctx = rank_process_context()
         # one entry per rank; a remote rank has no process here (None) and its connection arrives later

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -54,6 +54,7 @@ class ModelTraits:
     batch_invariant: bool = False
 
 
+@runtime_checkable
 class CausalLM(Protocol):
     """A model as the engine sees it. `forward` returns hidden rows; `compute_logits` turns chosen rows into
     logits (the runner computes logits only for rows that sample or score)."""

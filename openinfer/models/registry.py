@@ -24,6 +24,7 @@ FAMILY_MODULES = (
     "openinfer.models.deepseek_v41",
     "openinfer.models.deepseek_v4",
     "openinfer.models.gemma3",
+    "openinfer.models.olmo2",
     "openinfer.models.llama",
 )
 
