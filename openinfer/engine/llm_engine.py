@@ -301,6 +301,13 @@ class LLMEngine:
                 "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
                 else None}
 
+    def kv_store_namespace(self) -> str | None:
+        """The shared store tier's namespace (None: no directory or Redis tier): instances that hand KV over
+        through the store must report the same one (serving/load.py)."""
+        if self.kv_store is None:
+            return None
+        return next((t.namespace.hex()[:32] for t in self.kv_store.tiers if hasattr(t, "namespace")), None)
+
     def touch_cache_pages(self) -> None:
         self.runner.pool.touch_pages()
 

@@ -63,13 +63,14 @@ class MultiprocEngine:
 
     is_multiprocess = True
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model=None):
+        """`model`: the model as resolved already (models/interface.py: ResolvedModel); None: resolved here."""
         from openinfer.executor.worker import rank_process_context, worker_main
 
         self.config = config
         self.requests: dict[str, int] = {}        # live request id -> DP group
         self._prompts: dict[str, tuple] = {}        # live request id -> (prompt token ids, prompt text)
-        self.model_source = resolve(config)       # fetch/convert/generate once, here; its config read once
+        self.model_source = model or resolve(config)   # fetch/convert/generate once, here; its config read once
         self.model_dir = self.model_source.path
         check_layout(self.model_source, config)       # before any worker starts loading
         self.tokenizer = Tokenizer.from_dir(self.model_dir, self.model_source.family.vocabulary,
@@ -194,6 +195,9 @@ class MultiprocEngine:
                 out[k] = self._rank_stats[0][k]
         out["per_rank"] = [dict(s) for s in self._rank_stats]
         return out
+
+    def kv_store_namespace(self) -> None:
+        return None          # the prefix-KV store is a one-process feature (EngineConfig refuses it here)
 
     def touch_cache_pages(self) -> None:
         for rank in range(self.config.world_size):

@@ -80,10 +80,7 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
             computed = max(r.num_computed_tokens, 0)
             kv_tokens += computed
             prefill_queued += max(r.num_prompt_tokens - computed, 0)
-    store = getattr(engine, "kv_store", None)
-    namespace = None
-    if store is not None:
-        namespace = next((t.namespace.hex()[:32] for t in store.tiers if hasattr(t, "namespace")), None)
+    namespace = engine.kv_store_namespace()
     return {
         "role": role, "model": model,
         "num_requests_running": st["num_running"],

@@ -1,0 +1,132 @@
+"""The engine core in its own process (executor/engine_core.py): the same tokens as the in-process engine, bad
+requests refused alone, calls answered, a dead core reported (with its traceback) and never a hang, nothing left
+running after shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from openinfer import LLM, SamplingParams
+from openinfer.config import EngineConfig
+from openinfer.executor.engine_core import EngineCoreClient, EngineCoreError
+from openinfer.sampling_params import RequestOutputKind
+
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+class Collector:
+    """What the client's reader thread hands over, by request."""
+
+    def __init__(self, client: EngineCoreClient):
+        self.outputs: dict[str, list] = {}
+        self.refused: dict[str, Exception] = {}
+        self.death: list[BaseException] = []
+        self.done = threading.Condition()
+        client.on_outputs = self.on_outputs
+        client.on_refused = self.on_refused
+        client.on_death = self.on_death
+
+    def on_outputs(self, outputs, stats) -> None:
+        with self.done:
+            for out in outputs:
+                self.outputs.setdefault(out.request_id, []).append(out)
+            self.done.notify_all()
+
+    def on_refused(self, rid, error) -> None:
+        with self.done:
+            self.refused[rid] = error
+            self.done.notify_all()
+
+    def on_death(self, error) -> None:
+        with self.done:
+            self.death.append(error)
+            self.done.notify_all()
+
+    def wait(self, predicate, timeout: float = 60.0) -> None:
+        with self.done:
+            assert self.done.wait_for(predicate, timeout), "timed out"
+
+
+@pytest.fixture(scope="module")
+def core(smollm_dir):
+    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16))
+    yield client
+    client.shutdown()
+
+
+def test_tokens_equal_the_in_process_engine(core, smollm_dir):
+    prompts = [core.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):", "Once upon a time")]
+    params = SamplingParams(**GREEDY, output_kind=RequestOutputKind.DELTA)
+    got = Collector(core)
+    for i, ids in enumerate(prompts):
+        core.add_request(ids, params, request_id=f"r{i}")
+    got.wait(lambda: all(any(o.finished for o in got.outputs.get(f"r{i}", ())) for i in range(3)))
+    llm = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16)
+    ref = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**GREEDY), use_tqdm=False)
+    llm.shutdown()
+    for i, r in enumerate(ref):
+        deltas = got.outputs[f"r{i}"]
+        assert [t for o in deltas for t in o.outputs[0].token_ids] == r.outputs[0].token_ids
+        assert deltas[-1].prompt_token_ids == prompts[i]          # the client puts the prompt back
+    assert not core.requests
+    stats = core.call("stats")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+
+
+def test_a_refused_request_fails_alone_and_bad_input_sends_nothing(core):
+    got = Collector(core)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add_request([10**9], SamplingParams(max_tokens=2), request_id="bad")
+    assert "bad" not in core.requests
+    core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), request_id="ok")
+    got.wait(lambda: any(o.finished for o in got.outputs.get("ok", ())))
+    with pytest.raises(EngineCoreError, match="no_such_method"):
+        core.call("no_such_method")
+    assert core.call("has_unfinished_requests") is False         # a failed call is not fatal
+
+
+def test_an_abort_frees_the_request_in_the_core(core):
+    got = Collector(core)
+    core.add_request([5] * 20, SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
+                     request_id="long")
+    got.wait(lambda: "long" in got.outputs)
+    core.abort_request("long")
+    deadline = time.time() + 30
+    while core.call("has_unfinished_requests") and time.time() < deadline:
+        time.sleep(0.05)
+    stats = core.call("stats")
+    assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_dead_core_is_reported_with_no_hang_and_nothing_left(smollm_dir):
+    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=16, block_size=16))
+    got = Collector(client)
+    pid = client._proc.pid
+    os.kill(pid, signal.SIGKILL)
+    got.wait(lambda: got.death)
+    assert isinstance(got.death[0], EngineCoreError) and "died" in str(got.death[0])
+    with pytest.raises(EngineCoreError, match="died"):
+        client.add_request([1, 2], SamplingParams(max_tokens=1), request_id="after")
+    client.shutdown()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_core_that_fails_to_start_says_why(tmp_path, smollm_dir):
+    with pytest.raises(EngineCoreError, match="max_model_len 100000 does not fit the KV pool"):
+        EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=2, block_size=16,
+                                      max_model_len=100000))
+
+
+def test_shutdown_leaves_no_process(smollm_dir):
+    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=16, block_size=16))
+    pid = client._proc.pid
+    assert psutil.pid_exists(pid)
+    client.shutdown()
+    client.shutdown()                                            # idempotent
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
