@@ -1,10 +1,12 @@
 """Multi-process engines on CPU (2 gloo ranks, real worker processes): attention DP + expert parallelism on
 DeepSeek-V4 (fp32 and the published FP8/MXFP4 format) and plain DP give the outputs of one process through
 chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; EPLB lowers moe_lb without
-changing outputs; workers never outlive their engine or server; bad layouts fail before any worker starts."""
+changing outputs; a worker's error reaches the user whether it failed at start, in a step, a call or at
+shutdown; workers never outlive their engine or server; bad layouts fail before any worker starts."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -97,6 +99,13 @@ def assert_gone(pids, timeout: float = 30.0) -> None:
         if alive:
             time.sleep(0.1)
     assert not alive, f"processes still alive: {alive}"
+
+
+def make_rank_raise(engine, rank: int, method: str, message: str) -> None:
+    """From now on `rank`'s `LLMEngine.<method>()` raises ValueError naming `message`: an instance attribute
+    shadows the method (int() of the text, which raises), set by a call to that rank alone."""
+    engine._send(rank, ("call", "__setattr__", (method, functools.partial(int, message))))
+    engine._gather_replies([rank], 30, "call")
 
 
 def make_skewed_v4(path: Path) -> None:
@@ -299,6 +308,64 @@ def test_a_dead_worker_is_named_and_the_others_stop(v4_path):
         assert_gone([p.pid for p in procs])
     finally:
         llm.shutdown()
+
+
+def test_a_worker_error_at_start_reaches_the_user(v4_path):
+    """Every rank fails building its engine (the KV pool is too small for max_model_len, found only where the
+    pool is sized): the WorkerError carries the rank's own message, and no worker is left."""
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkerError) as err:
+        LLM(str(v4_path), **{**V4_OPTS, "max_model_len": 4096}, **EP2)
+    text = str(err.value)
+    assert "raised during 'start'" in text and "does not fit the KV pool" in text, text
+    assert_gone({p.pid for p in psutil.Process().children(recursive=True)} - children)
+
+
+def test_a_worker_error_in_a_step_names_that_rank_and_its_message(v4_path):
+    """Rank 1 raises in a step; rank 0, left in the step's collective, fails too (its connection reset), maybe
+    first: the WorkerError names rank 1 with its message, then rank 0's; no worker is left."""
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+    pids = worker_pids(llm)
+    try:
+        make_rank_raise(llm.engine, 1, "step", "rank one broke its step")
+        with pytest.raises(WorkerError) as err:
+            generate(llm, prompts_of(9, seed=1), max_tokens=4)
+        text = str(err.value)
+        assert text.startswith("worker rank 1 raised during 'step'"), text
+        assert "rank one broke its step" in text and "(rank 0 failed too: " in text, text
+        assert_gone(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_error_in_a_call_reaches_the_user(v4_path):
+    """`call_ranks` of something every rank refuses (EPLB on an engine without expert parallelism): the ranks'
+    own message, and no worker is left."""
+    llm = LLM(str(v4_path), **V4_OPTS, data_parallel_size=2)
+    pids = worker_pids(llm)
+    try:
+        with pytest.raises(WorkerError) as err:
+            llm.engine.call_ranks("rebalance_experts")
+        text = str(err.value)
+        assert "raised during 'rebalance_experts'" in text, text
+        assert "ValueError: rebalance_experts needs enable_expert_parallel" in text, text
+        assert_gone(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_error_at_shutdown_reaches_the_user(v4_path):
+    """Rank 1 fails stopping its engine: shutdown() raises its message once every worker has stopped."""
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+    pids = worker_pids(llm)
+    generate(llm, prompts_of(9, seed=1), max_tokens=2)
+    make_rank_raise(llm.engine, 1, "shutdown", "rank one could not stop")
+    with pytest.raises(WorkerError) as err:
+        llm.shutdown()
+    text = str(err.value)
+    assert text.startswith("worker rank 1 raised during 'shutdown'") and "rank one could not stop" in text, text
+    assert_gone(pids, timeout=5)
+    llm.shutdown()                                           # stopped: nothing more to say
 
 
 def test_create_and_shutdown_twice_leaves_no_workers(v4_path):
