@@ -1,8 +1,9 @@
 """Multi-process engines on CPU (2 gloo ranks, real worker processes): attention DP + expert parallelism on
 DeepSeek-V4 (fp32 and the published FP8/MXFP4 format) and plain DP give the outputs of one process through
 chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; EPLB lowers moe_lb without
-changing outputs; a worker's error reaches the user whether it failed at start, in a step, a call or at
-shutdown; workers never outlive their engine or server; bad layouts fail before any worker starts."""
+changing outputs; no model parameter requires grad (every family and layout); a worker's error reaches the user
+whether it failed at start, in a step, a call or at shutdown; workers never outlive their engine or server; bad
+layouts fail before any worker starts."""
 
 from __future__ import annotations
 
@@ -242,7 +243,35 @@ def test_published_fp8_mxfp4_checkpoint_with_dp_ep_equals_one_process(tmp_path_f
         llm.shutdown()
 
 
-# ---- 5. EPLB ---------------------------------------------------------------------------------------------------
+# ---- 5. weights never track gradients ---------------------------------------------------------------------------
+def test_no_parameter_requires_grad_in_any_family_or_layout(tmp_path, v4_path, smollm_dir):
+    """Every family's build freezes what it loads, in one process and on a rank of each layout it takes (TP, EP:
+    built here without a process group, as test_v41_parallel builds its ranks): an inference engine has no use
+    for gradient tracking, and a weight that tracks one cannot be written in place outside a step (EPLB's moves
+    on request, a reload)."""
+    from openinfer.config import EngineConfig
+    from openinfer.distributed.parallel_state import ParallelContext
+    from openinfer.models.registry import load_model
+    from tests.test_gemma3 import make_tiny_gemma3
+    from tests.test_models_tiny import make_tiny
+
+    tp = ParallelContext(world_size=2, rank=1, tp_size=2, tp_rank=1)
+    ep = ParallelContext(world_size=2, rank=1, dp_size=2, dp_rank=1, ep_size=2, ep_rank=1, num_redundant_experts=1)
+    fp32, bf16 = EngineConfig(device="cpu", dtype="float32"), EngineConfig(device="cpu", dtype="bfloat16")
+    cases = [("llama", make_tiny(tmp_path, smollm_dir, "llama")[0], fp32, [tp]),
+             ("gemma3", make_tiny_gemma3(tmp_path, smollm_dir)[0], fp32, [tp]),
+             ("deepseek-v4", v4_path, fp32, [tp, ep]),
+             ("deepseek-v41", "deepseek-v41-tiny", bf16, [ep])]
+    for family, model, config, layouts in cases:
+        for ctx in [ParallelContext.single(), *layouts]:
+            net = load_model(model, config, parallel=ctx)
+            names = [n for n, _ in net.named_parameters()]
+            assert names, family
+            grad = [n for n, p in net.named_parameters() if p.requires_grad]
+            assert not grad, (family, ctx.tp_size, ctx.ep_size, grad[:5])
+
+
+# ---- 6. EPLB ---------------------------------------------------------------------------------------------------
 def test_eplb_rebalances_a_skewed_load_without_changing_outputs(tmp_path_factory):
     path = tmp_path_factory.mktemp("v4skew")
     make_skewed_v4(path)
@@ -292,7 +321,7 @@ def test_eplb_rebalances_a_skewed_load_without_changing_outputs(tmp_path_factory
         llm.shutdown()
 
 
-# ---- 6. lifecycle -----------------------------------------------------------------------------------------------
+# ---- 7. lifecycle -----------------------------------------------------------------------------------------------
 def test_a_dead_worker_is_named_and_the_others_stop(v4_path):
     llm = LLM(str(v4_path), **V4_OPTS, **EP2)
     engine, procs = llm.engine, list(llm.engine._procs)
@@ -395,7 +424,7 @@ def test_bad_layouts_fail_before_any_worker_starts(v4_path, smollm_dir):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
 
 
-# ---- 7. the server ----------------------------------------------------------------------------------------------
+# ---- 8. the server ----------------------------------------------------------------------------------------------
 def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
     import openai
 
@@ -440,7 +469,7 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
         log.close()
 
 
-# ---- 8. tensor parallelism through the front end, and a request one rank refuses -------------------------------
+# ---- 9. tensor parallelism through the front end, and a request one rank refuses -------------------------------
 def test_dp2_tp2_llama_through_the_front_end_equals_one_process(tmp_path, smollm_dir):
     """Four worker processes (2 DP groups x 2 TP ranks): each group's TP ranks run the same schedule from
     the same commands; chunked prefill, a prefix hit and an abort included."""

@@ -152,6 +152,8 @@ def _run(config, model, rank: int, init_method: str, conn, local_index: int, ran
 
 
 def _serve(engine, ctx, conn) -> None:
+    import torch
+
     step_s = 0.0      # host time inside engine.step(), reported with the stats (where a step's time goes)
     refused = []      # requests this rank could not take: reported (aborted, with the reason) at the next step
     while True:
@@ -186,7 +188,8 @@ def _serve(engine, ctx, conn) -> None:
             engine.touch_cache_pages()
             conn.send(("ok", None))
         elif kind == "call":
-            conn.send(("ok", getattr(engine, msg[1])(*msg[2])))
+            with torch.no_grad():     # a call may write weights (rebalance_experts); nothing here tracks gradients
+                conn.send(("ok", getattr(engine, msg[1])(*msg[2])))
         elif kind == "shutdown":
             return
         else:
