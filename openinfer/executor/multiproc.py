@@ -50,6 +50,7 @@ _STEP_TIMEOUT_S = 600.0
 _PEER_GRACE_S = 1.0       # after one rank fails, how long the others get to show whether they are failing too
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
               "prefix_cache_queried_tokens", "num_preemptions")
+_EXPERT_STATS = ("moe_lb", "moe_rank_load", "moe_expert_load", "moe_load_steps", "eplb_rebalances")
 
 
 class WorkerError(RuntimeError):
@@ -185,14 +186,15 @@ class MultiprocEngine:
         return self._structured
 
     def stats(self) -> dict:
-        """Summed over DP groups (each group's driver), usage over the whole pool; `moe_lb` from rank 0."""
+        """Summed over DP groups (each group's driver), usage over the whole pool, as of the last step; expert
+        load (`moe_lb`, per rank and per expert) from rank 0: every EP rank counts every rank's routing."""
         drivers = [self._rank_stats[g[0]] for g in self._groups]
         out = {k: sum(s.get(k, 0) for s in drivers) for k in _SUM_STATS}
         used = out["kv_blocks_total"] - out["kv_blocks_free"]
         out["kv_usage"] = used / out["kv_blocks_total"] if out["kv_blocks_total"] else 0.0
         q = out["prefix_cache_queried_tokens"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
-        for k in ("moe_lb", "eplb_rebalances"):
+        for k in _EXPERT_STATS:
             if k in self._rank_stats[0]:
                 out[k] = self._rank_stats[0][k]
         out["per_rank"] = [dict(s) for s in self._rank_stats]
