@@ -2,12 +2,13 @@
 DeepSeek-V4 (fp32 and the published FP8/MXFP4 format) and plain DP give the outputs of one process through
 chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; no model parameter requires grad
 (every family and layout); moe_lb is live from the first step; EPLB (automatic, or on request between
-generations) lowers it without changing outputs; a worker's error reaches the user whether it
+generations and while serving) lowers it without changing outputs; a worker's error reaches the user whether it
 failed at start, in a step, a call or at shutdown; workers never outlive their engine or server; bad layouts fail
 before any worker starts."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import multiprocessing
@@ -396,6 +397,50 @@ def test_moe_lb_is_live_before_any_rebalance_and_rebalance_on_request_between_ge
         assert_ranks_idle(llm)
     finally:
         llm.shutdown()
+
+
+def test_rebalance_on_request_while_serving(skewed_path, skewed_reference):
+    """A server's engine thread (AsyncLLMEngine) steps the skewed requests; from another thread,
+    `call_ranks("rebalance_experts")` runs between two of its steps while they are in flight: experts move on
+    both ranks and every request still gives one process's tokens."""
+    from openinfer.serving.async_engine import AsyncLLMEngine
+
+    _, ref_skew = skewed_reference
+    llm = LLM(str(skewed_path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1,
+              eplb_rebalance_interval_steps=10**6)
+    served = AsyncLLMEngine(llm.engine)
+    served.start()
+
+    async def serve():
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(SKEW_PROMPTS))}
+        finished: set[int] = set()
+        first_token = asyncio.Event()
+
+        async def one(i: int) -> None:
+            async for out in served.generate(SKEW_PROMPTS[i], params(40), request_id=f"serve-{i}"):
+                tokens[i] += out.outputs[0].token_ids
+                first_token.set()
+                if out.finished:
+                    finished.add(i)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(SKEW_PROMPTS))]
+        await first_token.wait()
+        moves = await asyncio.to_thread(llm.engine.call_ranks, "rebalance_experts")
+        in_flight = len(SKEW_PROMPTS) - len(finished)
+        await asyncio.gather(*tasks)
+        return tokens, moves, in_flight
+
+    try:
+        tokens, moves, in_flight = asyncio.run(serve())
+        assert in_flight > 0                                      # the rebalance came while requests ran
+        assert len(set(moves)) == 1 and moves[0][2], moves        # experts moved, the same on every rank
+        assert moves[0][1] < moves[0][0] - 0.5, moves
+        assert [tokens[i] for i in range(len(SKEW_PROMPTS))] == [o.outputs[0].token_ids for o in ref_skew]
+        assert llm.engine.stats()["eplb_rebalances"] == 1
+    finally:
+        served.shutdown()
+        llm.shutdown()
+    assert served.error is None, served.error
 
 
 # ---- 7. lifecycle -----------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ read from its connection even when its exit is noticed first, since a pipe keeps
 exited), else its exit code. A rank whose peer failed fails too, at its next collective, so the rank named is the
 likeliest cause (`_fail_with_cause`), the others' errors following it.
 
+Threads: commands to the ranks and their replies are exchanged under one lock, so `call_ranks` may come from
+another thread while a server's engine thread steps (it runs between two steps).
+
 Several hosts: the front end spawns ranks 0..num_local_ranks-1; the other ranks run under `openinfer worker
 --connect HOST:PORT --ranks ...` on other hosts and connect to `worker_listen_address` with
 `multiprocessing.connection` (TCP, HMAC challenge with the shared authkey; the stdlib's Listener/Client
@@ -87,6 +90,7 @@ class MultiprocEngine:
         # for a rank that will never come, not reading their commands
         self._stop_opts = {"grace_s": 2.0}
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._stop_opts)
+        self._lock = threading.Lock()     # one exchange with the ranks at a time (see the module's docstring)
         start_deadline = time.monotonic() + config.worker_start_timeout_s
         try:
             for rank in range(config.local_ranks):
@@ -122,6 +126,10 @@ class MultiprocEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate here (the workers only see valid requests), pick the DP group with the fewest live
         requests (then the most free KV blocks), and send the request to each of its ranks."""
+        with self._lock:
+            return self._add_request(prompt_token_ids, params, prompt, request_id, arrival_time)
+
+    def _add_request(self, prompt_token_ids, params, prompt, request_id, arrival_time) -> str:
         self._check_alive("add")
         if request_id is None:
             request_id = str(next(self._ids))
@@ -147,22 +155,24 @@ class MultiprocEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request on its ranks now (their blocks are freed before their next step)."""
-        group = self.requests.pop(request_id, None)
-        self._prompts.pop(request_id, None)
-        if group is not None:
-            for rank in self._groups[group]:
-                self._send(rank, ("abort", request_id))
+        with self._lock:
+            group = self.requests.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+            if group is not None:
+                for rank in self._groups[group]:
+                    self._send(rank, ("abort", request_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or any(self._rank_busy)
 
     def step(self) -> list[RequestOutput]:
         """Step every rank once; outputs come from each DP group's driver rank."""
-        self._check_alive("step")
-        ranks = range(self.config.world_size)
-        for rank in ranks:
-            self._send(rank, ("step",))
-        replies = self._gather_replies(ranks, _STEP_TIMEOUT_S, "step")
+        with self._lock:
+            self._check_alive("step")
+            ranks = range(self.config.world_size)
+            for rank in ranks:
+                self._send(rank, ("step",))
+            replies = self._gather_replies(ranks, _STEP_TIMEOUT_S, "step")
         outputs = []
         for rank, (outs, busy, stats) in enumerate(replies):
             self._rank_busy[rank], self._rank_stats[rank] = busy, stats
@@ -201,16 +211,19 @@ class MultiprocEngine:
         return out
 
     def touch_cache_pages(self) -> None:
-        for rank in range(self.config.world_size):
-            self._send(rank, ("touch",))
-        self._gather_replies(range(self.config.world_size), self.config.worker_start_timeout_s, "touch")
+        with self._lock:
+            for rank in range(self.config.world_size):
+                self._send(rank, ("touch",))
+            self._gather_replies(range(self.config.world_size), self.config.worker_start_timeout_s, "touch")
 
     def call_ranks(self, method: str, *args) -> list:
-        """Run `LLMEngine.<method>(*args)` on every rank (tests, benchmarks); returns each rank's result."""
-        ranks = range(self.config.world_size)
-        for rank in ranks:
-            self._send(rank, ("call", method, args))
-        return self._gather_replies(ranks, _STEP_TIMEOUT_S, method)
+        """Run `LLMEngine.<method>(*args)` on every rank (tests, benchmarks, `rebalance_experts` on request);
+        returns each rank's result. Any thread may call it: it runs between two steps."""
+        with self._lock:
+            ranks = range(self.config.world_size)
+            for rank in ranks:
+                self._send(rank, ("call", method, args))
+            return self._gather_replies(ranks, _STEP_TIMEOUT_S, method)
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and free their GPUs. Idempotent. A rank that reports an
