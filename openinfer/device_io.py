@@ -36,6 +36,10 @@ class D2HCopy:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def ready(self) -> bool:
+        """Whether the copies are done (never waits)."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> dict[str, torch.Tensor | None]:
         if self.event is not None:
             self.event.synchronize()

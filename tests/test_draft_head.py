@@ -129,6 +129,7 @@ def test_save_load_round_trip_and_target_mismatch(trained, corpora, target, tmp_
     assert not any("embed_weight" in n or "lm_head_weight" in n for n in names)   # the target's, not stored
     loaded = DraftHead.load(tmp_path, embed, lm_head)
     assert loaded.cfg == head.cfg
+    assert not [n for n, p in loaded.named_parameters() if p.requires_grad]     # frozen for serving
     corpus = corpora[1]
     anchors = corpus.anchors[:16]
     batch = train.block_batch(corpus, anchors, WINDOW, BLOCK)

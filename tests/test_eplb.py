@@ -152,6 +152,45 @@ def test_load_window_drops_old_steps():
     assert w.num_recorded == 0 and int(w.total().sum()) == 0
 
 
+def test_load_window_running_sum_equals_the_last_steps():
+    """The running sum (what stats read after every step, O(L * E) however long the window) equals a fresh sum
+    of the last `window_steps` steps through many wraps; the caller may reuse its counter at once."""
+    g = torch.Generator().manual_seed(4)
+    w = LoadWindow(num_layers=3, num_logical=5, window_steps=7)
+    seen = []
+    counter = torch.zeros(3, 5, dtype=torch.int64)
+    for n in range(1, 41):
+        counter.copy_(torch.randint(0, 1000, (3, 5), generator=g))
+        seen.append(counter.clone())
+        w.record(counter)
+        counter.zero_()                                                   # as the controller does after each step
+        want = torch.stack(seen[-7:]).sum(0)
+        assert w.num_recorded == min(n, 7)
+        assert torch.equal(w.total(wait=False), want) and torch.equal(w.total(), want), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: counts copied back behind queued work")
+def test_load_window_takes_cuda_counts_without_waiting():
+    """A step's counts on the GPU enter the window once their copy (queued behind the step's work) is done: a read
+    that may not wait leaves them out while the GPU is busy, one that waits has them; the counter is reused at once."""
+    w = LoadWindow(num_layers=2, num_logical=4, window_steps=3)
+    counter = torch.zeros(2, 4, dtype=torch.int64, device="cuda")
+    w.record(counter)
+    assert int(w.total().sum()) == 0 and w.num_recorded == 1              # (waits; the pinned pool is warm now)
+    counter.copy_(torch.arange(8, device="cuda").view(2, 4))
+    torch.cuda._sleep(200_000_000)                                        # ~0.1 s of queued GPU work
+    w.record(counter)
+    counter.zero_()
+    assert w.num_recorded == 1 and int(w.total(wait=False).sum()) == 0
+    assert w.total().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and w.num_recorded == 2
+    for _ in range(4):
+        counter.fill_(1)
+        w.record(counter)
+        counter.zero_()
+    torch.cuda.synchronize()
+    assert w.total(wait=False).tolist() == [[3] * 4] * 2 and w.num_recorded == 3
+
+
 # ---------------------------------------------------------------------------------------------- balancing
 
 def test_balanced_placement_lowers_imbalance():

@@ -1,12 +1,19 @@
 """Multi-process engines on CPU (2 gloo ranks, real worker processes): attention DP + expert parallelism on
 DeepSeek-V4 (fp32 and the published FP8/MXFP4 format) and plain DP give the outputs of one process through
-chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; EPLB lowers moe_lb without
-changing outputs; workers never outlive their engine or server; bad layouts fail before any worker starts."""
+chunked prefill, prefix-cache hits, async scheduling, preemption and aborts; no model parameter requires grad
+(every family and layout); moe_lb is live from the first step; EPLB (automatic, or on request between
+generations and while serving) lowers it without changing outputs; a worker's error reaches the user whether it
+failed at start, in a step, a call or at shutdown; workers never outlive their engine or server; bad layouts fail
+before any worker starts."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import math
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +28,6 @@ from safetensors.torch import load_file, save_file
 
 from openinfer import LLM
 from openinfer.distributed.eplb import num_physical_experts
-from openinfer.distributed.eplb_controller import _MEASURE_EVERY
 from openinfer.executor.multiproc import WorkerError
 from openinfer.sampling_params import SamplingParams
 from tests.live_server import _free_port
@@ -99,6 +105,23 @@ def assert_gone(pids, timeout: float = 30.0) -> None:
     assert not alive, f"processes still alive: {alive}"
 
 
+def make_rank_raise(engine, rank: int, method: str, message: str) -> None:
+    """From now on `rank`'s `LLMEngine.<method>()` raises ValueError naming `message`: an instance attribute
+    shadows the method (int() of the text, which raises), set by a call to that rank alone."""
+    engine._send(rank, ("call", "__setattr__", (method, functools.partial(int, message))))
+    engine._gather_replies([rank], 30, "call")
+
+
+def metric_values(text: str, name: str, label: str = "model_name") -> dict[str, float]:
+    """{value of `label`: sample} of one metric in Prometheus text (its `name{labels} sample` lines)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, sample = line[len(name):].rsplit(" ", 1)
+            out[re.search(label + r'="([^"]*)"', labels).group(1)] = float(sample)
+    return out
+
+
 def make_skewed_v4(path: Path) -> None:
     """The tiny V4 whose every routed token goes to HOT_EXPERTS: hash layers' token->experts tables point
     there, learned layers' correction bias favours them by far."""
@@ -132,6 +155,27 @@ def reference(v4_path):
     outs = run_workload(llm)
     yield llm, outs
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def skewed_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4skew")
+    make_skewed_v4(path)
+    return path
+
+
+SKEW_FIXED = prompts_of(6, 9, seed=12)
+SKEW_PROMPTS = [[7] * 12, [7, 8] * 5, [9] * 20, [8] * 3]
+
+
+@pytest.fixture(scope="module")
+def skewed_reference(skewed_path):
+    """One process's greedy outputs on the skewed model: SKEW_FIXED (6 tokens), SKEW_PROMPTS (40 tokens)."""
+    one = LLM(str(skewed_path), **V4_OPTS)
+    try:
+        yield generate(one, SKEW_FIXED, max_tokens=6), generate(one, SKEW_PROMPTS, max_tokens=40)
+    finally:
+        one.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -233,49 +277,70 @@ def test_published_fp8_mxfp4_checkpoint_with_dp_ep_equals_one_process(tmp_path_f
         llm.shutdown()
 
 
-# ---- 5. EPLB ---------------------------------------------------------------------------------------------------
-def test_eplb_rebalances_a_skewed_load_without_changing_outputs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v4skew")
-    make_skewed_v4(path)
+# ---- 5. weights never track gradients ---------------------------------------------------------------------------
+def test_no_parameter_requires_grad_in_any_family_or_layout(tmp_path, v4_path, smollm_dir):
+    """Every family's build freezes what it loads, in one process and on a rank of each layout it takes (TP, EP:
+    built here without a process group, as test_v41_parallel builds its ranks): an inference engine has no use
+    for gradient tracking, and a weight that tracks one cannot be written in place outside a step (EPLB's moves
+    on request, a reload)."""
+    from openinfer.config import EngineConfig
+    from openinfer.distributed.parallel_state import ParallelContext
+    from openinfer.models.registry import load_model
+    from tests.test_gemma3 import make_tiny_gemma3
+    from tests.test_models_tiny import make_tiny
+
+    tp = ParallelContext(world_size=2, rank=1, tp_size=2, tp_rank=1)
+    ep = ParallelContext(world_size=2, rank=1, dp_size=2, dp_rank=1, ep_size=2, ep_rank=1, num_redundant_experts=1)
+    fp32, bf16 = EngineConfig(device="cpu", dtype="float32"), EngineConfig(device="cpu", dtype="bfloat16")
+    cases = [("llama", make_tiny(tmp_path, smollm_dir, "llama")[0], fp32, [tp]),
+             ("gemma3", make_tiny_gemma3(tmp_path, smollm_dir)[0], fp32, [tp]),
+             ("deepseek-v4", v4_path, fp32, [tp, ep]),
+             ("deepseek-v41", "deepseek-v41-tiny", bf16, [ep])]
+    for family, model, config, layouts in cases:
+        for ctx in [ParallelContext.single(), *layouts]:
+            net = load_model(model, config, parallel=ctx)
+            names = [n for n, _ in net.named_parameters()]
+            assert names, family
+            grad = [n for n, p in net.named_parameters() if p.requires_grad]
+            assert not grad, (family, ctx.tp_size, ctx.ep_size, grad[:5])
+
+
+# ---- 6. EPLB ---------------------------------------------------------------------------------------------------
+def test_eplb_rebalances_a_skewed_load_without_changing_outputs(skewed_path, skewed_reference):
+    """Automatic: every `interval` forwards; moe_lb is read from the live window from the first step on."""
     assert num_physical_experts(8, 1, 2) == 10               # 1 redundant rounds up to 2: 10 slots, 5 per rank
-    fixed = prompts_of(6, 9, seed=12)
-    skew = [[7] * 12, [7, 8] * 5, [9] * 20, [8] * 3]
-    one = LLM(str(path), **V4_OPTS)
-    try:
-        ref_fixed = generate(one, fixed, max_tokens=6)
-        ref_skew = generate(one, skew, max_tokens=40)
-    finally:
-        one.shutdown()
-    interval = 2 * _MEASURE_EVERY      # moe_lb is read every _MEASURE_EVERY forwards: one reading before
-    llm = LLM(str(path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1, eplb_window_steps=8,
+    ref_fixed, ref_skew = skewed_reference
+    interval = 32                  # past the first generation, inside the first round of skewed requests
+    llm = LLM(str(skewed_path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1, eplb_window_steps=8,
               eplb_rebalance_interval_steps=interval)
     try:
         engine = llm.engine
-        before = generate(llm, fixed, max_tokens=6)
+        before = generate(llm, SKEW_FIXED, max_tokens=6)
         assert engine.stats()["eplb_rebalances"] == 0
         assert_same_outputs(before, ref_fixed)
         # keep skewed requests flowing until the rebalance (requests in flight continue across it)
         ids, done, lb_before = [], {}, []
         for rnd in range(10):
-            ids += [engine.add_request(p, params(40), request_id=f"skew{rnd}-{i}") for i, p in enumerate(skew)]
+            ids += [engine.add_request(p, params(40), request_id=f"skew{rnd}-{i}") for i, p in enumerate(SKEW_PROMPTS)]
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     if o.finished:
                         done[o.request_id] = o
                 st = engine.stats()
-                if st["eplb_rebalances"] == 0 and st["moe_lb"] == st["moe_lb"]:   # measured, not NaN
+                if st["eplb_rebalances"] == 0:
                     lb_before.append(st["moe_lb"])
             if engine.stats()["eplb_rebalances"] >= 1:
                 break
         stats = engine.stats()
         assert stats["eplb_rebalances"] >= 1
-        assert lb_before and min(lb_before) > 1.9, lb_before    # everything on rank 0's experts: 2 = worst
+        assert len(lb_before) >= 8                                # read at every step before the rebalance
+        assert min(lb_before) > 1.9, lb_before                    # everything on rank 0's experts: 2 = worst
         per_rank = rank_stats(llm)
         assert len({s["moe_lb"] for s in per_rank}) == 1          # every rank computed the same placement
         assert stats["moe_lb"] < min(lb_before) - 0.5, (stats["moe_lb"], lb_before)
         for k, rid in enumerate(ids):
-            assert_same_outputs([done[rid]], [ref_skew[k % len(skew)]])
-        after = generate(llm, fixed, max_tokens=6)
+            assert_same_outputs([done[rid]], [ref_skew[k % len(SKEW_PROMPTS)]])
+        after = generate(llm, SKEW_FIXED, max_tokens=6)
         assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
         assert_same_outputs(after, ref_fixed)
         assert_ranks_idle(llm)
@@ -283,7 +348,102 @@ def test_eplb_rebalances_a_skewed_load_without_changing_outputs(tmp_path_factory
         llm.shutdown()
 
 
-# ---- 6. lifecycle -----------------------------------------------------------------------------------------------
+def test_moe_lb_is_live_before_any_rebalance_and_rebalance_on_request_between_generations(skewed_path,
+                                                                                          skewed_reference):
+    """Every token routed to experts on rank 0: after one short generation `stats()` and `/metrics` (the server's
+    collector over this engine) already read moe_lb ~2 and the load behind it, long before EPLB's interval;
+    `call_ranks("rebalance_experts")` between generations (outside any step: weights move with no gradient
+    tracking) moves experts on both ranks alike; the next generation reads the lower moe_lb, and outputs equal
+    one process before and after."""
+    from prometheus_client import generate_latest
+
+    from openinfer.distributed.eplb import ExpertPlacement
+    from openinfer.serving.metrics import EngineMetrics
+
+    ref_fixed, ref_skew = skewed_reference
+    llm = LLM(str(skewed_path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1,
+              eplb_rebalance_interval_steps=10**6)       # EPLB runs when the test says
+    try:
+        engine = llm.engine
+        assert math.isnan(engine.stats()["moe_lb"])       # no step yet
+        metrics = EngineMetrics("tiny", engine)
+        assert_same_outputs(generate(llm, SKEW_FIXED, max_tokens=6), ref_fixed)
+        st = engine.stats()
+        assert st["moe_lb"] > 1.9, st["moe_lb"]
+        assert st["eplb_rebalances"] == 0 and 0 < st["moe_load_steps"] <= 8
+        hot_rank = ExpertPlacement.initial(1, 8, 10, 2).local_logical(0)[0].tolist()
+        assert set(HOT_EXPERTS) <= set(hot_rank)
+        assert st["moe_rank_load"][0] > 0 and st["moe_rank_load"][1] == 0, st["moe_rank_load"]
+        assert sum(st["moe_expert_load"]) > 0
+        assert all(n == 0 for e, n in enumerate(st["moe_expert_load"]) if e not in HOT_EXPERTS), st
+        text = generate_latest(metrics.registry).decode()
+        assert metric_values(text, "openinfer:moe_lb") == {"tiny": st["moe_lb"]}
+        assert metric_values(text, "openinfer:moe_rank_load", "ep_rank") == {"0": st["moe_rank_load"][0], "1": 0.0}
+        assert metric_values(text, "openinfer:moe_expert_load", "expert") == {
+            str(e): n for e, n in enumerate(st["moe_expert_load"])}
+
+        moves = engine.call_ranks("rebalance_experts")
+        assert len(set(moves)) == 1, moves                        # every rank the same placement
+        before, after, moved = moves[0]
+        assert moved and before == pytest.approx(st["moe_lb"]) and after < before - 0.5, moves
+        assert_same_outputs(generate(llm, SKEW_FIXED, max_tokens=6), ref_fixed)
+        assert_same_outputs(generate(llm, SKEW_PROMPTS[:2], max_tokens=40), ref_skew[:2])
+        st = engine.stats()
+        assert st["eplb_rebalances"] == 1 and st["moe_lb"] < 1.5, st
+        assert min(st["moe_rank_load"]) > 0                      # rank 1 now computes some of the hot experts
+        text = generate_latest(metrics.registry).decode()
+        assert metric_values(text, "openinfer:moe_lb") == {"tiny": st["moe_lb"]}
+        assert metric_values(text, "openinfer:eplb_rebalances_total") == {"tiny": 1.0}
+        assert_ranks_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_rebalance_on_request_while_serving(skewed_path, skewed_reference):
+    """A server's engine thread (AsyncLLMEngine) steps the skewed requests; from another thread,
+    `call_ranks("rebalance_experts")` runs between two of its steps while they are in flight: experts move on
+    both ranks and every request still gives one process's tokens."""
+    from openinfer.serving.async_engine import AsyncLLMEngine
+
+    _, ref_skew = skewed_reference
+    llm = LLM(str(skewed_path), **V4_OPTS, **EP2, enable_eplb=True, num_redundant_experts=1,
+              eplb_rebalance_interval_steps=10**6)
+    served = AsyncLLMEngine(llm.engine)
+    served.start()
+
+    async def serve():
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(SKEW_PROMPTS))}
+        finished: set[int] = set()
+        first_token = asyncio.Event()
+
+        async def one(i: int) -> None:
+            async for out in served.generate(SKEW_PROMPTS[i], params(40), request_id=f"serve-{i}"):
+                tokens[i] += out.outputs[0].token_ids
+                first_token.set()
+                if out.finished:
+                    finished.add(i)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(SKEW_PROMPTS))]
+        await first_token.wait()
+        moves = await asyncio.to_thread(llm.engine.call_ranks, "rebalance_experts")
+        in_flight = len(SKEW_PROMPTS) - len(finished)
+        await asyncio.gather(*tasks)
+        return tokens, moves, in_flight
+
+    try:
+        tokens, moves, in_flight = asyncio.run(serve())
+        assert in_flight > 0                                      # the rebalance came while requests ran
+        assert len(set(moves)) == 1 and moves[0][2], moves        # experts moved, the same on every rank
+        assert moves[0][1] < moves[0][0] - 0.5, moves
+        assert [tokens[i] for i in range(len(SKEW_PROMPTS))] == [o.outputs[0].token_ids for o in ref_skew]
+        assert llm.engine.stats()["eplb_rebalances"] == 1
+    finally:
+        served.shutdown()
+        llm.shutdown()
+    assert served.error is None, served.error
+
+
+# ---- 7. lifecycle -----------------------------------------------------------------------------------------------
 def test_a_dead_worker_is_named_and_the_others_stop(v4_path):
     llm = LLM(str(v4_path), **V4_OPTS, **EP2)
     engine, procs = llm.engine, list(llm.engine._procs)
@@ -299,6 +459,64 @@ def test_a_dead_worker_is_named_and_the_others_stop(v4_path):
         assert_gone([p.pid for p in procs])
     finally:
         llm.shutdown()
+
+
+def test_a_worker_error_at_start_reaches_the_user(v4_path):
+    """Every rank fails building its engine (the KV pool is too small for max_model_len, found only where the
+    pool is sized): the WorkerError carries the rank's own message, and no worker is left."""
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkerError) as err:
+        LLM(str(v4_path), **{**V4_OPTS, "max_model_len": 4096}, **EP2)
+    text = str(err.value)
+    assert "raised during 'start'" in text and "does not fit the KV pool" in text, text
+    assert_gone({p.pid for p in psutil.Process().children(recursive=True)} - children)
+
+
+def test_a_worker_error_in_a_step_names_that_rank_and_its_message(v4_path):
+    """Rank 1 raises in a step; rank 0, left in the step's collective, fails too (its connection reset), maybe
+    first: the WorkerError names rank 1 with its message, then rank 0's; no worker is left."""
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+    pids = worker_pids(llm)
+    try:
+        make_rank_raise(llm.engine, 1, "step", "rank one broke its step")
+        with pytest.raises(WorkerError) as err:
+            generate(llm, prompts_of(9, seed=1), max_tokens=4)
+        text = str(err.value)
+        assert text.startswith("worker rank 1 raised during 'step'"), text
+        assert "rank one broke its step" in text and "(rank 0 failed too: " in text, text
+        assert_gone(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_error_in_a_call_reaches_the_user(v4_path):
+    """`call_ranks` of something every rank refuses (EPLB on an engine without expert parallelism): the ranks'
+    own message, and no worker is left."""
+    llm = LLM(str(v4_path), **V4_OPTS, data_parallel_size=2)
+    pids = worker_pids(llm)
+    try:
+        with pytest.raises(WorkerError) as err:
+            llm.engine.call_ranks("rebalance_experts")
+        text = str(err.value)
+        assert "raised during 'rebalance_experts'" in text, text
+        assert "ValueError: rebalance_experts needs enable_expert_parallel" in text, text
+        assert_gone(pids)
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_error_at_shutdown_reaches_the_user(v4_path):
+    """Rank 1 fails stopping its engine: shutdown() raises its message once every worker has stopped."""
+    llm = LLM(str(v4_path), **V4_OPTS, **EP2)
+    pids = worker_pids(llm)
+    generate(llm, prompts_of(9, seed=1), max_tokens=2)
+    make_rank_raise(llm.engine, 1, "shutdown", "rank one could not stop")
+    with pytest.raises(WorkerError) as err:
+        llm.shutdown()
+    text = str(err.value)
+    assert text.startswith("worker rank 1 raised during 'shutdown'") and "rank one could not stop" in text, text
+    assert_gone(pids, timeout=5)
+    llm.shutdown()                                           # stopped: nothing more to say
 
 
 def test_create_and_shutdown_twice_leaves_no_workers(v4_path):
@@ -328,7 +546,7 @@ def test_bad_layouts_fail_before_any_worker_starts(v4_path, smollm_dir):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
 
 
-# ---- 7. the server ----------------------------------------------------------------------------------------------
+# ---- 8. the server ----------------------------------------------------------------------------------------------
 def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
     import openai
 
@@ -362,7 +580,10 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
         assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 6
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
         metrics = httpx.get(base + "/metrics", timeout=10).text
-        assert "openinfer:moe_lb" in metrics
+        lb = metric_values(metrics, "openinfer:moe_lb")
+        assert len(lb) == 1 and 1.0 <= next(iter(lb.values())) <= 2.0, lb    # live after the request's steps
+        assert len(metric_values(metrics, "openinfer:moe_rank_load", "ep_rank")) == 2
+        assert sum(metric_values(metrics, "openinfer:moe_expert_load", "expert").values()) > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert_gone(descendants)
@@ -373,7 +594,7 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
         log.close()
 
 
-# ---- 8. tensor parallelism through the front end, and a request one rank refuses -------------------------------
+# ---- 9. tensor parallelism through the front end, and a request one rank refuses -------------------------------
 def test_dp2_tp2_llama_through_the_front_end_equals_one_process(tmp_path, smollm_dir):
     """Four worker processes (2 DP groups x 2 TP ranks): each group's TP ranks run the same schedule from
     the same commands; chunked prefill, a prefix hit and an abort included."""

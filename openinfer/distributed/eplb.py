@@ -11,7 +11,8 @@ is skewed (a few experts draw many times the mean), so the plain checkpoint spli
   a token to replica `token_index % count` of the expert it picked, so the expert's tokens split evenly
   over its replicas (`ExpertPlacement.replicas`).
 * **Load statistics.** Each step the model's routers count the tokens sent to each logical expert; a
-  `LoadWindow` keeps the last `window_steps` steps (a ring buffer on the device, no host sync per step).
+  `LoadWindow` keeps the last `window_steps` steps on the host (copied back behind the step's device work, so
+  no step waits for it) with their running sum, which `moe_lb` and the placements are computed from.
 * **Periodic rebalancing.** Every `rebalance_interval` steps, the window's counts (summed over the EP group,
   so every rank sees the same numbers) give a new placement (`balanced_placement`); `plan_moves` lists the
   slots whose expert changed and where to copy their weights from, and `apply_moves` copies them (locally
@@ -31,11 +32,13 @@ randomness), so all ranks compute the same placement from the same counts withou
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from openinfer.device_io import D2HCopy
 
 
 def num_physical_experts(num_logical: int, num_redundant_min: int, ep_size: int) -> int:
@@ -177,37 +180,62 @@ def moe_lb(rank_loads: torch.Tensor) -> float:
 
 
 class LoadWindow:
-    """Tokens per logical expert over the last `window_steps` steps: a ring buffer [window, L, E] on `device`.
-    `record` is one device copy (no host sync, so it can follow every forward); `total` sums the window."""
+    """Tokens per logical expert over the last `window_steps` steps, on the host: a ring buffer [window, L, E] and
+    its running sum, so reading the window costs O(L * E) whatever its length (stats read it after every step).
 
-    def __init__(self, num_layers: int, num_logical: int, window_steps: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.int32) -> None:
+    `record` never waits for the device: counts on a GPU are copied to pinned memory behind the work queued so
+    far (`device_io.D2HCopy`) and enter the window once that copy is done — checked at the next `record` or read
+    (`settle`). A read with `wait=True` first takes in every step recorded (a host sync: rebalancing); with
+    `wait=False` it sees the steps whose counts have arrived (stats while the latest step still runs)."""
+
+    def __init__(self, num_layers: int, num_logical: int, window_steps: int, dtype: torch.dtype = torch.int32) -> None:
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         self.window_steps = window_steps
-        self.buffer = torch.zeros(window_steps, num_layers, num_logical, dtype=dtype, device=device)
+        self.buffer = torch.zeros(window_steps, num_layers, num_logical, dtype=dtype)
+        self._sum = torch.zeros(num_layers, num_logical, dtype=torch.int64)
+        self._in_flight: deque[D2HCopy] = deque()     # device counts on their way to the host, oldest first
         self._next = 0
         self._recorded = 0
 
     @property
     def num_recorded(self) -> int:
-        """Steps in the window now (at most window_steps)."""
+        """Steps in the window now (at most window_steps; steps whose counts are still in flight not included)."""
         return min(self._recorded, self.window_steps)
 
     def record(self, step_counts: torch.Tensor) -> None:
+        """Add one step's [L, E] counts (any device); the caller may reuse `step_counts` at once."""
         if step_counts.shape != self.buffer.shape[1:]:
             raise ValueError(f"step counts shape {tuple(step_counts.shape)} != (layers, logical experts) "
                              f"{tuple(self.buffer.shape[1:])}")
-        self.buffer[self._next].copy_(step_counts, non_blocking=True)
+        self.settle()
+        if step_counts.device.type == "cpu":
+            self._add(step_counts)
+        else:
+            self._in_flight.append(D2HCopy({"counts": step_counts}))
+
+    def settle(self, wait: bool = False) -> None:
+        """Take in the recorded steps whose counts have reached the host (`wait`: all of them, waiting)."""
+        while self._in_flight and (wait or self._in_flight[0].ready()):
+            self._add(self._in_flight.popleft().wait()["counts"])
+
+    def _add(self, counts: torch.Tensor) -> None:
+        slot = self.buffer[self._next]
+        self._sum -= slot                    # the step that leaves the window
+        slot.copy_(counts)
+        self._sum += slot
         self._next = (self._next + 1) % self.window_steps
         self._recorded += 1
 
-    def total(self) -> torch.Tensor:
-        """[L, E] int64 sum over the recorded steps (slots not yet written are zero)."""
-        return self.buffer.sum(0, dtype=torch.int64)
+    def total(self, wait: bool = True) -> torch.Tensor:
+        """[L, E] int64 sum over the steps in the window (after `settle(wait)`)."""
+        self.settle(wait)
+        return self._sum.clone()
 
     def reset(self) -> None:
+        self._in_flight.clear()
         self.buffer.zero_()
+        self._sum.zero_()
         self._next = 0
         self._recorded = 0
 

@@ -1,11 +1,15 @@
-"""EPLB at run time, on every EP rank: count tokens per expert each forward, report `moe_lb`, and (with
-`enable_eplb`) every `eplb_rebalance_interval_steps` forwards compute a new placement from the last
+"""EPLB at run time, on every EP rank: count tokens per expert each forward, report `moe_lb` and the load behind
+it, and (with `enable_eplb`) every `eplb_rebalance_interval_steps` forwards compute a new placement from the last
 `eplb_window_steps` forwards and move expert weights between ranks. The policy is `eplb.py`.
 
 Every rank sees every rank's routing (the MoE exchange carries it), so the counts — and hence the
 placements each rank computes — are identical without a reduction, and ranks run the same number of
 forwards (step_sync), so they rebalance at the same step. The move happens between forwards on the
 device's stream order, so requests in flight simply continue with the experts at their new slots.
+
+The load is reported from the live window after every step (`stats`), not only when a rebalance is considered:
+operators watch an imbalance build up before EPLB acts, and with EPLB off. The window is on the host and fed
+without host syncs (`LoadWindow`), so reading it costs no step any device time.
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ from openinfer.distributed.eplb import (ExpertPlacement, LoadWindow, apply_moves
                                         rank_loads, rebalance)
 from openinfer.distributed.expert_parallel import ExpertRouting
 from openinfer.distributed.parallel_state import ParallelContext
-
-_MEASURE_EVERY = 64     # forwards between moe_lb readings (each reads the window back to the host)
 
 
 class EplbController:
@@ -34,10 +36,9 @@ class EplbController:
         for i, m in enumerate(self.moes):
             m.routing.load = self.loads[i]
         self.placement = ExpertPlacement.initial(len(self.moes), num_logical, self.num_physical, ctx.ep_size)
-        self.window = LoadWindow(len(self.moes), num_logical, config.eplb_window_steps, device)
+        self.window = LoadWindow(len(self.moes), num_logical, config.eplb_window_steps)
         self.enabled, self.interval = config.enable_eplb, config.eplb_rebalance_interval_steps
         self.num_forwards = self.num_rebalances = 0
-        self.moe_lb: float | None = None
         self._set_routing()
 
     def _set_routing(self) -> None:
@@ -49,20 +50,22 @@ class EplbController:
         self.window.record(self.loads)
         self.loads.zero_()
         self.num_forwards += 1
-        if self.num_forwards % _MEASURE_EVERY == 0:
-            self.measure()
         if self.enabled and self.num_forwards % self.interval == 0:
             self.rebalance()
 
-    def measure(self) -> float:
-        """max/mean tokens per rank (1.0 = balanced) of the window's traffic under the current placement."""
-        self.moe_lb = moe_lb(rank_loads(self.window.total().cpu(), self.placement))
-        return self.moe_lb
+    def measure(self, wait: bool = True) -> float:
+        """`moe_lb` of the window's traffic under the current placement: max/mean tokens per EP rank (1.0 =
+        balanced); NaN while the window holds no step. `wait`: count the steps whose counts are still on their
+        way from the device too (a host sync)."""
+        total = self.window.total(wait)
+        if not self.window.num_recorded:
+            return float("nan")
+        return moe_lb(rank_loads(total, self.placement))
 
     def rebalance(self) -> bool:
         """A new placement if it lowers moe_lb enough to pay for moving weights (eplb.rebalance decides);
-        True if experts moved."""
-        decision = rebalance(self.window.total().cpu(), self.placement)
+        True if experts moved. Writes weights in place: callers outside a step run it with gradients off."""
+        decision = rebalance(self.window.total(wait=True), self.placement)
         if decision is not None:
             new, moves = decision
             apply_moves([list(m.experts.parameters()) for m in self.moes], moves, self.ctx.ep_rank,
@@ -70,9 +73,16 @@ class EplbController:
             self.placement = new
             self._set_routing()
             self.num_rebalances += 1
-        self.measure()
         return decision is not None
 
     def stats(self) -> dict:
-        return {"moe_lb": self.moe_lb if self.moe_lb is not None else float("nan"),
-                "eplb_rebalances": self.num_rebalances}
+        """From the window as it stands (never waits for the device), all ranks alike: `moe_lb` (NaN while the
+        window holds no step); `moe_rank_load`, the tokens each EP rank computes under the current placement
+        (each expert's tokens split over its replicas), and `moe_expert_load`, the tokens each logical expert
+        drew — both summed over the MoE layers; `moe_load_steps`, the forwards they cover; the rebalances so far."""
+        total = self.window.total(wait=False)
+        per_rank = rank_loads(total, self.placement)                   # [layers, ep_size]
+        steps = self.window.num_recorded
+        return {"moe_lb": moe_lb(per_rank) if steps else float("nan"),
+                "moe_rank_load": per_rank.sum(0).tolist(), "moe_expert_load": total.sum(0).tolist(),
+                "moe_load_steps": steps, "eplb_rebalances": self.num_rebalances}

@@ -426,15 +426,17 @@ class LLMEngine:
             saves.clear()
 
     # ---- introspection ----------------------------------------------------------------------------------
+    @torch.inference_mode()
     def rebalance_experts(self) -> tuple[float, float, bool]:
-        """EPLB now rather than at its next interval (tests, benchmarks: every EP rank at once, between steps, as
-        `call_ranks` runs it): (moe_lb before, moe_lb after, whether experts moved)."""
+        """EPLB now rather than at its next interval (every EP rank at once, between steps, as `call_ranks` runs
+        it: tests, benchmarks, an operator): (moe_lb before, moe_lb after, whether experts moved); NaN before any
+        step. Moves weights in place, so it runs in inference mode, as a step's automatic rebalance does."""
         eplb = self.runner.eplb
         if eplb is None:
             raise ValueError("rebalance_experts needs enable_expert_parallel")
         before = eplb.measure()
         moved = eplb.rebalance()
-        return before, eplb.moe_lb, moved
+        return before, eplb.measure(), moved
 
     def stats(self) -> dict:
         kv = self.kv_manager

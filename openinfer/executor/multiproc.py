@@ -11,7 +11,13 @@ the same schedule (they receive the same commands in the same order and schedule
 Lifecycle: workers start before anything loads, report `ready` (or the error, naming the rank), and stop on
 `shutdown()`, on the front end's exit (a finalizer) and on its death (the kernel's parent-death signal on
 Linux, and a closed pipe elsewhere), so no orphans are left after an exception, Ctrl-C or SIGTERM. A worker
-that dies is reported as an error naming its rank and exit code, never a hang.
+that fails is reported as a `WorkerError` naming its rank, never a hang: with the error it sent (its traceback:
+read from its connection even when its exit is noticed first, since a pipe keeps what a process wrote before it
+exited), else its exit code. A rank whose peer failed fails too, at its next collective, so the rank named is the
+likeliest cause (`_fail_with_cause`), the others' errors following it.
+
+Threads: commands to the ranks and their replies are exchanged under one lock, so `call_ranks` may come from
+another thread while a server's engine thread steps (it runs between two steps).
 
 Several hosts: the front end spawns ranks 0..num_local_ranks-1; the other ranks run under `openinfer worker
 --connect HOST:PORT --ranks ...` on other hosts and connect to `worker_listen_address` with
@@ -44,12 +50,14 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
 
 _STEP_TIMEOUT_S = 600.0
+_PEER_GRACE_S = 1.0       # after one rank fails, how long the others get to show whether they are failing too
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
               "prefix_cache_queried_tokens", "num_preemptions")
+_EXPERT_STATS = ("moe_lb", "moe_rank_load", "moe_expert_load", "moe_load_steps", "eplb_rebalances")
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed or died; the message names its rank."""
+    """A worker process failed or died; the message names its rank and carries the error it sent, if it could."""
 
 
 def free_local_port() -> int:
@@ -84,6 +92,7 @@ class MultiprocEngine:
         # for a rank that will never come, not reading their commands
         self._stop_opts = {"grace_s": 2.0}
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._stop_opts)
+        self._lock = threading.Lock()     # one exchange with the ranks at a time (see the module's docstring)
         start_deadline = time.monotonic() + config.worker_start_timeout_s
         try:
             for rank in range(config.local_ranks):
@@ -99,7 +108,7 @@ class MultiprocEngine:
             infos = self._gather_replies(range(config.world_size), max(0.0, start_deadline - time.monotonic()),
                                          "start")
         except BaseException:
-            self.shutdown()
+            self._stop()
             raise
         self._stop_opts["grace_s"] = 30.0
         info = infos[0]
@@ -119,7 +128,11 @@ class MultiprocEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate here (the workers only see valid requests), pick the DP group with the fewest live
         requests (then the most free KV blocks), and send the request to each of its ranks."""
-        self._check_alive()
+        with self._lock:
+            return self._add_request(prompt_token_ids, params, prompt, request_id, arrival_time)
+
+    def _add_request(self, prompt_token_ids, params, prompt, request_id, arrival_time) -> str:
+        self._check_alive("add")
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self.requests:
@@ -144,22 +157,24 @@ class MultiprocEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request on its ranks now (their blocks are freed before their next step)."""
-        group = self.requests.pop(request_id, None)
-        self._prompts.pop(request_id, None)
-        if group is not None:
-            for rank in self._groups[group]:
-                self._send(rank, ("abort", request_id))
+        with self._lock:
+            group = self.requests.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+            if group is not None:
+                for rank in self._groups[group]:
+                    self._send(rank, ("abort", request_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or any(self._rank_busy)
 
     def step(self) -> list[RequestOutput]:
         """Step every rank once; outputs come from each DP group's driver rank."""
-        self._check_alive()
-        ranks = range(self.config.world_size)
-        for rank in ranks:
-            self._send(rank, ("step",))
-        replies = self._gather_replies(ranks, _STEP_TIMEOUT_S, "step")
+        with self._lock:
+            self._check_alive("step")
+            ranks = range(self.config.world_size)
+            for rank in ranks:
+                self._send(rank, ("step",))
+            replies = self._gather_replies(ranks, _STEP_TIMEOUT_S, "step")
         outputs = []
         for rank, (outs, busy, stats) in enumerate(replies):
             self._rank_busy[rank], self._rank_stats[rank] = busy, stats
@@ -183,14 +198,15 @@ class MultiprocEngine:
         return self._structured
 
     def stats(self) -> dict:
-        """Summed over DP groups (each group's driver), usage over the whole pool; `moe_lb` from rank 0."""
+        """Summed over DP groups (each group's driver), usage over the whole pool, as of the last step; expert
+        load (`moe_lb`, per rank and per expert) from rank 0: every EP rank counts every rank's routing."""
         drivers = [self._rank_stats[g[0]] for g in self._groups]
         out = {k: sum(s.get(k, 0) for s in drivers) for k in _SUM_STATS}
         used = out["kv_blocks_total"] - out["kv_blocks_free"]
         out["kv_usage"] = used / out["kv_blocks_total"] if out["kv_blocks_total"] else 0.0
         q = out["prefix_cache_queried_tokens"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
-        for k in ("moe_lb", "eplb_rebalances"):
+        for k in _EXPERT_STATS:
             if k in self._rank_stats[0]:
                 out[k] = self._rank_stats[0][k]
         out["per_rank"] = [dict(s) for s in self._rank_stats]
@@ -200,22 +216,37 @@ class MultiprocEngine:
         return None          # the prefix-KV store is a one-process feature (EngineConfig refuses it here)
 
     def touch_cache_pages(self) -> None:
-        for rank in range(self.config.world_size):
-            self._send(rank, ("touch",))
-        self._gather_replies(range(self.config.world_size), self.config.worker_start_timeout_s, "touch")
+        with self._lock:
+            for rank in range(self.config.world_size):
+                self._send(rank, ("touch",))
+            self._gather_replies(range(self.config.world_size), self.config.worker_start_timeout_s, "touch")
 
     def call_ranks(self, method: str, *args) -> list:
-        """Run `LLMEngine.<method>(*args)` on every rank (tests, benchmarks); returns each rank's result."""
-        ranks = range(self.config.world_size)
-        for rank in ranks:
-            self._send(rank, ("call", method, args))
-        return self._gather_replies(ranks, _STEP_TIMEOUT_S, method)
+        """Run `LLMEngine.<method>(*args)` on every rank (tests, benchmarks, `rebalance_experts` on request);
+        returns each rank's result. Any thread may call it: it runs between two steps."""
+        with self._lock:
+            ranks = range(self.config.world_size)
+            for rank in ranks:
+                self._send(rank, ("call", method, args))
+            return self._gather_replies(ranks, _STEP_TIMEOUT_S, method)
 
     def shutdown(self) -> None:
-        """Stop every worker (politely, then by force) and free their GPUs. Idempotent."""
+        """Stop every worker (politely, then by force) and free their GPUs. Idempotent. A rank that reports an
+        error while it stops — or one that failed between commands and was not heard yet — raises WorkerError
+        naming it, once every worker has stopped."""
+        errors = self._stop()
+        if errors:
+            cause = min(errors, key=lambda r: (errors[r][1], r))
+            also = "".join(f"\n(rank {r} failed too: {_last_line(errors[r][0])})" for r in sorted(errors)
+                           if r != cause)
+            raise WorkerError(f"worker rank {cause} raised during 'shutdown':\n{errors[cause][0].rstrip()}{also}; "
+                              f"every worker has stopped")
+
+    def _stop(self) -> dict[int, tuple[str, float]]:
+        """Stop every worker without raising (for paths already reporting a failure); the errors ranks sent."""
         self.requests.clear()
         self._prompts.clear()
-        self._finalizer()
+        return self._finalizer() or {}
 
     # ---- remote ranks -----------------------------------------------------------------------------------
     def _accept_remote(self, config: EngineConfig, init_method: str, deadline: float) -> None:
@@ -302,13 +333,7 @@ class MultiprocEngine:
         try:
             self._conns[rank].send(msg)
         except (BrokenPipeError, OSError, EOFError):
-            self._fail(rank, "its connection closed" if self._procs[rank] is None else "its pipe closed")
-
-    def _died(self, rank: int, what: str) -> str:
-        p = self._procs[rank]
-        if p is None:
-            return f"(on another host) closed its connection during {what!r}"
-        return f"died (exit code {p.exitcode}) during {what!r}"
+            self._fail_with_cause(rank, self._last_words(rank), self._others(rank), f"before {msg[0]!r}")
 
     def _gather_replies(self, ranks, timeout_s: float, what: str) -> list:
         pending = {self._conns[r]: r for r in ranks}
@@ -322,10 +347,11 @@ class MultiprocEngine:
         except BaseException:
             # interrupted (Ctrl-C) with replies still in the pipes: later replies would be read one command
             # late, so the engine cannot be used any more; stop it now rather than answer out of step
-            self.shutdown()
+            self._stop()
             raise
 
     def _gather(self, ranks, pending, sentinels, replies, deadline, timeout_s, what) -> list:
+        when = f"during {what!r}"
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -333,53 +359,102 @@ class MultiprocEngine:
             for ready in mpc.wait([*pending, *sentinels], timeout=left):
                 rank = pending.get(ready, sentinels.get(ready))
                 conn = self._conns[rank]
-                if conn not in pending:          # replied, then died (e.g. a collective watchdog): fail now
-                    self._fail(rank, self._died(rank, what))
-                if ready is not conn and not conn.poll():
-                    self._fail(rank, self._died(rank, what))
+                others = [r for r in pending.values() if r != rank]
+                # replied, then died (e.g. a collective watchdog); or exited with nothing more to say
+                if conn not in pending or (ready is not conn and not conn.poll()):
+                    self._fail_with_cause(rank, self._last_words(rank), others, when)
                 try:
-                    kind, payload = conn.recv()
+                    msg = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(rank, self._died(rank, what))
-                if kind == "error":
-                    # a rank whose peer died often fails first (a reset collective): name the dead one instead
-                    dead = self._dead_peer([r for r in pending.values() if r != rank])
-                    if dead is not None:
-                        self._fail(dead, self._died(dead, what))
-                    self._fail(rank, f"raised during {what!r}:\n{payload}")
-                replies[rank] = payload
+                    self._fail_with_cause(rank, None, others, when)
+                if msg[0] == "error":
+                    self._fail_with_cause(rank, _error_of(msg), others, when)
+                replies[rank] = msg[1]
                 del pending[conn]
         return [replies[r] for r in ranks]
 
-    def _dead_peer(self, ranks, wait_s: float = 1.0) -> int | None:
-        """The first of `ranks` found dead within `wait_s` (a local process that exited, a remote connection
-        that closed), or None. Replies read here are dropped: the engine is failing anyway."""
-        deadline = time.monotonic() + wait_s
-        watch = {(self._procs[r].sentinel if self._procs[r] is not None else self._conns[r]): r for r in ranks}
+    def _last_words(self, rank: int) -> tuple[str, float] | None:
+        """The error `rank` sent before it stopped, if it managed to: (its traceback, when it failed), read from
+        its connection now — what a process wrote stays in the pipe after it exits, and its exit (the sentinel, a
+        closed pipe, a peer's error) is often noticed first. Replies read here are dropped: the engine is
+        failing anyway."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "error":
+                    return _error_of(msg)
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def _others(self, rank: int) -> list[int]:
+        return [r for r in range(self.config.world_size) if r != rank and self._conns[r] is not None]
+
+    def _fail_with_cause(self, rank: int, words: tuple[str, float] | None, others, when: str):
+        """`rank` failed `when` ("during 'step'"): `words` is the error it sent, None if it died without one. A
+        rank whose peer failed fails too, at its next collective (a reset connection), so the first to be noticed
+        is not always the cause: `others` get up to `_PEER_GRACE_S` to show whether they are failing as well.
+        Raises WorkerError naming the likeliest cause — a rank that died without a word (killed, crashed: its
+        peers' errors follow from it), else the rank whose error happened first — then the others' last lines."""
+        failed = {rank: words}
+        watch = {(self._procs[r].sentinel if self._procs[r] is not None else self._conns[r]): r for r in others}
+        deadline = time.monotonic() + _PEER_GRACE_S
         while watch:
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                break
             for ready in mpc.wait(list(watch), timeout=left):
-                rank = watch.pop(ready)
-                if self._procs[rank] is not None:
-                    return rank
-                try:
-                    self._conns[rank].recv()
+                r = watch.pop(ready)
+                if self._procs[r] is not None:          # a local rank exited: what it said is in its pipe
+                    failed[r] = self._last_words(r)
+                    continue
+                try:                                    # a remote rank: its connection said something
+                    msg = self._conns[r].recv()
                 except (EOFError, OSError):
-                    return rank
-        return None
+                    failed[r] = None
+                    continue
+                if msg[0] == "error":
+                    failed[r] = _error_of(msg)          # (a reply: alive, dropped: the engine is failing)
+        cause = min(failed, key=lambda r: (failed[r] is not None, failed[r][1] if failed[r] else 0.0, r))
+        also = "".join(f"\n(rank {r} failed too: {self._summary(r, failed[r])})" for r in sorted(failed)
+                       if r != cause)
+        words = failed[cause]
+        self._fail(cause, (f"raised {when}:\n{words[0].rstrip()}" if words else self._how_ended(cause, when)) + also)
 
-    def _check_alive(self) -> None:
+    def _how_ended(self, rank: int, when: str) -> str:
+        p = self._procs[rank]
+        if p is None:
+            return f"(on another host) closed its connection {when}"
+        p.join(timeout=5)            # its pipe can close before the process is reaped: wait for the exit code
+        return f"died (exit code {p.exitcode}) {when}"
+
+    def _summary(self, rank: int, words: tuple[str, float] | None) -> str:
+        if words is not None:
+            return _last_line(words[0])
+        return self._how_ended(rank, "").strip()
+
+    def _check_alive(self, what: str) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("this engine was shut down; create a new one")
         for rank, p in enumerate(self._procs):
             if p is not None and not p.is_alive():
-                self._fail(rank, f"died (exit code {p.exitcode})")
+                self._fail_with_cause(rank, self._last_words(rank), self._others(rank), f"before {what!r}")
 
     def _fail(self, rank: int, why: str):
-        self.shutdown()
+        self._stop()
         raise WorkerError(f"worker rank {rank} {why}; the engine was shut down")
+
+
+def _error_of(msg) -> tuple[str, float]:
+    """("error", traceback[, time it failed]) -> (traceback, time); a rank that sent no time sorts last."""
+    return msg[1], (msg[2] if len(msg) > 2 else float("inf"))
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line (the exception and its message)."""
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def _handshake(sock: socket.socket, addr, authkey: bytes, timeout_s: float, results: queue.Queue,
@@ -410,7 +485,11 @@ def _handshake(sock: socket.socket, addr, authkey: bytes, timeout_s: float, resu
             conn.close()
 
 
-def _stop_workers(procs, conns, opts) -> None:
+def _stop_workers(procs, conns, opts) -> dict[int, tuple[str, float]]:
+    """Stop every rank: ("shutdown",), up to `grace_s` for them to exit, then by force (no orphans). Returns the
+    errors ranks sent meanwhile, by rank ((traceback, time it failed)): a rank that fails while it stops says
+    why, and so does one that failed earlier between commands and was not heard yet. Connections are read while
+    the ranks stop, so none blocks writing to a full pipe."""
     for conn in conns:
         if conn is None:
             continue
@@ -418,16 +497,35 @@ def _stop_workers(procs, conns, opts) -> None:
             conn.send(("shutdown",))
         except (BrokenPipeError, OSError, EOFError):
             pass
+    errors: dict[int, tuple[str, float]] = {}
+
+    def read(rank: int, conn) -> bool:
+        """Every message waiting on `conn`; False once it is closed."""
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if isinstance(msg, tuple) and msg and msg[0] == "error":
+                    errors.setdefault(rank, _error_of(msg))
+        except (EOFError, OSError):
+            return False
+        return True
+
+    sentinels = {p.sentinel: r for r, p in enumerate(procs) if p is not None}
+    # a local rank has stopped when its process exits, a remote rank when its end of the connection closes
+    open_conns = {conn: r for r, conn in enumerate(conns) if conn is not None}
     deadline = time.monotonic() + opts["grace_s"]
-    for p, conn in zip(procs, conns):
-        if p is not None:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        elif conn is not None:    # a remote rank: its process has stopped when its end of the connection closes
-            try:
-                while conn.poll(max(0.0, deadline - time.monotonic())):
-                    conn.recv()
-            except (EOFError, OSError):
-                pass
+    while sentinels or any(procs[r] is None for r in open_conns.values()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for ready in mpc.wait([*sentinels, *open_conns], timeout=left):
+            if ready in sentinels:
+                rank = sentinels.pop(ready)
+                if conns[rank] is not None:
+                    read(rank, conns[rank])         # what it wrote before it exited
+                    open_conns.pop(conns[rank], None)
+            elif ready in open_conns and not read(open_conns[ready], ready):
+                del open_conns[ready]
     for p in procs:
         if p is None:
             continue
@@ -440,5 +538,4 @@ def _stop_workers(procs, conns, opts) -> None:
     for conn in conns:
         if conn is not None:
             conn.close()
-
-
+    return errors

@@ -4,9 +4,10 @@
 Both have the same send/recv API, so one command loop serves both.
 
 Commands are handled strictly in arrival order (adds and aborts apply before the next step), which is what
-keeps the TP ranks of a group scheduling identically. Every reply is `(kind, payload)`; an exception is
-reported as `("error", traceback)` and ends the worker (a rank that failed mid-step may have left its peers
-inside a collective, so the front end stops them all).
+keeps the TP ranks of a group scheduling identically. Every reply is `(kind, payload)`; an exception — at start,
+in any command, or while stopping on `("shutdown",)` — is reported as `("error", traceback, time it failed)` and
+ends the worker (a rank that failed mid-step may have left its peers inside a collective, so the front end stops
+them all; the time lets it tell the rank that failed first from the peers that failed because of it).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, loca
         config, init_method, model = reply[1], reply[2], reply[3]
         if device is not None and device.split(":")[0] != config.device.split(":")[0]:
             conn.send(("error", f"rank {rank}: this host's --device {device} differs from the front end's "
-                                f"device {config.device!r} (all ranks use one device type and backend)"))
+                                f"device {config.device!r} (all ranks use one device type and backend)",
+                       time.time()))
             raise SystemExit(1)
     except EOFError:
         raise SystemExit(f"openinfer worker rank {rank}: the front end closed the connection") from None
@@ -130,17 +132,19 @@ def _run(config, model, rank: int, init_method: str, conn, local_index: int, ran
         conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
                              "num_blocks": engine.kv_manager.num_blocks, "stats": engine.stats()}))
         _serve(engine, ctx, conn)
+        # the front end asked to stop: a failure here (queued store writes, say) is reported like any other
+        stopping, engine = engine, None
+        stopping.shutdown()
     except (EOFError, KeyboardInterrupt):
-        pass                                        # the front end is gone
+        if engine is not None:                      # the front end is gone: nobody to tell
+            engine.shutdown()
     except BaseException:
+        failed_at = time.time()
         try:
-            conn.send(("error", f"rank {rank}: " + traceback.format_exc()))
+            conn.send(("error", f"rank {rank}: " + traceback.format_exc(), failed_at))
         except OSError:
             pass
         os._exit(1)     # skip process-group teardown: peers may be waiting in a collective
-    finally:
-        if engine is not None:
-            engine.shutdown()
     try:
         destroy_parallel()
     except Exception:
@@ -148,6 +152,8 @@ def _run(config, model, rank: int, init_method: str, conn, local_index: int, ran
 
 
 def _serve(engine, ctx, conn) -> None:
+    import torch
+
     step_s = 0.0      # host time inside engine.step(), reported with the stats (where a step's time goes)
     refused = []      # requests this rank could not take: reported (aborted, with the reason) at the next step
     while True:
@@ -182,7 +188,8 @@ def _serve(engine, ctx, conn) -> None:
             engine.touch_cache_pages()
             conn.send(("ok", None))
         elif kind == "call":
-            conn.send(("ok", getattr(engine, msg[1])(*msg[2])))
+            with torch.no_grad():     # a call may write weights (rebalance_experts); nothing here tracks gradients
+                conn.send(("ok", getattr(engine, msg[1])(*msg[2])))
         elif kind == "shutdown":
             return
         else:

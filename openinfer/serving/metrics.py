@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.outputs import RequestOutput
@@ -29,11 +30,10 @@ class EngineMetrics:
                    lambda: stat()["kv_blocks_total"] - stat()["kv_blocks_free"]),
                   ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).",
                    lambda: stat()["prefix_cache_hit_rate"])]
-        if "moe_lb" in stat():
-            gauges.append(("openinfer:moe_lb", "Expert parallelism: tokens on the busiest EP rank / the mean over "
-                           "the EPLB window (1 = balanced; NaN until measured).", lambda: stat()["moe_lb"]))
         for name, doc, read in gauges:
             Gauge(name, doc, **label).labels(model_name).set_function(read)
+        if "moe_lb" in stat():
+            self.registry.register(ExpertLoadCollector(model_name, stat))
         self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
         self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
         self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
@@ -144,3 +144,33 @@ class EngineMetrics:
             self.ttft.labels(m).observe(mt.first_token_time - mt.arrival_time)
             if num_output_tokens > 1:
                 self.tpot.labels(m).observe((mt.finished_time - mt.first_token_time) / (num_output_tokens - 1))
+
+
+class ExpertLoadCollector:
+    """Expert parallelism's load, from one `stats()` per scrape (the engine's live EPLB window: every step counts,
+    before and between rebalances): `openinfer:moe_lb`, tokens on the busiest EP rank / the mean (1 = balanced;
+    NaN before the first step); the tokens each EP rank computes (`ep_rank` label) and each logical expert drew
+    (`expert` label), over the window's steps and summed over MoE layers; the rebalances so far."""
+
+    def __init__(self, model_name: str, stat: Callable[[], dict]):
+        self.model, self.stat = model_name, stat
+
+    def collect(self):
+        st, m = self.stat(), self.model
+        lb = GaugeMetricFamily("openinfer:moe_lb", "Expert parallelism: tokens on the busiest EP rank / the mean "
+                               "over the EPLB window (1 = balanced; NaN before the first step).", labels=["model_name"])
+        lb.add_metric([m], st["moe_lb"])
+        ranks = GaugeMetricFamily("openinfer:moe_rank_load", "Expert parallelism: tokens each EP rank computes over "
+                                  "the EPLB window, under the current placement (summed over MoE layers).",
+                                  labels=["model_name", "ep_rank"])
+        for r, v in enumerate(st["moe_rank_load"]):
+            ranks.add_metric([m, str(r)], v)
+        experts = GaugeMetricFamily("openinfer:moe_expert_load", "Expert parallelism: tokens each logical expert "
+                                    "drew over the EPLB window (summed over MoE layers).",
+                                    labels=["model_name", "expert"])
+        for e, v in enumerate(st["moe_expert_load"]):
+            experts.add_metric([m, str(e)], v)
+        moves = CounterMetricFamily("openinfer:eplb_rebalances", "Expert parallelism: EPLB placements adopted "
+                                    "(experts moved).", labels=["model_name"])
+        moves.add_metric([m], st["eplb_rebalances"])
+        yield from (lb, ranks, experts, moves)

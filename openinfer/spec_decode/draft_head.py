@@ -289,7 +289,8 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, directory: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> "DraftHead":
         """The head in `directory` on the target's `embed`/`lm_head` (their device; the weights keep the saved
-        dtype: cast with `.to(dtype)`). A head trained for another target raises ValueError naming the mismatch."""
+        dtype: cast with `.to(dtype)`), frozen for serving as the target is (no parameter requires grad; training
+        builds its own head). A head trained for another target raises ValueError naming the mismatch."""
         from safetensors.torch import load_file
 
         src = Path(directory)
@@ -306,7 +307,7 @@ class DraftHead(nn.Module):
         head = cls(cfg, embed, lm_head).to(device=embed.device, dtype=next(iter(state.values())).dtype)
         head.embed_weight, head.lm_head_weight = embed.detach(), lm_head.detach()   # the target's, uncast
         head.load_state_dict(state)
-        return head.eval()
+        return head.requires_grad_(False).eval()
 
 
 @torch.no_grad()
