@@ -1,5 +1,7 @@
-"""A real openinfer server on loopback (uvicorn in a background thread of the test process), so tests can
-talk HTTP to it and still look at the engine's block pool."""
+"""A real openinfer server on loopback (uvicorn in a background thread of the test process) over an engine core in
+its own process, as `openinfer serve` runs it; tests talk HTTP to it and read the core's numbers (its block pool,
+queues, prefix-cache counters) through the client (`engine.stats()` as of its last step, `engine.call("stats")`
+now)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import time
 import httpx
 import uvicorn
 
-from openinfer import LLM
+from openinfer.config import EngineConfig
+from openinfer.executor.engine_core import EngineCoreClient
 from openinfer.serving.api_server import ServerConfig, build_app
 
 
@@ -21,10 +24,13 @@ def _free_port() -> int:
 
 
 class LiveServer:
+    owns_engine = False         # whether __exit__ shuts the engine down (subclasses may serve an engine they keep)
+
     def __init__(self, model: str, served_model_name: str | None = None, api_key: str | None = None,
                  max_waiting: int | None = None, **engine_options):
-        self.llm = LLM(model, device="cpu", **engine_options)
-        self.engine = self.llm.engine
+        self.engine = EngineCoreClient(EngineConfig(model=model, device="cpu", **engine_options))
+        self.owns_engine = True
+        self.tokenizer = self.engine.tokenizer
         self.port = _free_port()
         self.config = ServerConfig(port=self.port, api_key=api_key, served_model_name=served_model_name,
                                    max_waiting=max_waiting, graceful_shutdown_s=2)
@@ -48,13 +54,17 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
+        if self.owns_engine:
+            self.engine.shutdown()
 
     def wait_idle(self, timeout: float = 20.0) -> bool:
-        """True once no request is left and every KV block is free again."""
+        """True once no request is left (here or in the core) and every KV block is free again."""
         deadline = time.time() + timeout
-        kv = self.engine.kv_manager
         while time.time() < deadline:
-            if not self.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks:
+            # the core's numbers now (an engine in this process: its own)
+            st = self.engine.call("stats") if isinstance(self.engine, EngineCoreClient) else self.engine.stats()
+            if (not self.engine.has_unfinished_requests() and st["num_running"] == st["num_waiting"] == 0
+                    and st["kv_blocks_free"] == st["kv_blocks_total"]):
                 return True
             time.sleep(0.05)
         return False

@@ -55,7 +55,7 @@ def test_openai_completions_with_logprobs(server, oai):
     assert c.finish_reason == "length" and r.usage.completion_tokens == 6
     assert len(c.logprobs.tokens) == 6 and "".join(c.logprobs.tokens) == c.text
     assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
-    assert r.usage.prompt_tokens == len(server.llm.tokenizer.encode("The capital of France is"))
+    assert r.usage.prompt_tokens == len(server.tokenizer.encode("The capital of France is"))
     chunks = list(oai.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
                                          temperature=0, stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
@@ -113,7 +113,7 @@ def test_responses_over_http(server):
 
 def test_user_control_tokens_are_text(server):
     """`<|im_start|>` typed by a user is encoded as text, never as the control token."""
-    tok = server.llm.tokenizer
+    tok = server.tokenizer
     im_start = tok.hf.token_to_id("<|im_start|>")
     clean = httpx.post(server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     evil = httpx.post(server.base_url + "/tokenize", json={"messages": [
@@ -169,7 +169,8 @@ def test_client_disconnect_frees_blocks(server):
                     if line.startswith("data: "):
                         n += 1
                     if n >= 3:
-                        assert server.engine.kv_manager.num_free_blocks < server.engine.kv_manager.num_blocks
+                        st = server.engine.stats()          # as of the core's last step
+                        assert st["kv_blocks_free"] < st["kv_blocks_total"]
                         break           # hang up mid-stream
     asyncio.run(go())
     assert server.wait_idle(), "request kept running (or kept its blocks) after the client left"
@@ -250,7 +251,7 @@ def test_queue_full_is_429_not_a_hang(smollm_dir):
                     waiting = asyncio.create_task(client.post("/v1/completions", json={**long, "stream": False,
                                                                                        "max_tokens": 2}))
                     for _ in range(100):                         # until the second one is queued
-                        if s.engine.scheduler.waiting:
+                        if s.engine.stats()["num_waiting"]:
                             break
                         await asyncio.sleep(0.02)
                     r = await client.post("/v1/completions", json={**long, "stream": False, "max_tokens": 2})

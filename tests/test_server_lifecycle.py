@@ -1,5 +1,6 @@
-"""`openinfer serve` as a real process (`python -m openinfer`): its KV pool is resident from the start; SIGTERM
-lets in-flight requests finish, refuses new ones, exits 0."""
+"""`openinfer serve` as a real process (`python -m openinfer`), its engine core a process of its own: the KV pool is
+resident from the start; SIGTERM lets in-flight requests finish, refuses new ones, exits 0 and leaves no process;
+a core that dies makes the server answer 503 and exit 1, never hang."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 from openinfer.benchmarks.soak import read_rss_mib
 from tests.live_server import _free_port
@@ -32,7 +34,9 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
             except httpx.HTTPError:
                 time.sleep(0.2)
         # the default CPU pool (2 GiB) is touched before serving: memory does not creep as blocks are first used
-        assert read_rss_mib(proc.pid) > 2048
+        children = psutil.Process(proc.pid).children(recursive=True)
+        core = next(c for c in children if "engine-core" in c.name() or read_rss_mib(c.pid) > 2048)
+        assert read_rss_mib(core.pid) > 2048
         result = {}
 
         def stream():
@@ -57,11 +61,39 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
         t.join(timeout=60)
         assert result["finish"] == "length" and result["text"]      # the in-flight stream ran to its end
         assert proc.wait(timeout=60) == 0
+        # the engine core is stopped before the server exits; the fork server it came from follows its parent
+        assert not psutil.wait_procs(children, timeout=10)[1]
         try:
             refused = httpx.get(base + "/health", timeout=2).status_code != 200
         except httpx.HTTPError:
             refused = True
         assert refused
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_dead_engine_core_makes_the_server_answer_503_and_exit_1(smollm_dir):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", str(smollm_dir), "--device", "cpu",
+                             "--port", str(port), "--served-model-name", "smollm2", "--kv-cache-memory-bytes",
+                             str(64 << 20)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if read_rss_mib(c.pid) > 100]
+        assert cores
+        for c in cores:
+            c.kill()
+        assert proc.wait(timeout=60) == 1                  # stopped, not hung
+        log = proc.stdout.read().decode(errors="replace")
+        assert "engine core died" in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -301,6 +301,11 @@ class LLMEngine:
                 "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
                 else None}
 
+    def flush_kv_store(self, timeout_s: float | None = None) -> bool:
+        """Wait until the store holds every block queued so far (a prefill instance before it answers); True if
+        so, False if `timeout_s` passed first (the writes go on). No store: True."""
+        return self.kv_store is None or self.kv_store.flush(timeout_s)
+
     def kv_store_namespace(self) -> str | None:
         """The shared store tier's namespace (None: no directory or Redis tier): instances that hand KV over
         through the store must report the same one (serving/load.py)."""

@@ -169,9 +169,15 @@ def cmd_serve(args) -> int:
     if args.role == "prefill" and not (args.kv_store_dir or args.kv_store_url):
         raise ValueError("--role prefill hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
-    llm = _make_llm(args)
-    run_server(llm.engine, config, args.model)
-    return 0
+    from openinfer.config import EngineConfig
+    from openinfer.executor.engine_core import EngineCoreClient
+
+    # the engine core in its own process: the HTTP side and the engine loop never share an interpreter
+    core = EngineCoreClient(EngineConfig.from_kwargs(**engine_options(args)))
+    try:
+        return run_server(core, config, args.model)
+    finally:
+        core.shutdown()
 
 
 def cmd_router(args) -> int:

@@ -22,6 +22,7 @@ one-rank engine is an `LLMEngine` in the core. A core that dies (or fails) is re
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import queue
 import signal
@@ -51,6 +52,10 @@ def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int)
 
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the server's to handle
+    # the core is a daemon of the server's process (it must not outlive it), yet starts the ranks' processes of a
+    # multi-rank engine: multiprocessing refuses children to a daemonic process, so the core is not one in its own
+    # eyes (its ranks stop with it: their own watch, and the stop on shutdown)
+    multiprocessing.current_process()._config["daemon"] = False
     engine = None
     try:
         if config.world_size > 1:
@@ -62,7 +67,8 @@ def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int)
 
             engine = LLMEngine(config, model=model)
         conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
-                             "stats": engine.stats(), "kv_store_namespace": engine.kv_store_namespace()}))
+                             "stats": engine.stats(), "kv_store_namespace": engine.kv_store_namespace(),
+                             "async_scheduling": engine.async_scheduling}))
         _serve(engine, conn)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass                                           # the client is gone
@@ -163,6 +169,7 @@ class EngineCoreClient:
         self.model_config, self.max_model_len = info["model_config"], info["max_model_len"]
         self._stats = info["stats"]
         self._namespace = info["kv_store_namespace"]
+        self.async_scheduling = info["async_scheduling"]     # as the core's engine resolved it
         self._reader = threading.Thread(target=self._read, name="openinfer-core-reader", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="openinfer-core-writer", daemon=True)
@@ -259,12 +266,16 @@ class EngineCoreClient:
     def touch_cache_pages(self) -> None:
         self.call("touch_cache_pages")
 
+    def flush_kv_store(self, timeout_s: float | None = None) -> bool:
+        return self.call("flush_kv_store", timeout_s, timeout_s=600.0 if timeout_s is None else timeout_s + 60)
+
     def shutdown(self) -> None:
         """Stop the core (politely, then by force) and free its device. Idempotent."""
         self._prompts.clear()
         self._outbox.put(None)              # the writer stops after what it has; then shutdown goes on the pipe
-        if threading.current_thread() is not self._writer:
-            self._writer.join(timeout=10)
+        writer = getattr(self, "_writer", None)          # (none yet when the core failed to start)
+        if writer is not None and threading.current_thread() is not writer:
+            writer.join(timeout=10)
         self._finalizer()
         if self._structured is not None:
             self._structured.pool.shutdown()

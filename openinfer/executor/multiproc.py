@@ -111,6 +111,7 @@ class MultiprocEngine:
             self._stop()
             raise
         self._stop_opts["grace_s"] = 30.0
+        self.async_scheduling = config.use_async_scheduling     # (the ranks' own: speculation is one-process)
         info = infos[0]
         self.model_config, self.max_model_len = info["model_config"], info["max_model_len"]
         self.kv_blocks_per_rank = info["num_blocks"]

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.executor.engine_core import EngineCoreClient
 from openinfer.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestTimeoutError
 from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
@@ -84,7 +85,9 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str) -> FastAPI:
+    """The app over `engine`: an engine core in its own process (what `openinfer serve` runs) or an engine in
+    this process (tests that look inside it)."""
     served = config.served_model_name or model_name
     if engine.tokenizer.is_deepseek:
         # the recipe's protocols only take DeepSeek's own model names, and the name picks the version's prompt
@@ -95,8 +98,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         elif served != own:
             raise ValueError(f"this DeepSeek model is served as {own!r} (deepseek-recipe's name for its version), "
                              f"not {served!r} (--served-model-name)")
-    store = getattr(engine, "kv_store", None)
-    if config.role == "prefill" and not (store is not None and any(t.name != "host" for t in store.tiers)):
+    if config.role == "prefill" and not (engine.config.kv_store_dir or engine.config.kv_store_url):
         raise ValueError("role 'prefill' hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
     metrics = EngineMetrics(served, engine)
@@ -190,7 +192,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     async def settle() -> None:
         """Prefill role, once a request's token is out: wait until the store holds what it computed (the
         decode instance reads it from there); past the timeout a decode instance recomputes what is missing."""
-        if config.role == "prefill" and not await asyncio.to_thread(store.flush, config.prefill_flush_timeout_s):
+        if config.role == "prefill" and not await asyncio.to_thread(engine.flush_kv_store,
+                                                                    config.prefill_flush_timeout_s):
             logger.warning("prefill: the prefix-KV store's writes took over %.0f s; answering anyway (the decode "
                            "instance recomputes the blocks not written yet)", config.prefill_flush_timeout_s)
 
@@ -323,19 +326,32 @@ async def _empty():
     yield  # pragma: no cover
 
 
-def run_server(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
+def run_server(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str) -> int:
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish (up to
-    graceful_shutdown_s; the rest are aborted) and exit 0. The KV pool is made resident first, so the
-    server's memory starts at its steady-state size instead of creeping up as blocks are first used."""
+    graceful_shutdown_s; the rest are aborted) and return 0. The KV pool is made resident first, so the
+    server's memory starts at its steady-state size instead of creeping up as blocks are first used.
+
+    If the engine core dies, every request in flight gets its error (a 503 for those not streaming yet),
+    /health answers 503, and the server stops and returns 1 (a supervisor restarts it: a dead core is not
+    restarted in place, its device memory and requests are gone with it)."""
     import uvicorn
 
     app = build_app(engine, config, model_name)
     engine.touch_cache_pages()
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           timeout_graceful_shutdown=config.graceful_shutdown_s))
+    died: list[BaseException] = []
+
+    def core_died(error: BaseException) -> None:
+        logger.error("the engine core died; stopping the server: %s", error)
+        died.append(error)
+        server.should_exit = True
+    app.state.async_engine.on_dead = core_died
     # uvicorn re-raises a caught SIGTERM once its graceful shutdown is done; with this handler in place
     # (uvicorn restores it before re-raising) that ends as a clean exit 0 instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                    timeout_graceful_shutdown=config.graceful_shutdown_s)
+        server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    return 1 if died else 0

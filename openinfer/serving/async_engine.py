@@ -1,9 +1,15 @@
-"""AsyncLLMEngine: one LLMEngine stepping in a background thread, shared by every HTTP request.
+"""AsyncLLMEngine: the engine every HTTP request shares, behind coroutines.
 
-Coroutines never touch the engine directly: they post commands (add / abort) to an inbox the engine thread
-drains between steps, and receive DELTA RequestOutputs on a per-request asyncio.Queue. A stream that ends
-early (client gone, task cancelled, request timeout) aborts its request, which frees its KV blocks at the next
-step boundary.
+Two ways to hold it, the same to the routes:
+- an engine core in its own process (`executor/engine_core.py`, what `openinfer serve` runs): requests go to it
+  as they come (the client's writer thread sends them), and each step's outputs come back on the client's reader
+  thread, which hands them to the event loop in one call; the engine loop's host work and the HTTP side's never
+  share an interpreter;
+- an `LLMEngine` (or the multi-process front end) stepping in a background thread of this process: coroutines
+  post commands (add / abort) to an inbox the engine thread drains between steps.
+
+Either way each request receives DELTA RequestOutputs on its own asyncio.Queue. A stream that ends early (client
+gone, task cancelled, request timeout) aborts its request, which frees its KV blocks at the next step boundary.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.executor.engine_core import EngineCoreClient
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,10 +40,12 @@ class RequestTimeoutError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+    def __init__(self, engine: LLMEngine | EngineCoreClient, max_waiting: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  request_timeout_s: float | None = None):
         self.engine = engine
+        self.core = engine if isinstance(engine, EngineCoreClient) else None   # None: stepped here
+        self.on_dead: Callable[[BaseException], None] | None = None   # the server's: the engine core died
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s   # from submission (queueing included) to the last output
         self.on_step = on_step
@@ -52,16 +61,28 @@ class AsyncLLMEngine:
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        if self.core is None:
+            self._thread.start()
+            return
+        self.core.on_outputs = self._core_outputs
+        self.core.on_refused = self._deliver
+        self.core.on_death = self._core_died
 
     def shutdown(self) -> None:
         """Abort what is still running and stop the engine thread."""
         self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        if self.core is None:
+            self._wake.set()
+            self._thread.join(timeout=30)
+            return
+        for rid in list(self.core.requests):
+            self.core.abort_request(rid)
+            self._deliver(rid, EngineDeadError("server is shutting down"))
 
     @property
     def num_waiting(self) -> int:
+        if self.core is not None:       # waiting in the core, and still in the pipe to it
+            return self.core.stats()["num_waiting"] + self.core.num_untaken
         return self.engine.stats()["num_waiting"] + self._num_pending
 
     def new_request_id(self, prefix: str) -> str:
@@ -83,10 +104,17 @@ class AsyncLLMEngine:
         params.output_kind = RequestOutputKind.DELTA
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        with self._pending_lock:
-            self._num_pending += 1
-        self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
-        self._wake.set()
+        if self.core is not None:
+            try:
+                self.core.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+        else:
+            with self._pending_lock:
+                self._num_pending += 1
+            self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
+            self._wake.set()
         finished = False
         timeout = self.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -113,8 +141,31 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        if self.core is not None:
+            self.core.abort_request(request_id)
+            return
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    # ---- an engine core in its own process (the client's reader thread calls these) ---------------------
+    def _core_outputs(self, outputs: list[RequestOutput], stats: dict) -> None:
+        """A step's outputs to their streams: one hand-over to each event loop for the whole step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
+
+    def _core_died(self, error: BaseException) -> None:
+        self.error = error
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(f"engine core failed: {error}"))
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -164,3 +215,8 @@ class AsyncLLMEngine:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
                 self._deliver(rid, EngineDeadError("server is shutting down"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
