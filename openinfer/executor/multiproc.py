@@ -45,7 +45,7 @@ from openinfer.tokenizer import Tokenizer
 
 _STEP_TIMEOUT_S = 600.0
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
-              "prefix_cache_queried_tokens", "num_preemptions")
+              "prefix_cache_queried_tokens", "num_preemptions", "prompt_tokens_computed")
 
 
 class WorkerError(RuntimeError):
