@@ -228,3 +228,26 @@ def test_a_grammar_that_fails_fails_every_sequence_and_leaves_nothing(llm16):
         assert all(c.finish_reason == "abort" and "parenthesis" in c.stop_reason for c in done[0].outputs)
     assert not eng.requests and not eng._parents and not eng._child_parent
     assert_pool_idle(eng)
+
+
+def test_a_model_with_per_request_state_shares_its_prompt_through_snapshots(tmp_path):
+    """DeepSeek-V4 (tiny, random): the siblings' prefix hit also restores the compressor / window state kept at
+    the hit's last block, so they compute the 13-token tail only and sample what single requests would."""
+    from tests.test_deepseek_v4 import make_v4, prompts_of
+
+    make_v4(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=32, max_num_batched_tokens=16, max_num_seqs=4,
+              num_kv_blocks=64)
+    try:
+        eng = llm.engine
+        ids = prompts_of(77)[0]                        # 2 blocks of 32 + 13
+        out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+            n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        assert eng.stats()["prompt_tokens_computed"] == 77 + 2 * 13
+        singles = [llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+            temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+            for i in range(3)]
+        assert [c.token_ids for c in out.outputs] == singles
+        assert_pool_idle(eng)
+    finally:
+        llm.shutdown()

@@ -346,6 +346,21 @@ def test_strict_tool_parameters_and_responses_schemas_are_enforced_as_sent(serve
     assert server.wait_idle()
 
 
+def test_n_choices_each_make_their_own_tool_call(server, oai):
+    """Models without a tool format: each choice's constrained JSON call becomes that choice's tool call."""
+    r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                    max_tokens=40, temperature=1.0, seed=3, n=3, tools=[WEATHER_TOOL],
+                                    tool_choice="required")
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    args = []
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        args.append(json.loads(c.message.tool_calls[0].function.arguments))
+        jsonschema.validate(args[-1], WEATHER_TOOL["function"]["parameters"])
+    assert len({json.dumps(a, sort_keys=True) for a in args}) > 1       # sampled independently
+    assert server.wait_idle()
+
+
 @pytest.mark.parametrize("schema, keyword", [
     (_obj(tags={"type": "array", "items": {"type": "string"}, "uniqueItems": True}), "uniqueItems"),
     (_obj(x={"type": "number", "multipleOf": 0.5}), "multipleOf"),
