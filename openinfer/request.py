@@ -56,6 +56,9 @@ class Request:
     num_sent_chars: int = 0
     # Structured output: the compiled grammar's future, then its matcher (structured_output/manager.py).
     grammar: object = None
+    # Parallel sampling (n > 1): the sibling computing the shared prompt. This request waits (without holding up
+    # the queue) until that prompt has been scheduled whole, then finds its full blocks in the prefix cache.
+    prefix_leader: "Request | None" = None
     # Speculative decoding: drafts to verify in the next step (after the last token) and their confidences;
     # spec_disabled after a drafter failure on this request (it then decodes one token per step)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +78,18 @@ class Request:
     def waiting_for_grammar(self) -> bool:
         """Its grammar is still compiling: the scheduler leaves it queued and admits others."""
         return self.grammar is not None and not self.grammar.ready
+
+    @property
+    def waiting_for_prefix(self) -> bool:
+        """Its prompt is being computed by `prefix_leader`: the scheduler admits it once that is done (or the
+        leader has finished: it then computes what the prefix cache no longer holds itself)."""
+        leader = self.prefix_leader
+        if leader is None:
+            return False
+        if leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
+            self.prefix_leader = None
+            return False
+        return True
 
     @property
     def num_prompt_tokens(self) -> int:

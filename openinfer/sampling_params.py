@@ -8,6 +8,8 @@ from enum import Enum
 from openinfer.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+# most sequences one request may ask for (n; the completions API's best_of too): OpenAI's limit
+MAX_N = 128
 
 
 class RequestOutputKind(Enum):
@@ -56,6 +58,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # parallel sampling: n sequences from one prompt, whose prefill they share (its full KV blocks, through the
+    # prefix cache; the tail is computed again per sequence). Sequence i samples with seed + i (when a seed is
+    # given); only sequence 0 computes prompt_logprobs. Outputs: RequestOutput.outputs[i], index i.
     n: int = 1
     # Constrained decoding (vLLM's shape): {"json": schema} | {"json_object": True} | {"regex": r} |
     # {"grammar": ebnf} | {"choice": [...]}, or a StructuredOutputsParams. docs/structured_output.md
@@ -87,8 +92,8 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if self.n != 1:
-            raise bad("n", "1 (parallel sampling is not supported yet)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer from 1 to {MAX_N}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
             raise bad("temperature", ">= 0")
         if not 0.0 < self.top_p <= 1.0:

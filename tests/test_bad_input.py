@@ -26,7 +26,8 @@ from tests.conftest import assert_pool_idle
     (dict(prompt_logprobs=-3), "prompt_logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-4]), "stop_token_ids"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),
 ])
 def test_bad_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 
+from openinfer import SamplingParams
 from tests.live_server import LiveServer
 
 
@@ -128,7 +130,7 @@ def test_errors_are_well_formed(server):
     url = server.base_url
     cases = [
         ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
-        ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+        ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400),
         ("/v1/chat/completions", {"model": "smollm2", "messages": "x"}, 400),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                   "temperature": -1}, 400),
@@ -306,3 +308,178 @@ def test_chat_logprobs(server, oai):
     for c in content:
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
         assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)   # greedy: the top token
+
+
+# ---- n choices, best_of, echo (issue 33) ------------------------------------------------------------------------
+def _tail(prompt_tokens: int, block_size: int = 16) -> int:
+    """Prompt tokens each extra choice computes: a prefix hit stops at the last full block that leaves one token."""
+    return prompt_tokens - (prompt_tokens - 1) // block_size * block_size
+
+
+def test_chat_n_choices_share_one_prefill(server, oai):
+    messages = [{"role": "user", "content": f"Write one line about the sea (note {time.time_ns()})."}]
+    prompt_tokens = _prompt_tokens(server, messages)
+    before = server.engine.stats()["prompt_tokens_computed"]
+    kw = dict(model="smollm2", messages=messages, n=3, temperature=1.0, seed=7, max_tokens=12)
+    r = oai.chat.completions.create(**kw, logprobs=True)
+    computed = server.engine.stats()["prompt_tokens_computed"] - before
+    # the prompt once (less what the prefix cache already held, e.g. the template's system prompt), then each
+    # other choice only its tail
+    assert computed == prompt_tokens - r.usage.prompt_tokens_details.cached_tokens + 2 * _tail(prompt_tokens)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3, texts
+    assert r.usage.prompt_tokens == prompt_tokens                     # counted once, as OpenAI does
+    # every generated token counts (an ending EOS is one token that is no text, so it has no logprob entry)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) + (c.finish_reason == "stop") for c in r.choices)
+    assert all(c.finish_reason in ("stop", "length") and c.logprobs.content for c in r.choices)
+
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed, finish = {}, {}
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [streamed[i] for i in range(3)] == texts                  # seeded choice by choice: same as above
+    assert [finish[i] for i in range(3)] == [c.finish_reason for c in r.choices]
+    assert [ch.usage is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert server.wait_idle()
+
+
+def test_a_client_leaving_an_n_stream_aborts_every_choice(server, oai):
+    stream = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A long story:"}],
+                                         n=3, max_tokens=1500, temperature=1.0, seed=1, stream=True)
+    seen = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices if c.delta.content)
+        if seen == {0, 1, 2}:
+            break
+    assert seen == {0, 1, 2} and server.engine.requests      # all three under way, some still running
+    stream.close()
+    assert server.wait_idle(), "choices kept running (or kept their blocks) after the client left"
+
+
+def test_completions_n_best_of_and_several_prompts(server, oai):
+    prompts = ["The sea is", "My dog likes"]
+    kw = dict(model="smollm2", max_tokens=6, temperature=1.0, seed=3)
+    r = oai.completions.create(prompt=prompts, n=2, logprobs=1, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]             # prompt p, choice i: p * n + i
+    assert r.usage.prompt_tokens == sum(len(server.llm.tokenizer.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    single = oai.completions.create(prompt=prompts[1], **{**kw, "seed": 4}).choices[0]   # choice 1: seed + 1
+    assert r.choices[3].text == single.text
+    chunks = list(oai.completions.create(prompt=prompts, n=2, stream=True, **kw))
+    streamed = {}
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in r.choices]
+    # best_of: the n with the highest mean token logprob of best_of samples, best first; all of them are billed
+    every = oai.completions.create(prompt=prompts[0], n=5, logprobs=0, **kw)
+    mean = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices}
+    best = oai.completions.create(prompt=prompts[0], n=2, best_of=5, **kw)
+    assert [c.text for c in best.choices] == sorted(mean, key=mean.get, reverse=True)[:2]
+    assert all(c.logprobs is None for c in best.choices)             # not asked for
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert server.wait_idle()
+
+
+@pytest.mark.parametrize("route, extra, param", [
+    ("chat", {"n": 0}, "n"), ("chat", {"n": 129}, "n"), ("chat", {"n": "2"}, "n"), ("chat", {"n": True}, "n"),
+    ("chat", {"n": 2, "best_of": 3}, "best_of"),
+    ("responses", {"n": 2}, "n"),
+    ("completions", {"n": 0}, "n"), ("completions", {"n": 129}, "n"),
+    ("completions", {"n": 3, "best_of": 2}, "best_of"), ("completions", {"best_of": 129}, "best_of"),
+    ("completions", {"n": 2, "best_of": 3, "stream": True}, "best_of"),     # the best are known only at the end
+    ("completions", {"max_tokens": 0}, "max_tokens"),                      # 0 only with echo
+    ("completions", {"prompt": [[1, 2], []]}, "prompt"),
+])
+def test_bad_n_best_of_and_echo_values_are_400s_naming_the_field(server, route, extra, param):
+    if route == "completions":
+        path, body = "/v1/completions", {"model": "smollm2", "prompt": "x", "max_tokens": 2, **extra}
+    elif route == "chat":
+        path, body = "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 2, **extra}
+    else:
+        path, body = "/v1/responses", {"model": "smollm2", "input": "x", "max_output_tokens": 2, **extra}
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
+    assert server.wait_idle()
+
+
+def _position_logprobs(entry, top_n: int) -> dict:
+    return {e.decoded_token: e.logprob for e in entry.values() if e.rank is not None and e.rank <= top_n}
+
+
+def test_completions_echo_scores_the_prompt_as_prompt_logprobs_do(server, oai, llm):
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = llm.tokenizer.encode(prompt)
+    ref = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, temperature=0,
+                                                                             prompt_logprobs=3),
+                       use_tqdm=False)[0].prompt_logprobs
+    r = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length"          # scored, nothing generated
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None          # nothing predicts the first token
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i][ids[i]].logprob, abs=1e-4)
+        want = _position_logprobs(ref[i], 3)
+        assert lp.top_logprobs[i].keys() == want.keys()
+        assert all(lp.top_logprobs[i][k] == pytest.approx(v, abs=1e-4) for k, v in want.items())
+    assert "".join(lp.tokens) == prompt
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    # with generation, streamed: the first chunk is the prompt (and its logprobs), then the new tokens
+    chunks = list(oai.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                         logprobs=1, stream=True))
+    whole = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                   logprobs=1).choices[0]
+    assert chunks[0].choices[0].text.startswith(prompt) and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.text and whole.text.startswith(prompt)
+    tokens = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
+    offsets = [o for ch in chunks for o in ch.choices[0].logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and len(tokens) == len(ids) + 4
+    assert offsets == whole.logprobs.text_offset
+    assert all(whole.text[o:].startswith(t) for t, o in zip(tokens, offsets))
+    assert whole.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert server.wait_idle()
+
+
+def test_lm_eval_local_completions_runs_loglikelihood_and_generate_until(server, llm, smollm_dir):
+    """lm-evaluation-harness's `local-completions` model against the server, driven through its API class: the
+    request shapes it sends (token-id prompts in batches, echo + logprobs for loglikelihoods) and its parsing."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=server.base_url + "/v1/completions", model="smollm2", tokenizer=str(smollm_dir),
+                             tokenizer_backend="huggingface", batch_size=2, max_retries=1, max_length=512,
+                             max_gen_toks=16)
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " London"),
+             ("Count: 1, 2, 3,", " 4, 5")]
+    got = lm.loglikelihood([Instance("loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)],
+                           disable_tqdm=True)
+    tok = llm.tokenizer
+    for (context, continuation), (ll, greedy) in zip(pairs, got):
+        ctx, cont = tok.encode(context, add_special_tokens=False), tok.encode(continuation, add_special_tokens=False)
+        plp = llm.generate(prompt_token_ids=[ctx + cont], sampling_params=SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+        rows = [plp[len(ctx) + j][t] for j, t in enumerate(cont)]
+        assert ll == pytest.approx(sum(r.logprob for r in rows), abs=1e-3)
+        assert greedy == all(r.rank == 1 for r in rows)
+    assert got[0][0] > got[1][0]                                      # Paris over London
+    contexts = ["Q: What is the capital of France?\nA:", "Count: 1, 2, 3,"]
+    gens = lm.generate_until([Instance("generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 8,
+                                                                                "do_sample": False}), idx=i)
+                              for i, c in enumerate(contexts)], disable_tqdm=True)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    for c, text in zip(contexts, gens):
+        ref = client.completions.create(model="smollm2", prompt=tok.encode(c, add_special_tokens=False),
+                                        max_tokens=8, temperature=0, stop=["\n"]).choices[0].text
+        assert text == ref and text
+    assert server.wait_idle()

@@ -89,6 +89,31 @@ def test_thinking_and_answer_are_parsed(ds_server):
     assert (reasoning, content) == ("Let me think", "Hello world")
 
 
+def test_n_choices_each_parsed_by_their_own_recipe_processor(ds_server):
+    """n = 3 on the DeepSeek path: every choice gets its own stream processor (thinking split from the answer),
+    streamed under its index; usage counts the prompt once and every choice's 7 tokens."""
+    client = openai.OpenAI(base_url=ds_server.base_url + "/v1", api_key="x")
+    messages = [{"role": "user", "content": "Say hello three times."}]
+    r = client.chat.completions.create(model="DeepSeek-V4-Pro", messages=messages, max_tokens=50, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert (c.message.model_extra["reasoning_content"], c.message.content) == ("Let me think", "Hello world")
+        assert c.finish_reason == "stop"
+    assert r.usage.completion_tokens == 3 * 7
+    assert r.usage.prompt_tokens == _recipe_prompt_len({"model": "DeepSeek-V4-Pro", "messages": messages})
+    chunks = list(client.chat.completions.create(model="DeepSeek-V4-Pro", messages=messages, max_tokens=50, n=3,
+                                                 stream=True, stream_options={"include_usage": True}))
+    got = {}
+    for ch in chunks:
+        for c in ch.choices:
+            reasoning, content = got.get(c.index, ("", ""))
+            got[c.index] = (reasoning + (c.delta.model_extra.get("reasoning_content") or ""),
+                            content + (c.delta.content or ""))
+    assert got == {i: ("Let me think", "Hello world") for i in range(3)}
+    assert chunks[-1].usage.completion_tokens == 21 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert ds_server.wait_idle()
+
+
 def test_non_thinking_mode(ds_server):
     body = {"model": "DeepSeek-V4-Pro", "messages": [{"role": "user", "content": "hi"}],
             "thinking": {"type": "disabled"}, "max_tokens": 20}

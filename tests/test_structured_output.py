@@ -50,6 +50,11 @@ SQL_RE = r"SELECT (id|name|age)(, (id|name|age))? FROM (users|orders)( WHERE (id
 EOS = 2   # SmolLM2's <|im_end|>
 
 
+def _obj(**props) -> dict:
+    """An object schema as OpenAI's strict mode wants it: every property required, no others."""
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
 # ---- params: bad shapes are ValueErrors naming the field, before any engine work --------------------------
 @pytest.mark.parametrize("bad, reason", [
     ({"choice": []}, "choice"), ({"regex": ""}, "regex"), ({"json": "{not json"}, "not valid JSON"),
@@ -68,6 +73,56 @@ def test_so_args_is_an_alias():
     assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"]) and p.so_args is None
     with pytest.raises(ValueError, match="alias"):
         SamplingParams(so_args={"choice": ["a"]}, structured_outputs={"choice": ["a"]})
+
+
+# (schema, a value the schema forbids that xgrammar 0.2.9 accepts anyway, the keyword the refusal names)
+IGNORED_BY_XGRAMMAR = [
+    ({"maxLength": 2}, '"abc"', "maxLength"),                                    # no "type": "string" beside it
+    ({"minimum": 3}, "2", "minimum"),
+    ({"pattern": "^a+$"}, '"b"', "pattern"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "uniqueItems"),
+    ({"type": "number", "multipleOf": 0.5}, "1.3", "multipleOf"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaa"', "maxLength"),
+    ({"type": "string", "format": "date", "minLength": 20}, '"2020-01-02"', "minLength"),
+    ({"type": "integer", "minimum": 3, "anyOf": [{"type": "integer", "maximum": 10}]}, "2", "minimum"),
+    ({"$defs": {"x": {"type": "object", "properties": {"a": {"type": "integer"}}}}, "$ref": "#/$defs/x",
+      "required": ["a"]}, "{}", "required"),
+    ({"type": "string", "enum": ["a", "abc"], "minLength": 2}, '"a"', "minLength"),
+    ({"type": "string", "enum": ["a", 1]}, "1", "type"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, '{"a": 1}', "required"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, "1", "oneOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "dependentRequired"),
+]
+
+
+@pytest.mark.parametrize("schema, violating, keyword", IGNORED_BY_XGRAMMAR)
+def test_keywords_the_grammar_would_ignore_are_refused(schema, violating, keyword):
+    """Each refusal is backed by xgrammar accepting a value the schema forbids (if xgrammar starts enforcing one,
+    this fails and the keyword can be let through)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(violating), schema)
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), violating)
+    with pytest.raises(ValueError, match=f"keyword '{re.escape(keyword)}' at #"):
+        SamplingParams(structured_outputs={"json": schema})
+
+
+@pytest.mark.parametrize("schema", [
+    PERSON, COLORS, PRODUCT,
+    {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "Optional"},
+    {"$defs": {"C": {"enum": ["a", "b"], "type": "string"}}, "type": "object",
+     "properties": {"c": {"$ref": "#/$defs/C", "description": "annotations may stand beside $ref"}}, "required": ["c"]},
+    {"oneOf": [_obj(kind={"const": "cat"}, lives={"type": "integer"}), _obj(kind={"const": "dog"})],
+     "discriminator": {"propertyName": "kind"}},
+    {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+    {"type": ["string", "null"], "maxLength": 3}, {"type": "integer", "multipleOf": 3},
+    {"items": {"type": "integer"}, "minItems": 1}, {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+])
+def test_schemas_the_grammar_enforces_pass_the_check(schema):
+    SamplingParams(structured_outputs={"json": schema})
 
 
 def test_bitmask_apply_is_one_batched_op_over_the_sampler_rows():
@@ -233,6 +288,103 @@ def test_openai_response_format_and_strict_tools(server, oai):
     assert server.wait_idle()
 
 
+# one schema per keyword family, and a question that pulls the model past its bounds (unconstrained, SmolLM2 lists
+# dozens of colors and writes long names)
+KEYWORD_FAMILIES = {
+    "arrays": ("List twenty colors as JSON.",
+               _obj(colors={"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 2,
+                            "maxItems": 3})),
+    "strings": ("Give a very long name as JSON.",
+                _obj(name={"type": "string", "minLength": 3, "maxLength": 6},
+                     city={"type": "string", "minLength": 2, "maxLength": 5})),
+    "numbers": ("Give an age and a score as JSON.",
+                _obj(age={"type": "integer", "minimum": 18, "maximum": 30},
+                     score={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1})),
+    "patterns": ("Give a product code as JSON.",
+                 _obj(code={"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                      phone={"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"})),
+}
+
+
+@pytest.mark.parametrize("family", list(KEYWORD_FAMILIES))
+def test_strict_schemas_are_enforced_as_the_client_sent_them(server, oai, family):
+    """deepseek-recipe normalises a strict schema as OpenAI's strict mode does, dropping minItems / maxItems /
+    minLength / maxLength; the server compiles the body's schema instead (before: 60+ colors under maxItems 3)."""
+    question, schema = KEYWORD_FAMILIES[family]
+    rf = {"type": "json_schema", "json_schema": {"name": family, "schema": schema, "strict": True}}
+    with ThreadPoolExecutor(4) as ex:
+        rs = list(ex.map(lambda seed: oai.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=60, temperature=1.0,
+            seed=seed, response_format=rf), range(4)))
+    for r in rs:
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), schema)
+
+
+def test_strict_tool_parameters_and_responses_schemas_are_enforced_as_sent(server, oai):
+    tags = {"type": "function", "function": {"name": "tag_article", "description": "Tag an article", "strict": True,
+                                             "parameters": _obj(tags={"type": "array", "minItems": 1, "maxItems": 2,
+                                                                      "items": {"type": "string", "minLength": 3,
+                                                                                "maxLength": 8}})}}
+    user = [{"role": "user", "content": "Tag this article about cooking pasta with twenty tags."}]
+    with ThreadPoolExecutor(3) as ex:
+        rs = list(ex.map(lambda seed: oai.chat.completions.create(
+            model="smollm2", messages=user, max_tokens=60, temperature=1.0, seed=seed, tools=[tags],
+            tool_choice="required"), range(3)))
+    for r in rs:
+        call = r.choices[0].message.tool_calls[0].function
+        assert r.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.arguments), tags["function"]["parameters"])
+    question, schema = KEYWORD_FAMILIES["arrays"]
+    body = {"model": "smollm2", "input": question, "max_output_tokens": 60, "temperature": 1.0,
+            "text": {"format": {"type": "json_schema", "name": "colors", "schema": schema, "strict": True}}}
+    r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text = "".join(part["text"] for item in r.json()["output"] if item["type"] == "message" for part in item["content"])
+    jsonschema.validate(json.loads(text), schema)
+    assert server.wait_idle()
+
+
+def test_n_choices_each_make_their_own_tool_call(server, oai):
+    """Models without a tool format: each choice's constrained JSON call becomes that choice's tool call."""
+    r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                    max_tokens=40, temperature=1.0, seed=3, n=3, tools=[WEATHER_TOOL],
+                                    tool_choice="required")
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    args = []
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        args.append(json.loads(c.message.tool_calls[0].function.arguments))
+        jsonschema.validate(args[-1], WEATHER_TOOL["function"]["parameters"])
+    assert len({json.dumps(a, sort_keys=True) for a in args}) > 1       # sampled independently
+    assert server.wait_idle()
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    (_obj(tags={"type": "array", "items": {"type": "string"}, "uniqueItems": True}), "uniqueItems"),
+    (_obj(x={"type": "number", "multipleOf": 0.5}), "multipleOf"),
+    (_obj(s={"type": "string", "pattern": "^a+$", "maxLength": 3}), "maxLength"),
+    (_obj(v={"anyOf": [{"type": "integer"}, {"type": "number"}], "minimum": 0}), "minimum"),
+])
+def test_keywords_the_grammar_cannot_enforce_are_400s_naming_them(server, schema, keyword):
+    """In response_format and in strict tools alike (the recipe would have dropped or kept them silently)."""
+    base = {"model": "smollm2", "messages": [{"role": "user", "content": "json"}], "max_tokens": 4}
+    for param, extra in [
+        ("response_format", {"response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "x", "schema": schema, "strict": True}}}),
+        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}],
+                   "tool_choice": "required"}),
+    ]:
+        for stream in (False, True):
+            r = httpx.post(f"{server.base_url}/v1/chat/completions", json={**base, **extra, "stream": stream},
+                           timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and f"'{keyword}'" in err["message"], err
+    assert server.wait_idle()
+
+
 def test_anthropic_tool_choice_gives_a_valid_tool_use(server):
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused")
     tool = {"name": "get_weather", "description": "Current weather in a city",
@@ -251,6 +403,23 @@ def test_anthropic_tool_choice_gives_a_valid_tool_use(server):
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(uses) == 1
     jsonschema.validate(uses[0].input, {"get_weather": tool, "get_time": clock}[uses[0].name]["input_schema"])
+
+
+def test_anthropic_structured_output_is_enforced(server):
+    """Anthropic's structured outputs (`output_config.format`, and the beta `output_format`): deepseek-recipe does
+    not read them, so the server takes the schema from the body rather than answer unconstrained."""
+    question, schema = KEYWORD_FAMILIES["arrays"]
+    base = {"model": "smollm2", "max_tokens": 60, "temperature": 1.0,
+            "messages": [{"role": "user", "content": question}]}
+    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):
+        r = httpx.post(server.base_url + "/v1/messages", json={**base, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
+        jsonschema.validate(json.loads(text), schema)
+    bad = {"type": "json_schema", "schema": _obj(t={"type": "array", "items": {"type": "string"}, "uniqueItems": True})}
+    r = httpx.post(server.base_url + "/v1/messages", json={**base, "output_config": {"format": bad}}, timeout=60)
+    assert r.status_code == 400 and "'uniqueItems'" in r.json()["error"]["message"]
 
 
 def test_completions_regex_and_choice(server, oai):

@@ -18,6 +18,7 @@ from openinfer.config import EngineConfig
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.engine.model_runner import ModelRunner
 from openinfer.engine.output_processor import OutputProcessor
+from openinfer.engine.parallel_sampling import ParentRequest, child_params
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv_cache.kv_cache_manager import KVCacheManager
 from openinfer.layers.attention import TorchPagedAttention
@@ -120,6 +121,9 @@ class LLMEngine:
         if config.use_cuda_graphs and model.traits.cuda_graph_decode:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
+        # parallel sampling (n > 1, parallel_sampling.py): request id -> its ParentRequest, and each child's id -> it
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
         self._next_id = 0
         self._in_flight = None   # the step queued on the device and not yet read back (async scheduling)
         self._structured = None  # StructuredOutputManager, made with the first constrained request
@@ -200,32 +204,56 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue one request; raises ValueError (engine state untouched) on bad input."""
+        """Validate and queue one request; raises ValueError (engine state untouched) on bad input. With
+        `params.n` > 1 the request runs as n sequences sharing its prompt's prefill (parallel_sampling.py)."""
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.validate_prompt(prompt_token_ids)
+        arrival_time = arrival_time or time.time()
+        if params.n == 1:
+            self._queue(self._make_request(request_id, prompt_token_ids, params, prompt, arrival_time))
+            return request_id
+        parent = ParentRequest(request_id, params.n, params.output_kind)
+        taken = next((c for c in parent.child_ids if c in self.requests or c in self._parents), None)
+        if taken is not None:
+            raise ValueError(f"request_id {taken!r} (sequence of request {request_id!r}) is already in use")
+        children = [self._make_request(cid, prompt_token_ids, child_params(params, i), prompt, arrival_time)
+                    for i, cid in enumerate(parent.child_ids)]
+        if self.config.enable_prefix_caching:       # the others wait for child 0's prompt blocks
+            for child in children[1:]:
+                child.prefix_leader = children[0]
+        self._parents[request_id] = parent
+        for child in children:
+            self._child_parent[child.request_id] = parent
+            self._queue(child)
+        return request_id
+
+    def _make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None, arrival_time: float) -> Request:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                      metrics=RequestMetrics(arrival_time or time.time()), prompt=prompt,
+                      metrics=RequestMetrics(arrival_time), prompt=prompt,
                       eos_token_ids=self.tokenizer.eos_token_ids, generator=generator)
         if params.structured_outputs is not None:
             # compiles in the pool (or comes from its cache); the scheduler admits the request once it is ready
             req.grammar = self.structured_output.new_state(params.structured_outputs)
-            if not req.grammar.ready:
-                self._compiling[request_id] = req
-            elif req.grammar.error() is not None:
+            if req.grammar.ready and req.grammar.error() is not None:
                 raise ValueError(req.grammar.error())
-        self.requests[request_id] = req
+        return req
+
+    def _queue(self, req: Request) -> None:
+        if req.grammar is not None and not req.grammar.ready:
+            self._compiling[req.request_id] = req
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return request_id
 
     @property
     def structured_output(self):
@@ -260,7 +288,15 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        """Stop a request now and free its blocks; unknown or finished ids are ignored. A request with n > 1
+        stops every sequence (so does the id of one of its sequences)."""
+        parent = self._parents.get(request_id) or self._child_parent.get(request_id)
+        if parent is not None:
+            outs = [out for out in (self._abort_one(cid) for cid in parent.child_ids) if out is not None]
+            return self._merge(parent, outs)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         self._compiling.pop(request_id, None)
         if req is None:
@@ -393,16 +429,22 @@ class LLMEngine:
 
     def _retire_failed_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile (or timed out) finish as aborted, the reason in
-        `stop_reason`; those compiled go on to be scheduled."""
+        `stop_reason` (every sequence of a request with n > 1: they share the grammar); those compiled go on to be
+        scheduled."""
         outputs = []
         for rid, req in list(self._compiling.items()):
             error = req.grammar.error()
             if error is None and not req.grammar.ready:
                 continue
-            del self._compiling[rid]
+            self._compiling.pop(rid, None)
             if error is not None and rid in self.requests:
-                req.stop_reason = error
-                outputs.append(self.abort_request(rid))
+                parent = self._child_parent.get(rid)
+                for cid in parent.child_ids if parent is not None else (rid,):
+                    if cid in self.requests:
+                        self.requests[cid].stop_reason = error
+                out = self.abort_request(rid)
+                if out is not None:
+                    outputs.append(out)
         return outputs
 
     def _process(self, runner_out, following=None) -> list[RequestOutput]:
@@ -420,7 +462,36 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.after_step(runner_out, self.requests)
         self._keep_window_state()
-        return outputs
+        return self._fold(outputs) if self._child_parent else outputs
+
+    def _fold(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs (n > 1) become their request's: one output per request and step."""
+        result: list[RequestOutput | ParentRequest] = []
+        groups: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            parent = self._child_parent.get(out.request_id)
+            if parent is None:
+                result.append(out)
+                continue
+            if parent.request_id not in groups:
+                groups[parent.request_id] = []
+                result.append(parent)
+            groups[parent.request_id].append(out)
+        folded = []
+        for item in result:
+            if isinstance(item, ParentRequest):
+                item = self._merge(item, groups[item.request_id])
+            if item is not None:
+                folded.append(item)
+        return folded
+
+    def _merge(self, parent: ParentRequest, outs: list[RequestOutput]) -> RequestOutput | None:
+        out = parent.merge(outs)
+        if parent.finished:
+            self._parents.pop(parent.request_id, None)
+            for cid in parent.child_ids:
+                self._child_parent.pop(cid, None)
+        return out
 
     def _keep_window_state(self) -> None:
         """Copy ended requests' window state into host memory now, before their blocks can be reused and before
@@ -458,6 +529,7 @@ class LLMEngine:
                 "kv_window_blocks_free": kv.window.pool.num_free_blocks}
                if kv.swa is not None else {}),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         }

@@ -72,9 +72,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0    # prompt positions run (recomputation after preemption included)
 
     def add(self, request: Request) -> None:
-        self.kv.prefetch(request)        # with a prefix-KV store: its blocks are read while it waits
+        if request.prefix_leader is None:   # (a parallel-sampling sibling finds its prompt's blocks in the pool)
+            self.kv.prefetch(request)        # with a prefix-KV store: its blocks are read while it waits
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -134,12 +136,12 @@ class Scheduler:
             break  # req itself was preempted: nothing behind it is left
 
         # 2) Waiting requests, in arrival order, while seats, budget and blocks last. One whose grammar is
-        #    still compiling, or whose prefix is still being read from the store, keeps its place in the queue
-        #    without holding up those behind it.
+        #    still compiling, whose prefix is still being read from the store, or whose prompt a sibling is still
+        #    computing (parallel sampling) keeps its place in the queue without holding up those behind it.
         not_ready: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if req.waiting_for_grammar or self.kv.store_read_pending(req):
+            if req.waiting_for_grammar or req.waiting_for_prefix or self.kv.store_read_pending(req):
                 not_ready.append(self.waiting.popleft())
                 continue
             if req.num_pending:      # preempted with a token still on the device: admit once it is read back
@@ -209,7 +211,9 @@ class Scheduler:
 
     def update_after_step(self, scheduled: list[ScheduledRequest]) -> None:
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, req.num_prompt_tokens) - s.start)
+            req.num_computed_tokens += s.num_new_tokens
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length or aborted) and return its blocks."""

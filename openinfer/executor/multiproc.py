@@ -52,7 +52,7 @@ from openinfer.tokenizer import Tokenizer
 _STEP_TIMEOUT_S = 600.0
 _PEER_GRACE_S = 1.0       # after one rank fails, how long the others get to show whether they are failing too
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
-              "prefix_cache_queried_tokens", "num_preemptions")
+              "prefix_cache_queried_tokens", "num_preemptions", "prompt_tokens_computed")
 _EXPERT_STATS = ("moe_lb", "moe_rank_load", "moe_expert_load", "moe_load_steps", "eplb_rebalances")
 
 

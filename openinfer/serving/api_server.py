@@ -281,12 +281,12 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
         check_model(body)
         if config.role == "prefill":
             body = prefill_body(request.url.path, body)
-        req, ids, params = completions.prepare(body)
-        if not req.stream:
-            answer = await completions.complete(req, ids, params)
+        prepared = completions.prepare(body)
+        if not prepared.req.stream:
+            answer = await completions.complete(prepared)
             await settle()
             return JSONResponse(answer)
-        chunks = await first_then_rest(completions.stream(req, ids, params))
+        chunks = await first_then_rest(completions.stream(prepared))
 
         async def named():
             async for c in chunks:

@@ -214,6 +214,7 @@ class AsyncLLMEngine:
         finally:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
+            for rid in list(self._streams):     # (a request with n > 1 runs under its sequences' ids)
                 self._deliver(rid, EngineDeadError("server is shutting down"))
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import deepseek_recipe as dr
 
-from openinfer.outputs import RequestOutput
-from openinfer.sampling_params import SamplingParams
+from openinfer.outputs import CompletionOutput, RequestOutput
+from openinfer.sampling_params import MAX_N, SamplingParams
 from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
 from openinfer.structured_output.compiler import wait_compiled
@@ -53,6 +53,89 @@ class PreparedChat:
     # hand the parser text, not token ids: a grammar admits DSML markers spelled in byte tokens as well as
     # the marker token, and the parser recognises only the latter among ids (text is parsed either way)
     text_chunks: bool = False
+    include_usage: bool = False    # stream_options.include_usage (n > 1: one usage chunk at the end)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+@dataclass
+class ClientSchemas:
+    """The JSON schemas as the client wrote them in the request body. deepseek-recipe's conversion reports the
+    constraint with `strict` schemas normalised as OpenAI's strict mode does, which drops keywords such as
+    `minItems` / `maxItems` / `minLength` / `maxLength`; the server compiles these instead (checked by
+    `check_schema_keywords`: a keyword the grammar would not enforce is a 400 naming it)."""
+    response: Any = None                                   # the response format's schema (None: none given)
+    tools: dict[str, Any] = field(default_factory=dict)    # function name (as the recipe reports it) -> parameters
+
+    @classmethod
+    def from_body(cls, protocol: str, body: dict, namespace_map: dict | None = None) -> "ClientSchemas":
+        out = cls()
+        if protocol == "chat":
+            rf = body.get("response_format")
+            if isinstance(rf, dict) and rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict):
+                out.response = rf["json_schema"].get("schema")
+        elif protocol == "responses":
+            fmt = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
+            if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+                out.response = fmt.get("schema")
+        else:   # Anthropic structured outputs: output_config.format (GA) or output_format (beta)
+            cfg = body.get("output_config")
+            fmt = (cfg.get("format") if isinstance(cfg, dict) else None) or body.get("output_format")
+            if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+                out.response = fmt.get("schema", {})
+        by_path = {v: k for k, v in (namespace_map or {}).items()}   # (namespace, local name) -> function name
+        for t in body.get("tools") or ():
+            if not isinstance(t, dict):
+                continue
+            if protocol == "chat":
+                f = t.get("function")
+                if isinstance(f, dict) and isinstance(f.get("name"), str) and "parameters" in f:
+                    out.tools[f["name"]] = f["parameters"]
+            elif protocol == "responses":
+                if t.get("type") == "function" and isinstance(t.get("name"), str) and "parameters" in t:
+                    out.tools[t["name"]] = t["parameters"]
+                elif t.get("type") == "namespace":
+                    for inner in t.get("tools") or ():
+                        name = by_path.get((t.get("name"), inner.get("name"))) if isinstance(inner, dict) else None
+                        if name is not None and "parameters" in inner:
+                            out.tools[name] = inner["parameters"]
+            elif isinstance(t.get("name"), str) and "input_schema" in t:
+                out.tools[t["name"]] = t["input_schema"]
+        return out
+
+    def apply_to_tools(self, tools_json: str) -> list[dict]:
+        """The recipe's tool list (Chat Completions function tools) with each tool's parameters as the client
+        wrote them."""
+        tools = json.loads(tools_json)
+        for t in tools:
+            f = t.get("function", t)
+            if f.get("name") in self.tools:
+                f["parameters"] = self.tools[f["name"]]
+        return tools
+
+
+class _ChunkJSON:
+    """A Chat Completions chunk re-serialised (n > 1: its choice's index set, usage moved to the end)."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, ensure_ascii=False, separators=(",", ":"))
+
+
+def merge_usage(usages: list[dict]) -> dict:
+    """One request's usage over its n choices: the prompt counted once (OpenAI's rule), completion tokens summed."""
+    out = dict(usages[0])
+    out["completion_tokens"] = sum(u.get("completion_tokens") or 0 for u in usages)
+    out["total_tokens"] = (out.get("prompt_tokens") or 0) + out["completion_tokens"]
+    details = [d for d in (u.get("completion_tokens_details") for u in usages) if isinstance(d, dict)]
+    if details:
+        out["completion_tokens_details"] = {k: sum(d.get(k) or 0 for d in details) if isinstance(v, int) else v
+                                            for k, v in details[0].items()}
+    return out
 
 
 def _message_dict(m: dr.Message) -> dict:
@@ -67,20 +150,13 @@ def _message_dict(m: dr.Message) -> dict:
 
 @dataclass
 class _ToolCallOutput:
-    """A whole constrained JSON tool call, as the DSML text the recipe's parser turns into `tool_calls`."""
-    out: RequestOutput
+    """A whole constrained JSON tool call (one choice's), as the DSML text the recipe's parser turns into
+    `tool_calls`."""
+    index: int
     dsml: str
     num_tokens: int          # generated tokens the text stands for (without a final EOS)
     eos: bool
     finish_reason: str | None
-
-    @property
-    def prompt_token_ids(self):
-        return self.out.prompt_token_ids
-
-    @property
-    def num_cached_tokens(self):
-        return self.out.num_cached_tokens
 
 
 class ChatFrontend:
@@ -110,16 +186,27 @@ class ChatFrontend:
     def prepare(self, protocol: str, body: dict) -> PreparedChat:
         req_cls, _, prefix = PROTOCOLS[protocol]
         n = body.get("n", 1)
-        if n != 1:
-            raise APIError(400, f"n={n!r} is not supported: only n=1 (one choice per request)", param="n")
+        if protocol == "chat":
+            # n choices share one prompt prefill (the engine's parallel sampling); the recipe takes only n = 1
+            n = 1 if n is None else n
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+                raise APIError(400, f"n must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
+            if body.get("best_of") not in (None, n):      # (the recipe would ignore it)
+                raise APIError(400, "best_of is not supported on chat completions (it is a /v1/completions "
+                                    "parameter); ask for n choices instead", param="best_of")
+            body = {k: v for k, v in body.items() if k not in ("n", "best_of")}
+        elif n != 1:
+            raise APIError(400, f"n={n!r} is not supported on this API (one reply per request)", param="n")
         extras = None
+        namespace_map = None
         if protocol == "chat" and body.get("max_completion_tokens") is not None:
             # OpenAI's newer name for max_tokens (what the openai client sends); the recipe reads max_tokens
             body = {**body, "max_tokens": body["max_completion_tokens"]}
         try:
             req = req_cls(body)
             if protocol == "responses":
-                extras = (req.namespace_tool_map(self.options), req.echo())
+                namespace_map = req.namespace_tool_map(self.options)
+                extras = (namespace_map, req.echo())
             conv = req.convert(self.options)
         except dr.ConversionError as e:
             raise APIError.from_recipe(e) from None
@@ -129,7 +216,8 @@ class ChatFrontend:
         # Anthropic's tool_choice {"type": "any"} (some tool must be called): the recipe reads it as auto
         any_tool = (protocol == "messages" and isinstance(body.get("tool_choice"), dict)
                     and body["tool_choice"].get("type") == "any")
-        structured, json_tool_call = self._constraint(conv, any_tool)
+        client = ClientSchemas.from_body(protocol, body, namespace_map)
+        structured, json_tool_call = self._constraint(conv, any_tool, client)
         prompt_ids = self._encode(conv, json_tool_call)
         if len(prompt_ids) > self.max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, more than this model's context "
@@ -142,7 +230,7 @@ class ChatFrontend:
             params = SamplingParams(
                 temperature=io.temperature if io.temperature is not None else 1.0,
                 top_p=io.top_p if io.top_p is not None else 1.0,
-                max_tokens=max_tokens, seed=io.seed,
+                max_tokens=max_tokens, seed=io.seed, n=n,
                 logprobs=(io.top_logprobs or 0) if io.logprobs else None,
                 stop=list(conv.parsing_options.stop_sequences),
                 presence_penalty=body.get("presence_penalty") or 0.0,
@@ -150,57 +238,73 @@ class ChatFrontend:
                 structured_outputs=structured)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="response_format" if "structured_outputs" in str(e) else None) from None
+        so = body.get("stream_options")
         return PreparedChat(protocol, self.engine.new_request_id(prefix), conv, prompt_ids, params, conv.stream,
-                            extras, json_tool_call, text_chunks=self.deepseek and structured is not None)
+                            extras, json_tool_call, text_chunks=self.deepseek and structured is not None,
+                            include_usage=isinstance(so, dict) and bool(so.get("include_usage")))
 
-    def _constraint(self, conv: dr.ConversationRequest, any_tool: bool = False
+    def _constraint(self, conv: dr.ConversationRequest, any_tool: bool = False, client: ClientSchemas | None = None
                     ) -> tuple[StructuredOutputsParams | None, bool]:
         """The recipe's output constraint as structured-output params, and whether the reply is a JSON tool
-        call to convert (models without a tool-call format). A plain `tool_call` constraint (tools with
-        tool_choice=auto) is enforced only for strict tools of DeepSeek models (free text, but any DSML invoke
-        follows its tool's schema); otherwise it only describes what a call would look like."""
+        call to convert (models without a tool-call format). Schemas are the client's (`ClientSchemas`), not the
+        recipe's normalised copies. A plain `tool_call` constraint (tools with tool_choice=auto) is enforced only
+        for strict tools of DeepSeek models (free text, but any DSML invoke follows its tool's schema); otherwise
+        it only describes what a call would look like. Anthropic's `output_format` / `output_config.format`
+        (which the recipe does not read) is a JSON-schema constraint like `response_format`."""
+        client = client or ClientSchemas()
         oc = conv.inference_options.output_constraint
-        if oc is None:
+        if oc is None and client.response is not None:
+            kind, text = "json", None          # Messages' structured output: only the body has it
+        elif oc is None:
             return None, False
-        dsml = self.deepseek and oc.kind in ("tool_call", "tool_call_required")
+        else:
+            kind, text = oc.kind, oc.schema
+        param = "tools" if kind.startswith("tool_call") else "response_format"
+
+        def schema():   # the response format's schema as sent (None: any JSON value)
+            if client.response is not None:
+                return client.response
+            return json.loads(text) if text else None
+
+        dsml = self.deepseek and kind in ("tool_call", "tool_call_required")
         if dsml and conv.model_version != dr.ModelVersion.DeepseekV4Pro and (
-                oc.kind == "tool_call_required" or any(t.get("function", t).get("strict") for t in json.loads(oc.schema))):
+                kind == "tool_call_required" or any(t.get("function", t).get("strict") for t in json.loads(text))):
             raise APIError(400, "enforced tool calls use DeepSeek-V4's DSML format; this model version's format "
                                 "is not covered yet", param="tool_choice")
-        if oc.kind == "tool_call" and any_tool and not self.deepseek:
-            return StructuredOutputsParams(json=tool_call_schema(json.loads(oc.schema))), True
-        if oc.kind == "tool_call":
-            tools = json.loads(oc.schema)
-            if not (self.deepseek and any(t.get("function", t).get("strict") for t in tools)):
-                return None, False
-            try:
+        try:
+            if kind == "tool_call" and any_tool and not self.deepseek:
+                return StructuredOutputsParams(json=tool_call_schema(client.apply_to_tools(text))), True
+            if kind == "tool_call":
+                tools = client.apply_to_tools(text)
+                if not (self.deepseek and any(t.get("function", t).get("strict") for t in tools)):
+                    return None, False
                 return StructuredOutputsParams(structural_tag=dsml_strict_tools_tag(tools)), False
-            except (ValueError, RuntimeError) as e:
-                raise APIError(400, f"tools: {e}", param="tools") from None
-        if self.deepseek and conv.conversation.thinking_mode and oc.kind in ("json", "regex"):
-            # the reasoning stays free: any text up to </think>, then the answer's grammar
-            answer = ({"type": "regex", "pattern": oc.schema} if oc.kind == "regex" else
-                      {"type": "json_schema", "json_schema": json.loads(oc.schema) if oc.schema else {"type": "object"},
-                       "max_whitespace_cnt": 1})   # no runs of free whitespace (cf. structured_output_any_whitespace)
-            try:
+            if self.deepseek and conv.conversation.thinking_mode and kind in ("json", "regex"):
+                # the reasoning stays free: any text up to </think>, then the answer's grammar
+                sch = schema() if kind == "json" else None
+                answer = ({"type": "regex", "pattern": text} if kind == "regex" else
+                          {"type": "json_schema", "json_schema": sch if sch is not None else {"type": "object"},
+                           # no runs of free whitespace (cf. structured_output_any_whitespace)
+                           "max_whitespace_cnt": 1})
                 check_schema_keywords(answer.get("json_schema"))
                 return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
                     "type": "sequence", "elements": [{"type": "tag", "begin": "", "content": {"type": "any_text"},
                                                       "end": "</think>"}, answer]}}), False
-            except ValueError as e:
-                raise APIError(400, str(e), param="response_format") from None
-        try:
-            if oc.kind == "json":
-                return StructuredOutputsParams(json=oc.schema) if oc.schema else StructuredOutputsParams(json_object=True), False
-            if oc.kind == "regex":
-                return StructuredOutputsParams(regex=oc.schema), False
-            if oc.kind == "tool_call_required":
+            if kind == "json":
+                sch = schema()
+                return (StructuredOutputsParams(json=sch) if sch is not None
+                        else StructuredOutputsParams(json_object=True)), False
+            if kind == "regex":
+                return StructuredOutputsParams(regex=text), False
+            if kind == "tool_call_required":
+                tools = client.apply_to_tools(text)
                 if self.deepseek:   # the prompt opened the DSML tool_calls block: constrain the invoke inside
-                    return StructuredOutputsParams(grammar=dsml_tool_grammar(json.loads(oc.schema))), False
-                return StructuredOutputsParams(json=tool_call_schema(json.loads(oc.schema))), True
+                    return StructuredOutputsParams(grammar=dsml_tool_grammar(tools)), False
+                return StructuredOutputsParams(json=tool_call_schema(tools)), True
         except (ValueError, RuntimeError) as e:   # keywords the grammar engine would not enforce, bad schemas
-            raise APIError(400, str(e), param="response_format" if oc.kind != "tool_call_required" else "tools") from None
-        raise APIError(400, f"output constraint {oc.kind!r} is not supported", param="response_format")
+            raise APIError(400, f"tools: {e}" if param == "tools" and not str(e).startswith("tools") else str(e),
+                           param=param) from None
+        raise APIError(400, f"output constraint {kind!r} is not supported", param="response_format")
 
     def _encode(self, conv: dr.ConversationRequest, json_tool_call: bool = False) -> list[int]:
         if self.deepseek:
@@ -239,19 +343,20 @@ class ChatFrontend:
             gen = gen.with_namespace_tool_map(p.responses_extras[0]).with_echo(p.responses_extras[1])
         return dr.StreamProcessor(gen, p.conversation_request.parsing_options, self.recipe_tokenizer)
 
-    def _chunks(self, out, first: bool, text_chunks: bool = False) -> list[dr.InferenceChunk]:
+    def _chunks(self, out: RequestOutput, c: "CompletionOutput | _ToolCallOutput", first: bool,
+                text_chunks: bool = False) -> list[dr.InferenceChunk]:
+        """The recipe's input chunks for one choice's new output `c` (of request output `out`)."""
         chunks = []
         if first:
             chunks.append(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
                 prompt_tokens=len(out.prompt_token_ids), prompt_cache_hit_tokens=out.num_cached_tokens)))
-        if isinstance(out, _ToolCallOutput):
-            chunks.append(dr.InferenceChunk.text(out.dsml, out.num_tokens))
-            if out.eos:
+        if isinstance(c, _ToolCallOutput):
+            chunks.append(dr.InferenceChunk.text(c.dsml, c.num_tokens))
+            if c.eos:
                 chunks.append(dr.InferenceChunk.text("", 1))
-            reason = dr.InferenceFinishReason.Length if out.finish_reason == "length" else dr.InferenceFinishReason.Stop
+            reason = dr.InferenceFinishReason.Length if c.finish_reason == "length" else dr.InferenceFinishReason.Stop
             chunks.append(dr.InferenceChunk.finish(reason))
             return chunks
-        c = out.outputs[0]
         ids = list(c.token_ids)
         logprobs = None
         if c.logprobs is not None:
@@ -275,52 +380,106 @@ class ChatFrontend:
             chunks.append(dr.InferenceChunk.finish(reason))
         return chunks
 
-    async def events(self, p: PreparedChat) -> AsyncIterator[object]:
-        """Protocol events (recipe objects) for one request, ending the engine request once the parser is done."""
+    async def _choice_events(self, p: PreparedChat) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, protocol event) for one request: one recipe stream processor per choice (n of them,
+        all fed from the one engine request), ending the engine request once every parser is done."""
         if p.params.structured_outputs is not None:   # a grammar that does not compile is a 400, before any work
             await wait_compiled(self.engine.engine.structured_output.pool, p.params.structured_outputs)
-        proc = self._processor(p)
-        first = True
+        procs = [self._processor(p) for _ in range(p.n)]
+        first = [True] * p.n
         try:
             outs = self.engine.generate(p.prompt_token_ids, p.params, p.request_id)
             if p.json_tool_call:
-                outs = self._as_tool_call(outs, p.conversation_request.parsing_options.starts_in_tool_calls)
-            async for out in outs:
-                for chunk in self._chunks(out, first, p.text_chunks):
-                    first = False
-                    for ev in proc.push(chunk):
-                        yield ev
-                    if proc.finished:      # e.g. a stop sequence found by the parser: stop generating
-                        return
-            for ev in proc.finish():
-                yield ev
+                outs = self._as_tool_calls(outs, p.conversation_request.parsing_options.starts_in_tool_calls)
+            else:
+                outs = self._with_outputs(outs)
+            async for out, items in outs:
+                for c in items:
+                    proc = procs[c.index]
+                    if proc.finished:      # e.g. a stop sequence found by the parser: the rest is not wanted
+                        continue
+                    for chunk in self._chunks(out, c, first[c.index], p.text_chunks):
+                        first[c.index] = False
+                        for ev in proc.push(chunk):
+                            yield c.index, ev
+                        if proc.finished:
+                            break
+                if all(proc.finished for proc in procs):   # every parser is done: stop generating
+                    return
+            for i, proc in enumerate(procs):
+                for ev in proc.finish():
+                    yield i, ev
         finally:
-            if not proc.finished:
-                proc.close()
+            for proc in procs:
+                if not proc.finished:
+                    proc.close()
 
-    async def _as_tool_call(self, outs: AsyncIterator[RequestOutput], in_block: bool) -> AsyncIterator[object]:
-        """Gather a constrained JSON call and hand it on as one output whose text is the DSML invoke the
-        recipe's parser reads as a tool call (a call cut short by max_tokens becomes no call, 'length')."""
-        text, ids, last = [], [], None
+    async def events(self, p: PreparedChat) -> AsyncIterator[object]:
+        """Protocol events (recipe objects; for n > 1 Chat Completions chunks whose choice carries its index, the
+        usage of all choices in one last chunk when stream_options.include_usage asks for it)."""
+        if p.n == 1:
+            async for _, ev in self._choice_events(p):
+                yield ev
+            return
+        usages: dict[int, dict] = {}
+        last = None
+        async for i, ev in self._choice_events(p):
+            data = json.loads(ev.to_json())
+            for choice in data.get("choices") or ():
+                choice["index"] = i
+            if data.get("usage"):
+                usages[i] = data["usage"]
+            data["usage"] = None
+            last = data
+            yield _ChunkJSON(data)
+        if p.include_usage and last is not None and usages:
+            yield _ChunkJSON({**last, "choices": [], "usage": merge_usage([usages[i] for i in sorted(usages)])})
+
+    @staticmethod
+    async def _with_outputs(outs: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[RequestOutput, list]]:
         async for out in outs:
-            text.append(out.outputs[0].text)
-            ids += out.outputs[0].token_ids
-            last = out
-        c = last.outputs[0]
-        eos = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids and c.finish_reason == "stop"
-        dsml = json_call_to_dsml("".join(text), opening=not in_block) if c.finish_reason == "stop" else None
-        yield _ToolCallOutput(last, dsml or "", len(ids) - eos, eos, c.finish_reason)
+            yield out, out.outputs
+
+    async def _as_tool_calls(self, outs: AsyncIterator[RequestOutput], in_block: bool
+                             ) -> AsyncIterator[tuple[RequestOutput, list]]:
+        """Gather each choice's constrained JSON call and hand it on, once that choice is done, as one output whose
+        text is the DSML invoke the recipe's parser reads as a tool call (a call cut short by max_tokens becomes
+        no call, 'length')."""
+        text: dict[int, list[str]] = {}
+        ids: dict[int, list[int]] = {}
+        async for out in outs:
+            done = []
+            for c in out.outputs:
+                text.setdefault(c.index, []).append(c.text)
+                ids.setdefault(c.index, []).extend(c.token_ids)
+                if c.finish_reason is None:
+                    continue
+                toks = ids[c.index]
+                eos = bool(toks) and toks[-1] in self.tokenizer.eos_token_ids and c.finish_reason == "stop"
+                dsml = (json_call_to_dsml("".join(text[c.index]), opening=not in_block)
+                        if c.finish_reason == "stop" else None)
+                done.append(_ToolCallOutput(c.index, dsml or "", len(toks) - eos, eos, c.finish_reason))
+            if done:
+                yield out, done
 
     async def complete(self, p: PreparedChat) -> str:
         resp_cls = PROTOCOLS[p.protocol][1]
-        resp = resp_cls(p.request_id, self.served_name, int(time.time()), len(p.prompt_token_ids), 0)
-        async for ev in self.events(p):
-            resp.accumulate(ev)
-        return resp.to_json()
+        created = int(time.time())
+        resps = [resp_cls(p.request_id, self.served_name, created, len(p.prompt_token_ids), 0) for _ in range(p.n)]
+        async for i, ev in self._choice_events(p):
+            resps[i].accumulate(ev)
+        if p.n == 1:
+            return resps[0].to_json()
+        docs = [json.loads(r.to_json()) for r in resps]
+        doc = docs[0]
+        doc["choices"] = [{**c, "index": i} for i, d in enumerate(docs) for c in d["choices"]]
+        usages = [d["usage"] for d in docs if d.get("usage")]
+        doc["usage"] = merge_usage(usages) if usages else None
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
 
     @staticmethod
     def sse_name(protocol: str, ev) -> str | None:
-        return PROTOCOLS[protocol][1].sse_event_name(ev)
+        return None if isinstance(ev, _ChunkJSON) else PROTOCOLS[protocol][1].sse_event_name(ev)
 
     @staticmethod
     def sse_done(protocol: str) -> str | None:

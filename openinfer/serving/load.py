@@ -110,10 +110,13 @@ _MAX_TOKENS = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
 
 def prefill_body(path: str, body: dict, stream: bool | None = None) -> dict:
     """The request as a prefill instance runs it: one output token (enough to compute and save every full
-    block of the prompt); min_tokens dropped (it would contradict the cap); `stream` False: not streamed
-    (the router's step 1), None: as asked."""
+    block of the prompt); min_tokens dropped (it would contradict the cap), and n / best_of (one sequence
+    computes the prompt, which is all a prefill is for); `stream` False: not streamed (the router's step 1), None:
+    as asked."""
     names = _MAX_TOKENS[path]
-    drop = set(names[1:]) | {"min_tokens"} | ({"stream", "stream_options"} if stream is False else set())
+    drop = set(names[1:]) | {"min_tokens", "n", "best_of"}
+    if stream is False:
+        drop |= {"stream", "stream_options"}
     out = {k: v for k, v in body.items() if k not in drop}
     out[names[0]] = 1
     return out

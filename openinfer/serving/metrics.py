@@ -121,7 +121,7 @@ class EngineMetrics:
             counter.labels(m).inc(max(st[key] - self._seen.get(key, 0), 0))
             self._seen[key] = st[key]
         for out in outputs:
-            n_new = len(out.outputs[0].token_ids)
+            n_new = sum(len(c.token_ids) for c in out.outputs)     # (n > 1: every sequence's new tokens)
             self.generation_tokens.labels(m).inc(n_new)
             total = self._num_out[out.request_id] = self._num_out.get(out.request_id, 0) + n_new
             if out.finished:

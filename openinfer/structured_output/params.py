@@ -20,9 +20,29 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 # JSON-schema keywords xgrammar parses but does not enforce (checked with xgrammar 0.2.9: a violating
 # output is accepted). A schema using one is refused instead of silently unconstrained.
 UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
-                               "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+                               "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems",
+                               "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor")
 SUPPORTED_FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
                      "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")
+# Keywords that constrain one kind of value. xgrammar 0.2.9 enforces them only in a schema whose `type` names that
+# kind (`{"maxLength": 2}` without `"type": "string"` accepts "abc"), or, for objects and arrays, one that
+# `properties` / `additionalProperties` / `items` / `prefixItems` make an object / array schema.
+KEYWORD_KINDS = {
+    "minLength": ("string",), "maxLength": ("string",), "pattern": ("string",), "format": ("string",),
+    "minimum": ("integer", "number"), "maximum": ("integer", "number"), "exclusiveMinimum": ("integer", "number"),
+    "exclusiveMaximum": ("integer", "number"), "multipleOf": ("integer",),
+    "minItems": ("array",), "maxItems": ("array",),
+    "minProperties": ("object",), "maxProperties": ("object",), "required": ("object",),
+    "patternProperties": ("object",), "propertyNames": ("object",),
+}
+_IMPLIES_KIND = {"properties": "object", "additionalProperties": "object", "items": "array", "prefixItems": "array"}
+# keywords that constrain the value; the others are annotations (title, description, default, examples, ...)
+VALIDATION_KEYWORDS = frozenset({*KEYWORD_KINDS, *_IMPLIES_KIND, "type", "enum", "const", "anyOf", "oneOf", "allOf",
+                                 "$ref", "uniqueItems", "additionalItems"})
+# xgrammar 0.2.9 enforces each of these alone: any other validation keyword beside one is ignored (`anyOf` with a
+# `minimum` beside it, `$ref` with `required`, `enum` with `maxLength`, ...); `enum` / `const` may have a `type`
+_EXCLUSIVE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+_ALL_KINDS = frozenset({"string", "integer", "number", "boolean", "null", "array", "object"})
 
 
 def _loads_if_text(value, field: str):
@@ -39,11 +59,23 @@ def _bad(msg: str) -> ValueError:
     return ValueError(f"SamplingParams.structured_outputs: {msg}")
 
 
+def _refused(key: str, path: str, why: str) -> ValueError:
+    return _bad(f"JSON schema keyword {key!r} at {path} is not enforced by constrained decoding: {why}")
+
+
 def check_schema_keywords(schema: Any, path: str = "#") -> None:
-    """Raise ValueError naming the first keyword the grammar engine would not enforce."""
+    """Raise ValueError naming the first keyword the grammar engine (xgrammar 0.2.9) would not enforce: keywords it
+    ignores, and keywords it ignores where they stand (see `_Enforceable`). What passes is enforced exactly, except
+    that `pattern`s match whole strings (as if anchored) and objects with `properties` get no other keys unless
+    `additionalProperties` / `patternProperties` allow them: outputs are then a subset of what the schema allows."""
+    _check_unsupported(schema, path)
+    _Enforceable(schema).visit(schema, path)
+
+
+def _check_unsupported(schema: Any, path: str) -> None:
     if isinstance(schema, list):
         for i, s in enumerate(schema):
-            check_schema_keywords(s, f"{path}/{i}")
+            _check_unsupported(s, f"{path}/{i}")
         return
     if not isinstance(schema, dict):
         return
@@ -52,15 +84,175 @@ def check_schema_keywords(schema: Any, path: str = "#") -> None:
             raise _bad(f"JSON schema keyword {key!r} at {path} is not supported by constrained decoding")
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             raise _bad(f"JSON schema keyword 'allOf' with several subschemas at {path} is not supported")
+        if key == "uniqueItems" and value is True:
+            raise _refused(key, path, "items may repeat")
         if key == "format" and isinstance(value, str) and value not in SUPPORTED_FORMATS:
             raise _bad(f"JSON schema string format {value!r} at {path} is not supported "
                        f"(supported: {', '.join(SUPPORTED_FORMATS)})")
-        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentRequired"):
+        if key in ("properties", "patternProperties", "$defs", "definitions"):
             if isinstance(value, dict):
                 for name, sub in value.items():
-                    check_schema_keywords(sub, f"{path}/{key}/{name}")
+                    _check_unsupported(sub, f"{path}/{key}/{name}")
         elif key not in ("enum", "const", "required", "examples", "default"):
-            check_schema_keywords(value, f"{path}/{key}")
+            _check_unsupported(value, f"{path}/{key}")
+
+
+def _kinds_of_value(v: Any) -> set[str]:
+    if v is None:
+        return {"null"}
+    if isinstance(v, bool):
+        return {"boolean"}
+    if isinstance(v, int):
+        return {"integer", "number"}
+    if isinstance(v, float):
+        return {"integer", "number"} if v.is_integer() else {"number"}
+    if isinstance(v, str):
+        return {"string"}
+    return {"array"} if isinstance(v, list) else {"object"}
+
+
+def _canonical(v: Any) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+class _Enforceable:
+    """Where xgrammar 0.2.9 ignores a keyword because of what stands beside it (each rule found by compiling a
+    schema and feeding it a violating value, which it accepted):
+    - a kind-specific keyword (`KEYWORD_KINDS`) without a `type` naming its kind (nor, for objects and arrays, a
+      keyword that makes the schema one): `{"minimum": 3}` accepts 2;
+    - any validation keyword beside `anyOf` / `oneOf` / `allOf` / `$ref` / `enum` / `const` (only those are
+      enforced), and `enum` / `const` values whose kind the schema's `type` excludes;
+    - `multipleOf` of a `number` (enforced for integers only); `minLength` / `maxLength` beside `pattern` or
+      `format` (only the pattern / format is enforced); a `required` name not in `properties`;
+    - `oneOf` is enforced as `anyOf` (one or more subschemas match): refused unless its subschemas cannot both
+      match (different kinds, different const / enum values, or a property both require with different const /
+      enum values, a discriminator);
+    - `$ref` other than a local JSON pointer (`#`, `#/...`)."""
+
+    def __init__(self, root: Any):
+        self.root = root
+
+    def visit(self, s: Any, path: str) -> None:
+        if not isinstance(s, dict):
+            return
+        excl = next((k for k in _EXCLUSIVE if k in s), None)
+        if excl is not None:
+            beside = sorted(k for k in s if k in VALIDATION_KEYWORDS and k != excl
+                            and not (excl in ("enum", "const") and k == "type"))
+            if beside:
+                where = ("list only values that satisfy it" if excl in ("enum", "const") else
+                         "move it into each subschema" if excl in ("anyOf", "oneOf", "allOf") else
+                         "move it into the schema it names")
+                raise _refused(beside[0], path, f"only {excl!r} beside it is ({where})")
+        t = s.get("type")
+        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        implied = {_IMPLIES_KIND[k] for k in s if k in _IMPLIES_KIND}
+        for key in s:
+            kinds = KEYWORD_KINDS.get(key)
+            if kinds is not None and types is None and not implied.intersection(kinds):
+                raise _refused(key, path, f'it needs "type": {kinds[0]!r} beside it')
+        if "multipleOf" in s and types is not None and "number" in types:
+            raise _refused("multipleOf", path, 'only integers are kept to multiples ("type": "integer")')
+        if types is None or "string" in types:
+            for key in ("minLength", "maxLength"):
+                other = next((o for o in ("pattern", "format") if o in s), None)
+                if key in s and other is not None:
+                    raise _refused(key, path, f"beside {other!r} only the {other} is (fold the length into a "
+                                              f"pattern)")
+        if types is not None and ("enum" in s or "const" in s):
+            values = s["enum"] if isinstance(s.get("enum"), list) else [s["const"]] if "const" in s else []
+            for v in values:
+                if not _kinds_of_value(v) & types:
+                    raise _refused("type", path, f"the value {v!r} of its enum / const is not of type {t!r}")
+        if isinstance(s.get("required"), list) and (types is None or "object" in types):
+            props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+            missing = next((r for r in s["required"] if r not in props), None)
+            if missing is not None:
+                raise _refused("required", path, f"the required name {missing!r} is not in 'properties'")
+        if "$ref" in s:
+            ref = s["$ref"]
+            if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                raise _refused("$ref", path, f"only local references ('#/...') are followed, got {ref!r}")
+        if isinstance(s.get("oneOf"), list):
+            subs = s["oneOf"]
+            for i in range(len(subs)):
+                for j in range(i + 1, len(subs)):
+                    if not self._disjoint(subs[i], subs[j]):
+                        raise _refused("oneOf", path, f"it is treated as anyOf, and subschemas {i} and {j} may both "
+                                                      f"match (use anyOf, or tell them apart by type or by a "
+                                                      f"const / enum property both require)")
+        for key in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(s.get(key), dict):
+                for name, sub in s[key].items():
+                    self.visit(sub, f"{path}/{key}/{name}")
+        for key in ("items", "additionalProperties", "additionalItems", "propertyNames"):
+            self.visit(s.get(key), f"{path}/{key}")
+        for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+            if isinstance(s.get(key), list):
+                for i, sub in enumerate(s[key]):
+                    self.visit(sub, f"{path}/{key}/{i}")
+
+    # ---- oneOf: can two subschemas both match? ------------------------------------------------------------------
+    def _resolve(self, s: Any, depth: int = 0) -> Any:
+        while isinstance(s, dict) and isinstance(s.get("$ref"), str) and depth < 32:
+            ref, depth = s["$ref"], depth + 1
+            if ref == "#":
+                s = self.root
+                continue
+            if not ref.startswith("#/"):
+                return None
+            node = self.root
+            for part in ref[2:].split("/"):
+                part = part.replace("~1", "/").replace("~0", "~")
+                node = node.get(part) if isinstance(node, dict) else None
+            s = node
+        return s
+
+    def _values(self, s: Any) -> list | None:
+        s = self._resolve(s)
+        if not isinstance(s, dict):
+            return None
+        if "const" in s:
+            return [s["const"]]
+        return s["enum"] if isinstance(s.get("enum"), list) else None
+
+    def _kinds(self, s: Any, depth: int = 0) -> set[str]:
+        s = self._resolve(s)
+        if s is False:
+            return set()
+        if not isinstance(s, dict) or depth > 16:
+            return set(_ALL_KINDS)
+        values = self._values(s)
+        if values is not None:
+            return set().union(*(_kinds_of_value(v) for v in values)) if values else set()
+        t = s.get("type")
+        if isinstance(t, (str, list)):
+            kinds = {t} if isinstance(t, str) else set(t)
+            return kinds | {"integer"} if "number" in kinds else kinds
+        for key in ("anyOf", "oneOf", "allOf"):
+            if isinstance(s.get(key), list):
+                return set().union(*(self._kinds(b, depth + 1) for b in s[key]))
+        implied = {_IMPLIES_KIND[k] for k in s if k in _IMPLIES_KIND}
+        return implied or set(_ALL_KINDS)
+
+    def _disjoint(self, a: Any, b: Any) -> bool:
+        if not self._kinds(a) & self._kinds(b):
+            return True
+        va, vb = self._values(a), self._values(b)
+        if va is not None and vb is not None:
+            return not {_canonical(v) for v in va} & {_canonical(v) for v in vb}
+        a, b = self._resolve(a), self._resolve(b)
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            return False
+        pa, pb = a.get("properties"), b.get("properties")
+        if not (isinstance(pa, dict) and isinstance(pb, dict)):
+            return False
+        common = set(a.get("required") or ()) & set(b.get("required") or ()) & set(pa) & set(pb)
+        for name in common:
+            xa, xb = self._values(pa[name]), self._values(pb[name])
+            if xa is not None and xb is not None and not {_canonical(v) for v in xa} & {_canonical(v) for v in xb}:
+                return True
+        return False
 
 
 @dataclass(frozen=True)

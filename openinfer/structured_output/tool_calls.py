@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from openinfer.structured_output.params import check_schema_keywords
+
 _DSML = "｜DSML｜"
 
 
@@ -56,14 +58,21 @@ def json_call_to_dsml(text: str, opening: bool = False) -> str | None:
 
 def _dsml_parameters(f: dict) -> "object":
     """xgrammar Grammar of a DSML invoke's parameter lines for function `f`: in schema order, optional ones
-    optional, string parameters raw (`string="true"`, enum / pattern / maxLength enforced), the others JSON
-    valid for their subschema."""
+    optional, string parameters raw (`string="true"`, enum / const / pattern / minLength / maxLength enforced), the
+    others JSON valid for their subschema. The schema is the client's, checked as any constrained schema is
+    (`check_schema_keywords`: ValueError naming a keyword that would not be enforced); a raw string's `format` is
+    refused too (raw strings are matched by enum / const / pattern / length only)."""
     import xgrammar as xgr
 
     def lit(text: str):
         return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
     def raw_string(schema: dict):
+        if "format" in schema:
+            raise ValueError(f"tool {f.get('name')!r}: 'format' of a string parameter is not enforced in DeepSeek's "
+                             f"DSML tool calls (use a pattern)")
+        if "const" in schema:
+            return lit(str(schema["const"]))
         if schema.get("enum"):
             return xgr.Grammar.union(*[lit(str(v)) for v in schema["enum"]])
         if schema.get("pattern"):
@@ -72,6 +81,7 @@ def _dsml_parameters(f: dict) -> "object":
         return xgr.Grammar.from_regex(f"[^<]{{{lo},{int(hi)}}}" if hi is not None else f"[^<]{{{lo},}}")
 
     params = f.get("parameters") or {}
+    check_schema_keywords(params)
     required = set(params.get("required", []))
     parts = [lit("")]
     for name, schema in (params.get("properties") or {}).items():
