@@ -366,7 +366,7 @@ def test_completions_n_best_of_and_several_prompts(server, oai):
     kw = dict(model="smollm2", max_tokens=6, temperature=1.0, seed=3)
     r = oai.completions.create(prompt=prompts, n=2, logprobs=1, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]             # prompt p, choice i: p * n + i
-    assert r.usage.prompt_tokens == sum(len(server.llm.tokenizer.encode(p)) for p in prompts)
+    assert r.usage.prompt_tokens == sum(len(server.tokenizer.encode(p)) for p in prompts)
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
     single = oai.completions.create(prompt=prompts[1], **{**kw, "seed": 4}).choices[0]   # choice 1: seed + 1
     assert r.choices[3].text == single.text

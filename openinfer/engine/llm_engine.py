@@ -347,7 +347,7 @@ class LLMEngine:
         through the store must report the same one (serving/load.py)."""
         if self.kv_store is None:
             return None
-        return next((t.namespace.hex()[:32] for t in self.kv_store.tiers if hasattr(t, "namespace")), None)
+        return next((t.namespace.hex()[:32] for t in self.kv_store.tiers if t.namespace is not None), None)
 
     def touch_cache_pages(self) -> None:
         self.runner.pool.touch_pages()

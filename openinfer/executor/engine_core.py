@@ -46,8 +46,10 @@ class EngineCoreError(RuntimeError):
 
 
 # ---- the core's side --------------------------------------------------------------------------------------------
-def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int) -> None:
-    """The engine core process: build the engine, report ready, then serve the client until shutdown."""
+def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int, num_threads: int) -> None:
+    """The engine core process: build the engine, report ready, then serve the client until shutdown.
+    `num_threads`: the CPU threads its torch may use (the starting process's own: the core does the compute that
+    process would have done)."""
     from openinfer.executor.worker import _exit_with_parent
 
     _exit_with_parent(parent_pid)
@@ -56,6 +58,9 @@ def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int)
     # multi-rank engine: multiprocessing refuses children to a daemonic process, so the core is not one in its own
     # eyes (its ranks stop with it: their own watch, and the stop on shutdown)
     multiprocessing.current_process()._config["daemon"] = False
+    import torch
+
+    torch.set_num_threads(num_threads)
     engine = None
     try:
         if config.world_size > 1:
@@ -151,12 +156,16 @@ class EngineCoreClient:
         # messages go out through a writer thread: a full pipe (the core in a long step) never blocks a caller
         # (the server's event loop)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._sent = 0                    # adds sent
         self._taken = 0                   # adds the core has taken (from its last message)
         self._structured = None
         ctx = rank_process_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=core_main, args=(config, self.model_source, child, os.getpid()),
+        import torch
+
+        self._proc = ctx.Process(target=core_main, args=(config, self.model_source, child, os.getpid(),
+                                                         torch.get_num_threads()),
                                  name="openinfer-engine-core", daemon=True)
         self._proc.start()
         child.close()
@@ -273,7 +282,7 @@ class EngineCoreClient:
         """Stop the core (politely, then by force) and free its device. Idempotent."""
         self._prompts.clear()
         self._outbox.put(None)              # the writer stops after what it has; then shutdown goes on the pipe
-        writer = getattr(self, "_writer", None)          # (none yet when the core failed to start)
+        writer = self._writer                           # (none yet when the core failed to start)
         if writer is not None and threading.current_thread() is not writer:
             writer.join(timeout=10)
         self._finalizer()

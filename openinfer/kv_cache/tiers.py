@@ -144,6 +144,7 @@ class HostMemoryTier:
     """Blocks in host RAM, least recently used first; thread-safe (the writer thread fills it)."""
 
     name = "host"
+    namespace = None        # process-local: nothing to keep apart from other models' entries
 
     def __init__(self, capacity_bytes: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
                  max_evictions_per_put: int = 16):
