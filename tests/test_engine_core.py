@@ -130,3 +130,27 @@ def test_shutdown_leaves_no_process(smollm_dir):
     client.shutdown()
     client.shutdown()                                            # idempotent
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_warm_up_leaves_no_trace(smollm_dir):
+    """What the core runs at start on a GPU (LLMEngine.warm_up): afterwards the pool is free, the prefix cache
+    empty and every counter at zero, and a request gives the tokens it gives on a fresh engine."""
+    from openinfer.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16,
+                          max_num_batched_tokens=64)
+    engine = LLMEngine(config)
+    assert engine.warm_up() > 0
+    st = engine.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and not engine.has_unfinished_requests()
+    assert (st["num_steps"], st["prompt_tokens_computed"], st["prefix_cache_queried_tokens"]) == (0, 0, 0)
+    assert engine.kv_manager.pool.num_cached_blocks == 0
+    prompt = engine.tokenizer.encode("The capital of France is")
+    engine.add_request(prompt, SamplingParams(**GREEDY), request_id="a")
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    fresh = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64)
+    ref = fresh.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**GREEDY), use_tqdm=False)[0]
+    fresh.shutdown()
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -483,3 +483,22 @@ def test_lm_eval_local_completions_runs_loglikelihood_and_generate_until(server,
                                         max_tokens=8, temperature=0, stop=["\n"]).choices[0].text
         assert text == ref and text
     assert server.wait_idle()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_128_concurrent_streams_finish_without_an_error(server, endpoint):
+    """128 streams at once against the engine core's server (32 seats, so most wait their turn in the core):
+    every one completes with all its tokens, and the engine's own counters (`openinfer bench serve`'s engine
+    view, read from /metrics) saw exactly the tokens the clients counted."""
+    from openinfer.benchmarks.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(base_url=server.base_url, endpoint=endpoint, model="smollm2", num_prompts=128,
+                           max_concurrency=128, input_len=12, output_len=6, ignore_eos=True)
+    result = run_serve_bench(cfg, quiet=True)
+    assert (result["completed"], result["failed"], result["errors"]) == (128, 0, [])
+    assert result["output_tokens"] == 128 * 6 and result["token_counts_from_usage"]
+    eng = result["engine"]
+    assert eng["generated_tokens"] == result["output_tokens"]
+    assert eng["steps"] >= 6 and 0 < eng["prefill_steps"] <= eng["steps"] and eng["mean_step_ms"] > 0
+    assert eng["mean_queue_ms"] > 0              # 128 streams for 32 seats: most waited
+    assert server.wait_idle()

@@ -36,6 +36,7 @@ class ServeBenchConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     api_key: str | None = None
+    ignore_eos: bool = False               # every request runs to output_len (the server must take ignore_eos)
 
 
 @dataclass
@@ -67,6 +68,8 @@ async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) ->
         url, body = "/v1/completions", {"prompt": prompt}
     body.update(model=cfg.model, max_tokens=cfg.output_len, temperature=0.0, stream=True,
                 stream_options={"include_usage": True})
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     start = time.perf_counter()
     res, last = RequestResult(ok=False), None
     try:
@@ -111,12 +114,53 @@ def _stats(xs: list[float]) -> dict:
             "p99": float(np.percentile(a, 99))}
 
 
+_ENGINE_METRICS = ("openinfer:engine_steps_total", "openinfer:engine_step_seconds_total",
+                   "openinfer:engine_prefill_steps_total", "openinfer:request_queue_time_seconds_sum",
+                   "openinfer:request_queue_time_seconds_count", "openinfer:generation_tokens_total")
+
+
+async def _scrape(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """The server's own counters (`/metrics`, summed over labels); None from a server without them."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        if name in _ENGINE_METRICS:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if "openinfer:engine_steps_total" not in out:
+        return None                     # not an openinfer server of this version
+    return {k: out.get(k, 0.0) for k in _ENGINE_METRICS}    # (a series with no observation yet is absent: 0)
+
+
+def _engine_view(before: dict | None, after: dict | None, duration_s: float) -> dict | None:
+    """What the engine itself saw during the run (the deltas of its counters): its steps and their mean time,
+    the steps that ran prefill, the mean time requests waited for a seat, how busy the loop was."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in _ENGINE_METRICS}
+    steps = d["openinfer:engine_steps_total"]
+    queued = d["openinfer:request_queue_time_seconds_count"]
+    return {"steps": int(steps), "prefill_steps": int(d["openinfer:engine_prefill_steps_total"]),
+            "mean_step_ms": 1e3 * d["openinfer:engine_step_seconds_total"] / steps if steps else None,
+            "step_busy_fraction": d["openinfer:engine_step_seconds_total"] / duration_s if duration_s else None,
+            "mean_queue_ms": 1e3 * d["openinfer:request_queue_time_seconds_sum"] / queued if queued else None,
+            "generated_tokens": int(d["openinfer:generation_tokens_total"])}
+
+
 async def _run(cfg: ServeBenchConfig) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.max_concurrency or cfg.num_prompts, 1))
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
         if cfg.model is None:
             cfg.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        before = await _scrape(client)
         prompts = _prompts(cfg)
         sem = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
         rng = np.random.default_rng(cfg.seed)
@@ -133,6 +177,7 @@ async def _run(cfg: ServeBenchConfig) -> dict:
                 await asyncio.sleep(float(rng.exponential(1.0 / cfg.request_rate)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        after = await _scrape(client)
     ok = [r for r in results if r.ok]
     good = [r for r in ok if (cfg.slo_ttft_ms is None or r.ttft * 1e3 <= cfg.slo_ttft_ms)
             and (cfg.slo_tpot_ms is None or r.tpot * 1e3 <= cfg.slo_tpot_ms)]
@@ -146,7 +191,27 @@ async def _run(cfg: ServeBenchConfig) -> dict:
         "goodput_req_s": len(good) / duration if (cfg.slo_ttft_ms or cfg.slo_tpot_ms) else None,
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats([r.tpot for r in ok if r.output_tokens > 1]),
         "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "engine": _engine_view(before, after, duration),
     }
+
+
+def run_offline_reference(llm, cfg: ServeBenchConfig) -> dict:
+    """The same prompts through `LLM` in this process (the engine alone, no server): output tok/s over the same
+    span the client measures (first request in to last token out), all prompts submitted at once (the engine's
+    max_num_seqs bounds the batch, as --max-concurrency bounds the server's)."""
+    from openinfer.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=cfg.ignore_eos)
+    prompts = _prompts(cfg)
+    start = time.perf_counter()
+    if cfg.endpoint == "chat":
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"duration_s": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed,
+            "input_tokens": sum(len(o.prompt_token_ids) for o in outs)}
 
 
 def run_serve_bench(cfg: ServeBenchConfig, quiet: bool = False) -> dict:
@@ -158,6 +223,15 @@ def run_serve_bench(cfg: ServeBenchConfig, quiet: bool = False) -> dict:
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             s = result[key]
             print(f"  {key:8s} mean {s['mean']:8.1f}  p50 {s['p50']:8.1f}  p90 {s['p90']:8.1f}  p99 {s['p99']:8.1f}")
+        eng = result["engine"]
+        if eng is not None:
+            print(f"  engine   {eng['steps']} steps ({eng['prefill_steps']} with prefill), mean step "
+                  f"{_ms(eng['mean_step_ms'])}, busy {eng['step_busy_fraction']:.0%} of the run, mean queue time "
+                  f"{_ms(eng['mean_queue_ms'])}")
         if result["errors"]:
             print("  errors:", result["errors"])
     return result
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f} ms"

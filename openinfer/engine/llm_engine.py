@@ -121,6 +121,9 @@ class LLMEngine:
         if config.use_cuda_graphs and model.traits.cuda_graph_decode:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
+        # what the engine did, for stats(): steps, their host wall time (with async scheduling, a step's time
+        # includes waiting for the one before it on the device), steps that ran a prefill chunk
+        self.num_steps, self.step_time_s, self.num_prefill_steps = 0, 0.0, 0
         # parallel sampling (n > 1, parallel_sampling.py): request id -> its ParentRequest, and each child's id -> it
         self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
@@ -337,6 +340,27 @@ class LLMEngine:
                 "device_allocated_bytes": torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda"
                 else None}
 
+    def warm_up(self) -> float:
+        """Run what the first requests would compile (Triton kernels JIT-compile on first use, per shape class)
+        before any request arrives: a few prompts of different lengths, prefilled whole and in chunks beside
+        decodes, then decoded; then leave no trace (prefix cache emptied, counters back to zero). Returns its
+        seconds. CUDA graphs of decode were captured already (context-bucketed models capture on first use)."""
+        start = time.perf_counter()
+        budget = self.config.max_num_batched_tokens
+        lengths = sorted({1, 17, min(budget, 512) // 2 + 3, max(1, min(budget + 5, self.max_model_len - 4))})
+        g = torch.Generator().manual_seed(0)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        for i, n in enumerate(lengths):
+            self.add_request(torch.randint(0, self.model_config.vocab_size, (n,), generator=g).tolist(), params,
+                             request_id=f"openinfer-warm-up-{i}")
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()
+        self.scheduler.num_preemptions = self.scheduler.num_prompt_tokens_computed = 0
+        self.num_steps, self.step_time_s, self.num_prefill_steps = 0, 0.0, 0
+        return time.perf_counter() - start
+
     def flush_kv_store(self, timeout_s: float | None = None) -> bool:
         """Wait until the store holds every block queued so far (a prefill instance before it answers); True if
         so, False if `timeout_s` passed first (the writes go on). No store: True."""
@@ -369,6 +393,14 @@ class LLMEngine:
         (penalties) or whose grammar mask depends on their last token (structured output) wait for it: such
         a step reads back first. Requests whose grammar is still compiling wait in the queue (the scheduler
         skips them); a grammar that fails or times out aborts its request with the reason in stop_reason."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.step_time_s += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self.swa_state is not None:
             self.swa_state.settle()          # window state copies (CUDA) that are done go into the tier
@@ -387,6 +419,8 @@ class LLMEngine:
         if sched.empty and prev is None:
             self.kv_manager.wait_for_store_reads(0.005)        # nor until a prefix read from the store is done
         if not sched.empty:
+            if any(s.start < s.request.num_prompt_tokens for s in sched.scheduled):
+                self.num_prefill_steps += 1
             sampling_steps = [s for s in sched.scheduled if s.samples]
             sampling = [s.request for s in sampling_steps]
             bitmask = None
@@ -530,6 +564,7 @@ class LLMEngine:
                if kv.swa is not None else {}),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "num_steps": self.num_steps, "step_time_s": self.step_time_s, "num_prefill_steps": self.num_prefill_steps,
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         }

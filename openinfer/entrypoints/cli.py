@@ -191,14 +191,35 @@ def cmd_router(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from openinfer.benchmarks.serve import ServeBenchConfig, run_serve_bench
+    from openinfer.benchmarks.serve import ServeBenchConfig, run_offline_reference, run_serve_bench
 
     cfg = ServeBenchConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model_name,
                            num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                            request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                           api_key=args.api_key)
-    result = run_serve_bench(cfg)
+                           api_key=args.api_key, ignore_eos=args.ignore_eos)
+    if not args.compare_offline:
+        result = run_serve_bench(cfg)
+    else:
+        # the engine alone first (it needs the device to itself), then a server of the same engine options,
+        # started here, under the same prompts: the server's overhead as a ratio, in one call
+        import tempfile
+
+        from openinfer.benchmarks.soak import serve_process
+
+        llm = _make_llm(args)
+        offline = run_offline_reference(llm, cfg)
+        llm.shutdown()
+        del llm
+        log = tempfile.mkstemp(prefix="openinfer-bench-serve-", suffix=".log")[1]
+        with serve_process(as_flags(args), log) as (base_url, _):
+            cfg.base_url = base_url
+            result = run_serve_bench(cfg)
+        result["offline"] = offline
+        result["server_over_offline"] = result["output_throughput"] / offline["output_throughput"]
+        result["server_log"] = log
+        print(f"  offline  {offline['output_throughput']:.1f} output tok/s over the same prompts: the server gives "
+              f"{result['server_over_offline']:.0%} of it")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -458,7 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-ttft-ms", type=float, default=None)
     srv.add_argument("--slo-tpot-ms", type=float, default=None)
     srv.add_argument("--api-key", default=None)
+    srv.add_argument("--ignore-eos", action="store_true", help="every request runs to --output-len")
+    srv.add_argument("--compare-offline", action="store_true",
+                     help="run the same prompts through LLM (the engine alone) first, then start a server with the "
+                          "same engine options here and load it: the server's share of the offline throughput, one "
+                          "call (--base-url is then the started server's)")
     srv.add_argument("--result-json", default=None)
+    add_engine_args(srv, taken={"--seed"})      # --compare-offline: the engine's options
     srv.set_defaults(func=cmd_bench_serve)
     soak = bench_sub.add_parser("soak", help="hold a server under streaming load, cut requests and fuzzed bodies; "
                                              "RSS over time, errors, leaked KV blocks")

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -71,6 +72,9 @@ def core_main(config: EngineConfig, model: ResolvedModel, conn, parent_pid: int,
             from openinfer.engine.llm_engine import LLMEngine
 
             engine = LLMEngine(config, model=model)
+            if config.device != "cpu":     # kernels compile now, not under the first requests
+                print(f"[openinfer] warmed up (kernels compiled) in {engine.warm_up():.1f}s", file=sys.stderr,
+                      flush=True)
         conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
                              "stats": engine.stats(), "kv_store_namespace": engine.kv_store_namespace(),
                              "async_scheduling": engine.async_scheduling}))

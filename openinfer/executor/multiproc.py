@@ -207,6 +207,8 @@ class MultiprocEngine:
         out["kv_usage"] = used / out["kv_blocks_total"] if out["kv_blocks_total"] else 0.0
         q = out["prefix_cache_queried_tokens"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
+        for k in ("num_steps", "step_time_s", "num_prefill_steps"):     # the ranks step together: rank 0's
+            out[k] = self._rank_stats[0].get(k, 0)
         for k in _EXPERT_STATS:
             if k in self._rank_stats[0]:
                 out[k] = self._rank_stats[0][k]

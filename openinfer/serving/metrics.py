@@ -37,6 +37,13 @@ class EngineMetrics:
         self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
         self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
         self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
+        # the engine's own view of its loop (beside what clients measure): steps, their host wall time, and the
+        # steps that ran prefill chunks
+        self.steps = Counter("openinfer:engine_steps", "Engine steps run.", **label)
+        self.step_seconds = Counter("openinfer:engine_step_seconds", "Host wall time inside engine steps (with "
+                                    "async scheduling a step waits for the one before it on the device).", **label)
+        self.prefill_steps = Counter("openinfer:engine_prefill_steps", "Engine steps that ran a prefill chunk.",
+                                     **label)
         self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished requests.", **label)
         self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens.", **label)
         self.draft_tokens = Counter("openinfer:spec_decode_num_draft_tokens", "Speculative decoding: draft "
@@ -53,8 +60,14 @@ class EngineMetrics:
         self.tpot = Histogram("openinfer:time_per_output_token_seconds", "Mean time per output token "
                               "after the first, per request.", **hist)
         self.e2e = Histogram("openinfer:e2e_request_latency_seconds", "Arrival to finish.", **hist)
+        self.queue = Histogram("openinfer:request_queue_time_seconds", "Arrival to first scheduled (time waiting "
+                               "for a seat).", **hist)
         self.model = model_name
+        for series in (self.steps, self.step_seconds, self.prefill_steps, self.generation_tokens, self.queue):
+            series.labels(model_name)          # at 0 from the start: a scrape before any step reads them too
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        st = stat()
+        self._seen.update(steps=st["num_steps"], step_seconds=st["step_time_s"], prefill_steps=st["num_prefill_steps"])
         # prefix-KV store (docs/kv_cache.md): per tier, what the engine's stats() count since start
         self.kv_store = {}
         if "kv_store_tiers" in stat():
@@ -101,9 +114,12 @@ class EngineMetrics:
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         m, st = self.model, engine.stats()
         for key, counter, value in (("preemptions", self.preemptions, st["num_preemptions"]),
+                                    ("steps", self.steps, st["num_steps"]),
+                                    ("step_seconds", self.step_seconds, st["step_time_s"]),
+                                    ("prefill_steps", self.prefill_steps, st["num_prefill_steps"]),
                                     ("queries", self.prefix_queries, st["prefix_cache_queried_tokens"]),
                                     ("hits", self.prefix_hits, st["prefix_cache_hit_tokens"])):
-            counter.labels(m).inc(value - self._seen[key])
+            counter.labels(m).inc(max(value - self._seen[key], 0))
             self._seen[key] = value
         if self.kv_store:
             tiers = dict(st["kv_store_tiers"])
@@ -140,6 +156,8 @@ class EngineMetrics:
         if mt.finished_time is None:
             return
         self.e2e.labels(m).observe(mt.finished_time - mt.arrival_time)
+        if mt.first_scheduled_time is not None:
+            self.queue.labels(m).observe(mt.first_scheduled_time - mt.arrival_time)
         if mt.first_token_time is not None:
             self.ttft.labels(m).observe(mt.first_token_time - mt.arrival_time)
             if num_output_tokens > 1:
