@@ -26,6 +26,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -302,7 +303,9 @@ def serve_process(serve_args: list[str], log_path: str,
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} while starting; see {log_path}")
+                tail = Path(log_path).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the server exited with {proc.returncode} while starting; see {log_path}; "
+                                   f"its last output:\n{tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not answer /health in {startup_timeout_s:.0f} s; see {log_path}")
             try:
