@@ -63,12 +63,16 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tiny", action="store_true", help="a toy model on the CPU (checking the script)")
+    p.add_argument("--concurrency", default=None, help="a comma list of the cases to run (default: 1,32,256)")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model_dir(args.tokenizer_json, LLAMA_TINY if args.tiny else LLAMA3_8B)
     cases = [(2, 4), (8, 16)] if args.tiny else CASES
+    if args.concurrency:
+        wanted = {int(c) for c in args.concurrency.split(",")}
+        cases = [(c, n) for c, n in cases if c in wanted]
     results = {"benchmark": "gpu_serve_llama8b", "date": datetime.date.today().isoformat(),
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip() or None,

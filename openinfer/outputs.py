@@ -62,3 +62,23 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """This DELTA output and the next one of the same request, as one DELTA output: what a consumer that fell
+        behind reads (texts, tokens and logprobs joined per choice; status, counts and metrics the later's; the
+        prompt logprobs, sent with the first delta, kept)."""
+        joined = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            before = joined.get(c.index)
+            if before is None:
+                joined[c.index] = c
+                continue
+            logprobs = None if before.logprobs is None and c.logprobs is None else \
+                [*(before.logprobs or ()), *(c.logprobs or ())]
+            joined[c.index] = CompletionOutput(c.index, before.text + c.text, before.token_ids + c.token_ids,
+                                               c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason,
+                                               c.num_draft_tokens, c.num_accepted_tokens)
+        return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids,
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                             [joined[i] for i in sorted(joined)], later.finished, later.num_cached_tokens,
+                             later.metrics)

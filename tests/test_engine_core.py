@@ -154,3 +154,36 @@ def test_warm_up_leaves_no_trace(smollm_dir):
     ref = fresh.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**GREEDY), use_tqdm=False)[0]
     fresh.shutdown()
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_as_one(core, smollm_dir):
+    """AsyncLLMEngine over the core: a stream read slower than the engine steps gets the deltas that waited joined
+    into one (fewer chunks to frame and send), with exactly the tokens and text of reading every step."""
+    import asyncio
+
+    from openinfer.serving.async_engine import AsyncLLMEngine
+
+    prompt = core.tokenizer.encode("Write a story about the sea.")
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    llm = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16)
+    ref = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**params), use_tqdm=False)[0]
+    llm.shutdown()
+    engine = AsyncLLMEngine(core)
+    engine.start()
+
+    async def read(delay: float):
+        items = []
+        async for out in engine.generate(prompt, SamplingParams(**params), f"slow-{delay}"):
+            items.append(out)
+            await asyncio.sleep(delay)
+        return items
+
+    try:
+        slow = asyncio.run(read(0.3))
+    finally:
+        engine.shutdown()
+    assert len(slow) < 24 // 2                                   # several steps per delta
+    assert [t for o in slow for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in slow) == ref.outputs[0].text
+    assert [lp for o in slow for lp in o.outputs[0].logprobs] == ref.outputs[0].logprobs
+    assert slow[-1].finished and slow[-1].outputs[0].finish_reason == "length"

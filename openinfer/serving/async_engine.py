@@ -118,9 +118,12 @@ class AsyncLLMEngine:
         finished = False
         timeout = self.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
+        held = None           # an item taken while joining deltas, to hand out next
         try:
             while True:
-                if deadline is None:
+                if held is not None:
+                    item, held = held, None
+                elif deadline is None:
                     item = await q.get()
                 else:
                     try:
@@ -128,6 +131,14 @@ class AsyncLLMEngine:
                     except asyncio.TimeoutError:
                         raise RequestTimeoutError(f"request aborted: it ran past the server's request timeout of "
                                                   f"{timeout:g} s (--request-timeout)") from None
+                # a consumer that fell behind (many streams on one event loop) gets what waits as one delta:
+                # one chunk to frame and send instead of one per step, so the HTTP side keeps up with the engine
+                while not isinstance(item, BaseException) and not item.finished and not q.empty():
+                    later = q.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = item.followed_by(later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
