@@ -90,7 +90,7 @@ def fidelity(cpu_ref: str | None) -> dict:
     out["eager"] = tiny_run(eager)
     eager.shutdown()
     graphs = LLM(TINY, device="cuda")
-    out["graphs_captured"] = bool(graphs.engine.runner.graphs) or graphs.engine.config.use_cuda_graphs
+    out["graphs_captured"] = graphs.engine.runner.decode_graphs is not None
     out["graphs"] = tiny_run(graphs)
     graphs.shutdown()
     yoco = LLM(TINY, device="cuda", v41_prefill_mode="yoco", v41_prefill_keep_tokens=64)
@@ -207,21 +207,22 @@ def decode(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 10) -> dict:
     prefill_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     runner, counts = eng.runner, {"graph": 0, "eager": 0, "captures": 0}
-    originals = runner._graph_forward, runner._eager_forward, runner._capture
+    dg = runner.decode_graphs           # (CUDA graphs of decode: engine/cuda_graphs.py)
+    originals = dg.replay, runner._eager_forward, dg.capture
 
     def counted(key, fn):
         def wrapper(*a, **k):
             counts[key] += 1
             return fn(*a, **k)
         return wrapper
-    runner._graph_forward, runner._eager_forward, runner._capture = (
+    dg.replay, runner._eager_forward, dg.capture = (
         counted("graph", originals[0]), counted("eager", originals[1]), counted("captures", originals[2]))
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / steps
-    runner._graph_forward, runner._eager_forward, runner._capture = originals
+    dg.replay, runner._eager_forward, dg.capture = originals
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
@@ -324,7 +325,7 @@ def main() -> None:
     res["config"] = {"layers": args.layers, "yoco_split": model.config.yoco_split,
                      "engram_rows": model.config.engram_num_embeddings,
                      "experts_quantized": all(isinstance(b.ffn.experts, QuantizedExperts) for b in model.layers)}
-    res["cuda_graphs"] = llm.engine.config.use_cuda_graphs and model.supports_cuda_graphs
+    res["cuda_graphs"] = llm.engine.config.use_cuda_graphs and model.traits.cuda_graph_decode
     save()
     res["prefill"] = []
     for keep in ((None, 140) if "prefill" not in skip else ()):

@@ -151,10 +151,10 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) ->
     idle_measured = gaps / span if span > 0 else float("nan")
     # GPU time of the forward alone: the captured graph replayed back to back (device saturated)
     runner = eng.runner
-    bucket = next((k for k in sorted(runner.graphs) if k[0] >= batch), None)
+    bucket = next((k for k in sorted(runner.decode_graphs.graphs) if k[0] >= batch), None)
     fwd = float("nan")
     if bucket is not None:
-        graph = runner.graphs[bucket][0]
+        graph = runner.decode_graphs.graphs[bucket][0]
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         s.record()
@@ -342,7 +342,8 @@ def mixed_host(llm: LLM, batch: int = 256, ctx: int = 1024, prompt_lens: tuple[i
     cur: dict = {}
     state = {"saturate": False}
     originals = {"schedule": eng.scheduler.schedule, "execute": runner.execute, "_process": eng._process,
-                 "_eager_forward": runner._eager_forward, "_graph_forward": getattr(runner, "_graph_forward", None)}
+                 "_eager_forward": runner._eager_forward,
+                 "_graph_forward": runner.decode_graphs.replay if runner.decode_graphs is not None else None}
 
     def schedule(*a, **k):
         t = time.perf_counter()
@@ -386,7 +387,7 @@ def mixed_host(llm: LLM, batch: int = 256, ctx: int = 1024, prompt_lens: tuple[i
     eng.scheduler.schedule, runner.execute, eng._process = schedule, execute, process
     runner._eager_forward = forward("_eager_forward")
     if originals["_graph_forward"] is not None:
-        runner._graph_forward = forward("_graph_forward")
+        runner.decode_graphs.replay = forward("_graph_forward")
     records: list[dict] = []
 
     def step(tag: str) -> None:
@@ -420,7 +421,7 @@ def mixed_host(llm: LLM, batch: int = 256, ctx: int = 1024, prompt_lens: tuple[i
                                                                 originals["_process"])
         runner._eager_forward = originals["_eager_forward"]
         if originals["_graph_forward"] is not None:
-            runner._graph_forward = originals["_graph_forward"]
+            runner.decode_graphs.replay = originals["_graph_forward"]
         eng.scheduler.max_num_seqs = sched_orig_seqs
         for rid in list(eng.requests):
             eng.abort_request(rid)

@@ -74,12 +74,12 @@ def smollm_dir():
 def test_cuda_graph_replay_equals_eager(smollm_dir):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     graphs = LLM(smollm_dir, device="cuda", dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.3)
-    assert graphs.engine.runner.graphs
+    assert graphs.engine.runner.decode_graphs.graphs
     a = [o.outputs[0].token_ids for o in graphs.generate(PROMPTS, sp, use_tqdm=False)]
     del graphs
     eager = LLM(smollm_dir, device="cuda", dtype="bfloat16", max_num_seqs=16, enforce_eager=True,
                 gpu_memory_utilization=0.3)
-    assert not eager.engine.runner.graphs
+    assert eager.engine.runner.decode_graphs is None
     b = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
     assert a == b
 
@@ -430,7 +430,7 @@ def test_v4_cuda_graph_decode_equals_eager(staggered):
 
         llm.engine.runner.execute = recording
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-        assert bool(llm.engine.runner.graphs) != eager
+        assert (llm.engine.runner.decode_graphs is not None and bool(llm.engine.runner.decode_graphs.graphs)) != eager
         runs[eager] = ([o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs])
         del llm, recording, execute
         gc.collect()
@@ -628,7 +628,7 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir, async
 
     guesses = []
     plain, plain_runner = run(None)
-    assert plain_runner.max_graph_rows <= 4
+    assert plain_runner.decode_graphs.max_rows <= 4
     spec, runner = run({"method": "ngram", "num_speculative_tokens": k},
                        [p + o.token_ids for p, o in zip(prompts, plain)])
     for a, b in zip(spec, plain):
@@ -636,7 +636,7 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy(tiny_dummy_dir, async
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-4
     drafted, accepted = sum(o.num_draft_tokens for o in spec), sum(o.num_accepted_tokens for o in spec)
     assert accepted > 40 and drafted - accepted > 20
-    assert runner.max_graph_rows > 4 and runner.graph_replays >= 40 // (k + 1)
+    assert runner.decode_graphs.max_rows > 4 and runner.decode_graphs.replays >= 40 // (k + 1)
     guessed, dropped = guesses[-1]
     assert (guessed > dropped > 0) if async_scheduling else guessed == 0
 
@@ -688,20 +688,20 @@ def test_deepseek_verify_steps_and_mtp_drafts_replay_graphs(model):
         return _tokens_agree(model, spec_outs, plain_outs)
 
     plain, plain_runner, _ = run(None)
-    assert plain_runner.graph_replays > 0 and plain_runner.max_graph_rows <= 4
+    assert plain_runner.decode_graphs.replays > 0 and plain_runner.decode_graphs.max_rows <= 4
     spec, runner, _ = run({"method": "ngram", "num_speculative_tokens": k},
                           [p + o.token_ids for p, o in zip(prompts, plain)])
     assert min(agree(spec, plain)) >= 4
     assert sum(o.num_accepted_tokens for o in spec) > 20
     assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in spec) > 10
-    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    assert runner.decode_graphs.max_rows > 4 and runner.decode_graphs.replays >= 20
     method = {"deepseek-v4-tiny": "mtp", "deepseek-v41-tiny": "dspark"}[model]
     own, runner, drafter = run({"method": method, "num_speculative_tokens": 2})
     assert min(agree(own, plain)) >= 4
     assert drafter.graphs is not None and drafter.graphs.replays >= 10
     if method == "mtp":
         assert drafter.row_graphs.replays >= 10
-    assert runner.max_graph_rows > 4
+    assert runner.decode_graphs.max_rows > 4
     print(method, "accepted", sum(o.num_accepted_tokens for o in own), "of", sum(o.num_draft_tokens for o in own))
 
 
@@ -759,13 +759,13 @@ def test_deepseek_speculation_under_async_scheduling_in_graphs(model):
                                               [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)])
     assert min(agree(spec, plain)) >= 4
     assert guessed > dropped > 0
-    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    assert runner.decode_graphs.max_rows > 4 and runner.decode_graphs.replays >= 20
 
     method = {"deepseek-v4-tiny": "mtp", "deepseek-v41-tiny": "dspark"}[model]
     sync, _, _, want = run({"method": method, "num_speculative_tokens": 2})
     got_async, runner, _, got = run({"method": method, "num_speculative_tokens": 2}, True)
     firsts = agree(got_async, sync)
-    assert min(firsts) >= 4 and runner.graph_replays >= 10
+    assert min(firsts) >= 4 and runner.decode_graphs.replays >= 10
     compared = 0
     for a, prompt, n in zip(got_async, prompts, firsts):
         for pos in range(len(prompt), len(prompt) + n - 1):        # decode positions both runs computed alike
@@ -813,7 +813,7 @@ def test_draft_head_drafts_from_graph_features_and_keeps_greedy(smollm_dir, tmp_
     assert [o.token_ids for o in outs] == ref
     assert sum(o.num_draft_tokens for o in outs) >= 2 * 4 * 5
     runner = llm.engine.runner
-    assert runner.max_graph_rows > 4 and runner.graph_replays >= 20
+    assert runner.decode_graphs.max_rows > 4 and runner.decode_graphs.replays >= 20
     assert drafter.graphs is not None and drafter.graphs.replays >= 20      # the drafts came from its graphs
     for positions in extended.values():
         assert positions == list(range(positions[0], positions[0] + len(positions)))

@@ -23,7 +23,7 @@ def _prompts():
 
 def _run(**kw):
     llm = LLM("deepseek-v41-tiny", device="cuda", **kw)
-    graphs = llm.engine.config.use_cuda_graphs and llm.engine.runner.model.supports_cuda_graphs
+    graphs = llm.engine.config.use_cuda_graphs and llm.engine.runner.model.traits.cuda_graph_decode
     outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=SamplingParams(
         temperature=0, ignore_eos=True, max_tokens=24, logprobs=5), use_tqdm=False)
     llm.shutdown()

@@ -33,6 +33,7 @@ from openinfer.engine.store_io import StoreIO
 from openinfer.kv_cache.bounded_replay import replay_slot_mappings, window_layer_chunk
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 from openinfer.models.interface import CausalLM
+from openinfer.request import Request
 from openinfer.sampling.bitmask import GrammarBitmask
 from openinfer.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 

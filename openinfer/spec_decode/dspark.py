@@ -94,7 +94,7 @@ class DSparkDrafter:
         self.rings = torch.zeros((len(self.stages), max_requests, self.window + 1, self.codec.stored_dim(D)),
                                  dtype=self.codec.storage_dtype, device=ref.device)
         self.graphs = None
-        if max_batch and ref.is_cuda and model.supports_cuda_graphs:
+        if max_batch and ref.is_cuda and model.traits.cuda_graph_decode:
             from openinfer.spec_decode.graphs import BatchGraphs
 
             self.graphs = BatchGraphs(self._propose, max_batch)

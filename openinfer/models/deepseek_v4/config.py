@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-V4_TP_WITH_EP = ("DeepSeek-V4 does not combine tensor_parallel_size > 1 with enable_expert_parallel: use "
-                 "data_parallel_size with enable_expert_parallel, or tensor_parallel_size without it")
 
 
 @dataclass

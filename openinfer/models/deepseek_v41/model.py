@@ -853,16 +853,6 @@ class DeepseekV41ForCausalLM(nn.Module):
                 state["cidx"] = caches[f"cidx{r}"][self._cidx_index[c.index_key_source(i)]]
         return state
 
-    def check_yoco(self, keep_tokens: int) -> None:
-        """Raise ValueError if YOCO prefill with `keep_tokens` decoder tokens cannot run on this model."""
-        c = self.config
-        if c.yoco_split is None:
-            raise ValueError("v41_prefill_mode='yoco' needs the CED split: every compressed layer after the last KV "
-                             "source reading its entries and index keys; this config's schedule has none")
-        if keep_tokens < c.window_size:
-            raise ValueError(f"v41_prefill_keep_tokens {keep_tokens} is below the sliding window ({c.window_size}): "
-                             f"decode would read decoder window keys that were never computed")
-
     @staticmethod
     def _decoder_rows(meta: AttentionMetadata, device) -> tuple[torch.Tensor, AttentionMetadata]:
         """YOCO: the rows that continue into the decoder (decode rows, and each chunk's positions from its
