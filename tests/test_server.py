@@ -502,3 +502,23 @@ def test_128_concurrent_streams_finish_without_an_error(server, endpoint):
     assert eng["steps"] >= 6 and 0 < eng["prefill_steps"] <= eng["steps"] and eng["mean_step_ms"] > 0
     assert eng["mean_queue_ms"] > 0              # 128 streams for 32 seats: most waited
     assert server.wait_idle()
+
+
+def test_bench_sweep_writes_points_and_a_pareto_picture(server, tmp_path, capsys):
+    """`openinfer bench sweep` against the running server at two levels: one point per level (throughput per GPU
+    falls as tokens per user rise), JSON and PNG written, an earlier run's line carried beside it."""
+    from openinfer.entrypoints.cli import main
+
+    common = ["bench", "sweep", "--base-url", server.base_url, "--model-name", "smollm2", "--concurrency", "1,8",
+              "--input-len", "8", "--output-len", "4", "--prompts-per-stream", "1", "--out", str(tmp_path)]
+    assert main([*common, "--name", "before", "--label", "before"]) == 0
+    assert main([*common, "--name", "after", "--previous", str(tmp_path / "before.json")]) == 0
+    data = json.loads((tmp_path / "after.json").read_text())
+    points = data["points"]
+    assert [p["concurrency"] for p in points] == [1, 8] and all(p["failed"] == 0 for p in points)
+    assert all(p["output_tok_s_per_gpu"] > 0 and p["output_tok_s_per_user"] > 0 for p in points)
+    assert points[1]["output_tok_s_per_gpu"] > points[0]["output_tok_s_per_gpu"]     # batching pays
+    assert [p["c"] for p in data["previous"][0]["points"]] == [1, 8] and data["previous"][0]["label"]
+    for name in ("before.png", "after.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "output tok/s/GPU" in capsys.readouterr().out

@@ -719,22 +719,12 @@ __all__ = ["WorkloadConfig", "ClusterConfig", "Simulator", "SimResult", "simulat
 
 
 # ---- results on disk ------------------------------------------------------------------------------------------
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (the `plots` extra: pip install 'openinfer[plots]')."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'openinfer[plots]' (or drop --out)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_plots(prefix: str, runs: dict[str, SimResult]) -> list[str]:
     """`{prefix}_gpus.png` (arrival rate, prefill and decode GPUs over time, per run) and `{prefix}_latency.png`
     (TTFT and TPOT distributions per run), drawn with matplotlib; returns the paths written."""
-    plt = _pyplot()
+    from openinfer.tools.plots import pyplot
+
+    plt = pyplot()
     first = next(iter(runs.values()))
     hours = lambda tl: [t / 3600 for t in tl["t"]]          # noqa: E731
     fig, axes = plt.subplots(3, 1, figsize=(9, 7.2), sharex=True, layout="constrained")

@@ -226,6 +226,28 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
+def cmd_bench_sweep(args) -> int:
+    import tempfile
+
+    from openinfer.benchmarks.soak import serve_process
+    from openinfer.benchmarks.sweep import SweepConfig, sweep, with_levels, write
+
+    cfg = with_levels(SweepConfig(input_len=args.input_len, output_len=args.output_len,
+                                  prompts_per_stream=args.prompts_per_stream, num_gpus=args.num_gpus,
+                                  label=args.label, endpoint=args.endpoint, seed=args.seed), args.concurrency)
+    previous = [json.loads(open(p).read()) for p in args.previous]
+    if args.base_url is not None:
+        result = sweep(args.base_url, cfg, args.model_name)
+    else:   # a server of the engine options given, started here once for every level
+        log = tempfile.mkstemp(prefix="openinfer-sweep-server-", suffix=".log")[1]
+        with serve_process(as_flags(args), log) as (base_url, _):
+            result = sweep(base_url, cfg, args.model_name)
+        result["server_args"], result["server_log"] = as_flags(args), log
+    for path in write(result, args.out, args.name, previous):
+        print(f"wrote {path}")
+    return 0 if all(p["failed"] == 0 for p in result["points"]) else 1
+
+
 def cmd_bench_spec(args) -> int:
     from openinfer.benchmarks.spec import cli_main
 
@@ -502,6 +524,25 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--result-json", default=None)
     soak.set_defaults(func=cmd_bench_soak)
+    sw = bench_sub.add_parser("sweep", help="serving sweep over concurrency: output tok/s per GPU vs tok/s per user, "
+                                            "JSON + a Pareto PNG (an earlier run's line beside it)")
+    sw.add_argument("--base-url", default=None, help="load a running server (default: start one of the engine "
+                                                    "options given, once)")
+    sw.add_argument("--model-name", default=None, help="model name to send (default: the server's first model)")
+    sw.add_argument("--concurrency", default="1,8,32,64,128,256", help="comma list of levels")
+    sw.add_argument("--input-len", type=int, default=1024)
+    sw.add_argument("--output-len", type=int, default=256)
+    sw.add_argument("--prompts-per-stream", type=int, default=2, help="each level sends concurrency x N prompts")
+    sw.add_argument("--num-gpus", type=int, default=1, help="the throughput axis is per GPU")
+    sw.add_argument("--endpoint", choices=["chat", "completions"], default="completions")
+    sw.add_argument("--label", default="openinfer", help="this run's line in the picture")
+    sw.add_argument("--previous", action="append", default=[], metavar="JSON",
+                    help="an earlier sweep's JSON to draw beside this one (repeatable)")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--out", default="benchmarks/results", help="directory for NAME.json and NAME.png")
+    sw.add_argument("--name", default="sweep")
+    add_engine_args(sw, taken={"--seed"})      # the server it starts
+    sw.set_defaults(func=cmd_bench_sweep)
     spec = bench_sub.add_parser("spec", help="speculative decoding (ngram prompt lookup) vs none on edit/summary/chat "
                                              "tasks: accept rate, accepted length, tok/s, TPOT over concurrency")
     from openinfer.benchmarks.spec import add_cli_args as _spec_args
