@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from openinfer.config import EngineConfig
+from openinfer.executor.worker import end_process
 from openinfer.models.interface import ResolvedModel
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -358,10 +359,5 @@ def _stop_core(proc, conn) -> None:
     except (OSError, ValueError):
         pass
     proc.join(timeout=30)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5)
+    end_process(proc)
     conn.close()

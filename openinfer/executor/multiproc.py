@@ -44,6 +44,7 @@ import weakref
 
 from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.executor.worker import end_process
 from openinfer.models.registry import check_layout, resolve
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -530,14 +531,8 @@ def _stop_workers(procs, conns, opts) -> dict[int, tuple[str, float]]:
             elif ready in open_conns and not read(open_conns[ready], ready):
                 del open_conns[ready]
     for p in procs:
-        if p is None:
-            continue
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+        if p is not None:
+            end_process(p)
     for conn in conns:
         if conn is not None:
             conn.close()

@@ -37,6 +37,16 @@ def rank_process_context():
     return ctx
 
 
+def end_process(p) -> None:
+    """A process that was asked to stop and did not: SIGTERM, then SIGKILL, waiting a little after each."""
+    if p.is_alive():
+        p.terminate()
+        p.join(timeout=5)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout=5)
+
+
 def _exit_with_parent(front_end_pid: int | None = None) -> None:
     """Exit as soon as the front end is gone, even if it was killed by SIGKILL, so no worker outlives it holding
     GPU memory: a daemon thread polls the parent pid — the front end's (spawn) or the fork server's, which exits
