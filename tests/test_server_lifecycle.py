@@ -45,7 +45,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
 
         def stream():
             text, finish = "", None
-            body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+            body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
