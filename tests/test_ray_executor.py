@@ -38,7 +38,7 @@ PROMPTS = prompts_of(5, 40, 77, 13, seed=3)     # chunked prefill (16-token chun
 def ray_address():
     """One local Ray cluster for the module (4 logical CPUs: a 2-rank engine takes 2), stopped at the end: its
     processes are this one's children, so nothing outlives the module."""
-    context = ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, logging_level="WARNING")
+    context = ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, logging_level="WARNING")
     yield context.address_info["gcs_address"]
     ray.shutdown()
 
@@ -111,6 +111,14 @@ def test_a_rank_error_at_start_is_named_and_leaves_nothing(ray_address):
         LLM(V4, **{**V4_OPTS, "max_model_len": 4096}, **EP2, **RAY)
     text = str(err.value)
     assert "raised during 'start'" in text and "does not fit the KV pool" in text, text
+    assert_cluster_clean()
+
+
+def test_ranks_the_cluster_cannot_place_fail_naming_the_groups_and_leave_nothing(ray_address):
+    """DP5 needs 5 one-CPU groups on a 4-CPU cluster: at the start timeout, an error naming what could not be
+    placed and what the cluster has; the 4 groups that were placed are removed."""
+    with pytest.raises(WorkerError, match=r"Ray could not place 1 of the 5 rank groups \(1 x \{'CPU': 1\} each"):
+        LLM(V4, **V4_OPTS, data_parallel_size=5, worker_start_timeout_s=2, **RAY)
     assert_cluster_clean()
 
 
@@ -188,6 +196,10 @@ def test_the_ray_backend_is_checked_before_anything_starts(monkeypatch):
         EngineConfig(device="cpu", **RAY)
     with pytest.raises(ValueError, match="num_local_ranks is for ranks started by `openinfer worker`"):
         EngineConfig(device="cpu", data_parallel_size=2, num_local_ranks=1, **RAY)
+    # the GPUs are the cluster's: a front end without one may still ask for CUDA ranks (under mp it may not)
+    assert EngineConfig(device="cuda", data_parallel_size=2, **RAY).device == "cuda"
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        EngineConfig(device="cuda", data_parallel_size=2)
     monkeypatch.setitem(sys.modules, "ray", None)          # `import ray` raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'openinfer\[ray\]'"):
         EngineConfig(device="cpu", data_parallel_size=2, **RAY)

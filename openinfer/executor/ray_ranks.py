@@ -78,6 +78,8 @@ class RayRanks:
             except Exception as e:
                 raise RuntimeError(f"distributed_executor_backend='ray': could not join or start a Ray cluster "
                                    f"(RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}): {e}") from e
+        print(f"[openinfer] {config.world_size} ranks as Ray actors on the Ray cluster at "
+              f"{ray.get_runtime_context().gcs_address}", file=sys.stderr, flush=True)
         try:
             gpu = config.device.startswith("cuda")
             bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
