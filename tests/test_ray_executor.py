@@ -38,7 +38,8 @@ PROMPTS = prompts_of(5, 40, 77, 13, seed=3)     # chunked prefill (16-token chun
 def ray_address():
     """One local Ray cluster for the module (4 logical CPUs: a 2-rank engine takes 2), stopped at the end: its
     processes are this one's children, so nothing outlives the module."""
-    context = ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, logging_level="WARNING")
+    context = ray.init(address="local", num_cpus=CLUSTER_CPUS, object_store_memory=128 << 20, include_dashboard=False,
+                       logging_level="WARNING")
     yield context.address_info["gcs_address"]
     ray.shutdown()
 
