@@ -54,33 +54,64 @@ def reference():
         llm.shutdown()
 
 
-def assert_cluster_clean(timeout: float = 15.0) -> None:
-    """No placement group left (every one REMOVED) and every CPU free again (no actor holds one)."""
+def cluster_holds() -> tuple[set[str], float]:
+    """(ids of the placement groups not removed, CPUs in use) on the cluster now."""
+    groups = {gid for gid, g in placement_group_table().items() if g["state"] != "REMOVED"}
+    return groups, CLUSTER_CPUS - ray.available_resources().get("CPU", 0)
+
+
+def assert_holds_no_more_than(before: tuple[set[str], float], timeout: float = 15.0) -> None:
+    """The cluster holds no placement group and no CPU that it did not hold at `before` (Ray frees them
+    asynchronously: waits up to `timeout`)."""
     deadline = time.time() + timeout
     while True:
-        groups = {g["name"]: g["state"] for g in placement_group_table().values() if g["state"] != "REMOVED"}
-        free = ray.available_resources().get("CPU", 0)
-        if not groups and free == CLUSTER_CPUS:
+        groups, cpus = cluster_holds()
+        if groups <= before[0] and cpus <= before[1]:
             return
-        assert time.time() < deadline, f"left on the cluster: placement groups {groups}, {free} CPUs free"
+        assert time.time() < deadline, (f"left on the cluster: placement groups {groups - before[0]}, {cpus} CPUs "
+                                        f"in use (before: {before[1]})")
         time.sleep(0.1)
 
 
-def test_dp2_ep2_v4_under_ray_equals_one_process(ray_address, reference):
+@pytest.fixture(scope="module")
+def v4_on_ray(ray_address):
+    """DP2 + EP2 tiny V4 with its ranks as Ray actors, for the next two tests (the second kills a rank: it ends the
+    engine, before the tests that want the whole cluster free)."""
     llm = LLM(V4, **V4_OPTS, **EP2, **RAY)
-    engine = llm.engine
+    yield llm
+    llm.shutdown()
+
+
+def test_dp2_ep2_v4_under_ray_equals_one_process(v4_on_ray, reference):
+    engine = v4_on_ray.engine
+    assert engine._procs == [None, None]                           # no rank is a process of ours: Ray's workers
+    assert [psutil.Process(pid).parent().name() for pid in engine._ray.pids] == ["raylet", "raylet"]
+    assert_same_outputs(generate(v4_on_ray, PROMPTS), reference)
+    assert all(s["prefix_cache_queried_tokens"] > 0 for s in engine.stats()["per_rank"])   # both DP ranks served
+    groups = [placement_group_table(g) for g in engine._ray.groups]
+    assert [(g["strategy"], len(g["bundles"]), g["state"]) for g in groups] == [("STRICT_PACK", 1, "CREATED")] * 2
+
+
+def test_a_killed_actor_is_named_and_stops_the_engine(v4_on_ray):
+    """Rank 1's actor process is killed mid-run: the next step fails naming rank 1 and Ray's account of its death;
+    rank 0's actor is stopped too, the placement groups are removed, every CPU is free again."""
+    engine = v4_on_ray.engine
     pids = list(engine._ray.pids)
-    try:
-        assert engine._procs == [None, None]                       # no rank is a process of ours: Ray's workers
-        assert [psutil.Process(pid).parent().name() for pid in pids] == ["raylet", "raylet"]
-        assert_same_outputs(generate(llm, PROMPTS), reference)
-        assert all(s["prefix_cache_queried_tokens"] > 0 for s in engine.stats()["per_rank"])   # both DP ranks
-        groups = [placement_group_table(g) for g in engine._ray.groups]
-        assert [(g["strategy"], len(g["bundles"]), g["state"]) for g in groups] == [("STRICT_PACK", 1, "CREATED")] * 2
-    finally:
-        llm.shutdown()
+    before = cluster_holds()
+    own = {g.id.hex() for g in engine._ray.groups}
+    assert own <= before[0] and before[1] >= 2
+    engine.add_request(prompts_of(10, seed=2)[0], params(30))
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError) as err:
+        for _ in range(1000):
+            engine.step()
+    text = str(err.value)
+    assert text.startswith("worker rank 1 (Ray actor on ") and f"pid {pids[1]})" in text, text
+    assert "The actor is dead because its worker process has died" in text, text
+    assert text.endswith("the engine was shut down"), text
     assert_gone(pids, timeout=10)
-    assert_cluster_clean()
+    assert_holds_no_more_than((before[0] - own, before[1] - 2))
 
 
 def test_tp2_llama_under_ray_equals_one_process(ray_address, tmp_path, smollm_dir):
@@ -93,6 +124,7 @@ def test_tp2_llama_under_ray_equals_one_process(ray_address, tmp_path, smollm_di
     one = LLM(str(path), **opts)
     expected = generate(one, prompts)
     one.shutdown()
+    before = cluster_holds()
     llm = LLM(str(path), tensor_parallel_size=2, **opts, **RAY)
     pids = list(llm.engine._ray.pids)
     try:
@@ -102,48 +134,28 @@ def test_tp2_llama_under_ray_equals_one_process(ray_address, tmp_path, smollm_di
     finally:
         llm.shutdown()
     assert_gone(pids, timeout=10)
-    assert_cluster_clean()
+    assert_holds_no_more_than(before)
 
 
 def test_a_rank_error_at_start_is_named_and_leaves_nothing(ray_address):
     """Every rank fails building its engine (the KV pool is too small for max_model_len): the WorkerError carries a
     rank's own traceback; no actor or placement group is left."""
+    before = cluster_holds()
     with pytest.raises(WorkerError) as err:
         LLM(V4, **{**V4_OPTS, "max_model_len": 4096}, **EP2, **RAY)
     text = str(err.value)
     assert "raised during 'start'" in text and "does not fit the KV pool" in text, text
-    assert_cluster_clean()
+    assert_holds_no_more_than(before)
 
 
 def test_ranks_the_cluster_cannot_place_fail_naming_the_groups_and_leave_nothing(ray_address):
-    """DP5 needs 5 one-CPU groups on a 4-CPU cluster: at the start timeout, an error naming what could not be
-    placed and what the cluster has; the 4 groups that were placed are removed."""
-    with pytest.raises(WorkerError, match=r"Ray could not place 1 of the 5 rank groups \(1 x \{'CPU': 1\} each"):
-        LLM(V4, **V4_OPTS, data_parallel_size=5, worker_start_timeout_s=2, **RAY)
-    assert_cluster_clean()
-
-
-def test_a_killed_actor_is_named_and_stops_the_engine(ray_address):
-    """Rank 1's actor process is killed mid-run: the next step fails naming rank 1 and Ray's account of its death;
-    rank 0's actor is stopped too, and the placement groups are removed."""
-    llm = LLM(V4, **V4_OPTS, **EP2, **RAY)
-    engine = llm.engine
-    pids = list(engine._ray.pids)
-    try:
-        engine.add_request(prompts_of(10, seed=2)[0], params(30))
-        engine.step()
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerError) as err:
-            for _ in range(1000):
-                engine.step()
-        text = str(err.value)
-        assert text.startswith(f"worker rank 1 (Ray actor on ") and f"pid {pids[1]})" in text, text
-        assert "The actor is dead because its worker process has died" in text, text
-        assert text.endswith("the engine was shut down"), text
-    finally:
-        llm.shutdown()
-    assert_gone(pids, timeout=10)
-    assert_cluster_clean()
+    """One more one-CPU DP group than the cluster has free CPUs: at the start timeout, an error naming what could
+    not be placed and what the cluster has; the groups that were placed are removed."""
+    before = cluster_holds()
+    dp = int(CLUSTER_CPUS - before[1]) + 1
+    with pytest.raises(WorkerError, match=rf"Ray could not place 1 of the {dp} rank groups \(1 x \{{'CPU': 1\}} each"):
+        LLM(V4, **V4_OPTS, data_parallel_size=dp, worker_start_timeout_s=1, **RAY)
+    assert_holds_no_more_than(before)
 
 
 def test_serve_on_ray_through_the_openai_client(ray_address, tmp_path):
@@ -152,6 +164,7 @@ def test_serve_on_ray_through_the_openai_client(ray_address, tmp_path):
     import openai
 
     port = _free_port()
+    before = cluster_holds()
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", V4, "--device", "cpu",
@@ -169,7 +182,7 @@ def test_serve_on_ray_through_the_openai_client(ray_address, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.2)
         assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-        assert ray.available_resources().get("CPU", 0) == CLUSTER_CPUS - 2      # its two ranks hold a CPU each
+        assert cluster_holds()[1] == before[1] + 2                # its two ranks hold a CPU each
         client = openai.OpenAI(base_url=base + "/v1", api_key="x")
         (model,) = [m.id for m in client.models.list().data]
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
@@ -183,7 +196,7 @@ def test_serve_on_ray_through_the_openai_client(ray_address, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert_cluster_clean()
+    assert_holds_no_more_than(before)
 
 
 def test_the_ray_backend_is_checked_before_anything_starts(monkeypatch):

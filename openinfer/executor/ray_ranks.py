@@ -67,6 +67,7 @@ class RayRanks:
     def __init__(self, config: EngineConfig, deadline: float):
         import ray
         from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config = config
         self.actors: list = []
@@ -90,8 +91,6 @@ class RayRanks:
                            for d in range(config.data_parallel_size)]
             self._wait_placed(bundle, deadline)
             actor_class = ray.remote(_RankActor)
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
             for rank in range(config.world_size):
                 group, index = divmod(rank, tp)
                 self.actors.append(actor_class.options(
@@ -117,9 +116,9 @@ class RayRanks:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerError(f"Ray could not place {len(pending)} of the {len(self.groups)} rank groups "
-                                   f"({self.config.tensor_parallel_size} x {bundle} each, all on one node) within "
-                                   f"{self.config.worker_start_timeout_s:g} s: the cluster has "
-                                   f"{ray.cluster_resources()}, free {ray.available_resources()}")
+                                  f"({self.config.tensor_parallel_size} x {bundle} each, all on one node) within "
+                                  f"{self.config.worker_start_timeout_s:g} s: the cluster has "
+                                  f"{_devices(ray.cluster_resources())}, free {_devices(ray.available_resources())}")
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, 1.0))
             for ref in ready:
                 del pending[ref]
@@ -128,7 +127,7 @@ class RayRanks:
                 states = [placement_group_table(g)["stats"]["scheduling_state"] for g in pending.values()]
                 print(f"[openinfer] waiting for Ray to place {len(pending)} rank group(s) of "
                       f"{self.config.tensor_parallel_size} x {bundle} on one node each ({', '.join(states)}); "
-                      f"free: {ray.available_resources()}", file=sys.stderr, flush=True)
+                      f"free: {_devices(ray.available_resources())}", file=sys.stderr, flush=True)
 
     def _get(self, refs, deadline: float, what: str) -> list:
         """ray.get of one call per actor, each failure named by its rank."""
@@ -203,6 +202,11 @@ class RayRanks:
                 remove_placement_group(group)
             except Exception:
                 pass
+
+
+def _devices(resources: dict) -> dict:
+    """A Ray resource table's CPUs and GPUs (not its per-node and placement-group bookkeeping)."""
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
 
 
 def _host_for_url(ip: str) -> str:
