@@ -102,6 +102,8 @@ BROKEN = {
                           "StatefulSet/openinfer-decode: its Service 'openinfer-decode' must be headless"),
     "hpa target": (lambda r: find(r, "HorizontalPodAutoscaler", "openinfer-decode")["spec"]["scaleTargetRef"].update(
         kind="Deployment"), "HorizontalPodAutoscaler/openinfer-decode: scaleTargetRef"),
+    "hpa owns replicas": (lambda r: find(r, "StatefulSet", "openinfer-decode")["spec"].update(replicas=2),
+                          "StatefulSet/openinfer-decode sets replicas, which the HPA owns"),
     "volume mount": (lambda r: _decode_pod(r)["containers"][0]["volumeMounts"].append(
         {"name": "scratch", "mountPath": "/scratch"}), "mounts 'scratch', no volume of its pod"),
     "schema type": (lambda r: _decode_pod(r)["containers"][0]["ports"][0].update(containerPort="8000"),
@@ -139,7 +141,8 @@ def test_the_check_command_fails_on_a_broken_file_and_a_raycluster_field(tmp_pat
     (["pools.prefill.tensor_parallel_size=2"], "pools.prefill: a prefill instance shares KV through the prefix-KV "
                                                "store, a one-process feature"),
     (["kv_store.kind=none"], "a prefill pool hands its KV to the decode pool through the prefix-KV store"),
-    (["pools.decode.replicas=20"], "pools.decode: need 1 <= min_replicas <= replicas <= max_replicas"),
+    (["pools.decode.replicas=2"], "pools.decode: an autoscaled pool's replicas are the HPA's to set"),
+    (["pools.decode.min_replicas=20"], "pools.decode: need 1 <= min_replicas <= max_replicas, got 20, 16"),
     (["pools.decode.gpu=1"], "pools.decode: unknown key(s) ['gpu']"),
     (["name=Open_Infer"], "name must be a DNS label"),
     (["pools={big: {role: both, tensor_parallel_size: 12}}"], "pools.big: an instance over several nodes takes "

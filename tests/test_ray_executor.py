@@ -4,9 +4,9 @@ the whole module (started here with `ray.init`; the engines in this process join
 
 Each rank is a Ray actor placed by a placement group; the front end is the same one as for processes. DP2 + EP2 on
 the tiny DeepSeek-V4 and TP2 on a tiny Llama give the outputs of one process; `openinfer serve` runs on it unchanged
-(the openai client); a rank failing at start and an actor killed mid-run are errors naming the rank, never a hang;
-after shutdown (or a failure) no actor process and no placement group is left, and the cluster has all its CPUs
-back. Without Ray the option is refused naming the extra."""
+(the openai client); a rank failing at start, an actor killed mid-run and ranks the cluster cannot place are errors
+naming the rank (or the groups), never a hang; after shutdown or a failure no actor process is left and the cluster
+holds no placement group or CPU it did not hold before. Without Ray the option is refused naming the extra."""
 
 from __future__ import annotations
 

@@ -57,11 +57,12 @@ class Router:
 
 @dataclass(frozen=True)
 class Pool:
-    """Engine instances of one role. `min_replicas`/`max_replicas` make it autoscaled (an HPA); without them it
-    keeps `replicas`. `requests_per_instance`: decode, the running requests one instance serves at its TPOT
+    """Engine instances of one role. `min_replicas`/`max_replicas` make it autoscaled (an HPA sets the count; the
+    StatefulSet leaves `replicas` out, so applying the resources again does not reset it); without them it keeps
+    `replicas` (default 1). `requests_per_instance`: decode, the running requests one instance serves at its TPOT
     target (the autoscaler's decode capacity); `engine_args`: more `openinfer serve` flags."""
     role: str
-    replicas: int = 1
+    replicas: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
     tensor_parallel_size: int = 1
@@ -169,16 +170,20 @@ def _check_values(v: Values) -> None:
             raise ValueError(f"{where}: a pool name must be a DNS label")
         if p.role not in ROLES:
             raise ValueError(f"{where}.role must be one of {ROLES}, got {p.role!r}")
-        if p.replicas < 1 or p.gpus < 1:
+        if (p.replicas is not None and p.replicas < 1) or p.gpus < 1:
             raise ValueError(f"{where}: replicas and the parallel sizes must be >= 1")
         if p.role in ("prefill", "decode") and p.gpus > 1:
             raise ValueError(f"{where}: a {p.role} instance shares KV through the prefix-KV store, a one-process "
                              f"feature for now: tensor_parallel_size x data_parallel_size must be 1, got {p.gpus}")
         if (p.min_replicas is None) != (p.max_replicas is None):
             raise ValueError(f"{where}: give both min_replicas and max_replicas (autoscaled), or neither (fixed)")
-        if p.min_replicas is not None and not 1 <= p.min_replicas <= p.replicas <= p.max_replicas:
-            raise ValueError(f"{where}: need 1 <= min_replicas <= replicas <= max_replicas, got "
-                             f"{p.min_replicas}, {p.replicas}, {p.max_replicas}")
+        if p.min_replicas is not None:
+            if p.replicas is not None:
+                raise ValueError(f"{where}: an autoscaled pool's replicas are the HPA's to set, between min_replicas "
+                                 f"and max_replicas: leave replicas out")
+            if not 1 <= p.min_replicas <= p.max_replicas:
+                raise ValueError(f"{where}: need 1 <= min_replicas <= max_replicas, got {p.min_replicas}, "
+                                 f"{p.max_replicas}")
         if p.gpus > v.gpus_per_node:
             if p.gpus % v.gpus_per_node:
                 raise ValueError(f"{where}: an instance over several nodes takes whole nodes: {p.gpus} GPUs is not "
@@ -240,12 +245,13 @@ def render(values: Values) -> str:
     for name, p in values.pools.items():
         workload = f"{values.name}-{name}"
         multi_host = p.gpus > values.gpus_per_node
+        replicas = p.replicas or 1
         if multi_host:
-            hosts = [f"{workload}-{i}" for i in range(p.replicas)]
+            hosts = [f"{workload}-{i}" for i in range(replicas)]
         else:   # every name the pool can reach: the router drains the ones not (yet) there
-            hosts = [f"{workload}-{i}.{workload}" for i in range(p.max_replicas or p.replicas)]
+            hosts = [f"{workload}-{i}.{workload}" for i in range(p.max_replicas or replicas)]
         router_urls[p.role] += [_url(h, values.engine_port) for h in hosts]
-        pools.append(dict(name=name, role=p.role, replicas=p.replicas, gpus=p.gpus, workload=workload,
+        pools.append(dict(name=name, role=p.role, replicas=replicas, gpus=p.gpus, workload=workload,
                           multi_host=multi_host, nodes=p.gpus // values.gpus_per_node if multi_host else 1,
                           args=_serve_args(values, name, p), uses_store=p.role in ("prefill", "decode"),
                           autoscaled=p.min_replicas is not None, min_replicas=p.min_replicas,
@@ -439,10 +445,12 @@ def check(resources: list[dict], external_claims: tuple[str, ...] = ()) -> list[
         if target is None or target.get("apiVersion") != ref.get("apiVersion"):
             problems.append(f"HorizontalPodAutoscaler/{name}: scaleTargetRef {ref} is not a resource here")
             continue
-        lo, hi, now = hpa["spec"].get("minReplicas", 1), hpa["spec"].get("maxReplicas"), target["spec"].get("replicas")
-        if not lo <= (now if now is not None else 1) <= hi:
-            problems.append(f"HorizontalPodAutoscaler/{name}: {_name(target)} has {now} replicas, outside "
-                            f"[{lo}, {hi}]")
+        lo, hi = hpa["spec"].get("minReplicas", 1), hpa["spec"].get("maxReplicas")
+        if "replicas" in target["spec"]:
+            problems.append(f"HorizontalPodAutoscaler/{name}: {_name(target)} sets replicas, which the HPA owns "
+                            f"(applying the resources again would reset its count)")
+        if not 1 <= lo <= hi:
+            problems.append(f"HorizontalPodAutoscaler/{name}: minReplicas {lo} > maxReplicas {hi}")
 
     # addresses in container arguments: a Service here, on a port it exposes
     max_replicas = {hpa["spec"]["scaleTargetRef"].get("name"): hpa["spec"].get("maxReplicas")
@@ -471,7 +479,7 @@ def _address_problem(host: str, port: int, services: dict, statefulsets: dict, m
         sts = statefulsets.get(owner)
         if sts is None or sts["spec"].get("serviceName") != parts[1] or not index.isdigit():
             return f"{parts[0]!r} is no pod of a StatefulSet governed by Service {parts[1]!r}"
-        most = max_replicas.get(owner) or sts["spec"].get("replicas", 1)
+        most = max_replicas.get(owner) or sts["spec"].get("replicas", 1)    # the HPA's bound, else its own count
         if int(index) >= most:
             return f"StatefulSet {owner!r} has at most {most} pods"
     return None
