@@ -342,7 +342,7 @@ class EngineConfig:
                                                  or not 1 <= self.num_local_ranks <= self.world_size):
             raise ValueError(f"num_local_ranks must be an integer in 1..{self.world_size} (the world size, "
                              f"data_parallel_size x tensor_parallel_size), got {self.num_local_ranks!r}")
-        if self.local_ranks < self.world_size and not self.uses_ray:
+        if self.local_ranks < self.world_size and not self.uses_ray:     # ranks `openinfer worker` starts
             if self.worker_listen_address is None:
                 raise ValueError(f"num_local_ranks={self.num_local_ranks} < world size {self.world_size}: set "
                                  f"worker_listen_address ('host:port' where the other hosts' workers connect)")
@@ -354,11 +354,11 @@ class EngineConfig:
             if not self.resolved_worker_authkey:
                 raise ValueError("ranks on other hosts need an authkey: set worker_authkey or the environment "
                                  "variable OPENINFER_WORKER_AUTHKEY (the same on every host)")
-        elif self.worker_listen_address is not None and not self.uses_ray:
+        elif self.worker_listen_address is not None:
             raise ValueError("worker_listen_address is only used with ranks on other hosts "
                              f"(num_local_ranks < world size {self.world_size})")
         if self.world_size > 1:
-            if self.device.startswith("cuda") and not self.uses_ray and self.local_ranks > torch.cuda.device_count():
+            if self.device.startswith("cuda") and self.local_ranks > torch.cuda.device_count():   # (none under Ray)
                 raise ValueError(f"{self.local_ranks} ranks on this host need as many GPUs; torch sees "
                                  f"{torch.cuda.device_count()} (data_parallel_size x tensor_parallel_size = "
                                  f"{self.world_size}, num_local_ranks = {self.num_local_ranks})")
