@@ -194,7 +194,7 @@ def _check_values(v: Values) -> None:
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------
-def _serve_args(v: Values, name: str, p: Pool) -> list[str]:
+def _serve_args(v: Values, p: Pool) -> list[str]:
     args = ["serve", v.model, "--host", "0.0.0.0", "--port", str(v.engine_port), "--role", p.role]
     if v.served_model_name:
         args += ["--served-model-name", v.served_model_name]
@@ -253,7 +253,7 @@ def render(values: Values) -> str:
         router_urls[p.role] += [_url(h, values.engine_port) for h in hosts]
         pools.append(dict(name=name, role=p.role, replicas=replicas, gpus=p.gpus, workload=workload,
                           multi_host=multi_host, nodes=p.gpus // values.gpus_per_node if multi_host else 1,
-                          args=_serve_args(values, name, p), uses_store=p.role in ("prefill", "decode"),
+                          args=_serve_args(values, p), uses_store=p.role in ("prefill", "decode"),
                           autoscaled=p.min_replicas is not None, min_replicas=p.min_replicas,
                           max_replicas=p.max_replicas, hpa_metrics=_hpa_metrics(values, p)))
     router_args = ["router", "--host", "0.0.0.0", "--port", str(values.router.port)]

@@ -11,7 +11,8 @@ The command channel: each actor connects back to the front end over TCP, authent
 this engine and handed to the actors through Ray (the stdlib `multiprocessing.connection` HMAC challenge that
 `openinfer worker` uses), then runs `worker.serve_front_end` like any remote rank: the same commands, replies,
 tracebacks and failure attribution. Commands do not go through Ray actor calls because a step is one round trip to
-every rank: through Ray that is ~0.9 ms, over the socket ~0.03 ms (measured on the CI machine, Ray 2.60).
+every rank: through Ray that is ~0.9 ms, over the socket ~0.03 ms (measured on the 2-core development machine,
+Ray 2.60).
 
 Rendezvous: rank 0's actor reports its node's address and a free port there, and every rank joins torch.distributed
 at `tcp://` that address (NCCL on GPUs, gloo on CPU), unless `distributed_init_method` is given.
