@@ -203,6 +203,11 @@ class EngineConfig:
                                          "divide by the EP size)")
     eplb_window_steps: int = _opt(1000, "EPLB: steps of load statistics (the spec's decode value)")
     eplb_rebalance_interval_steps: int = _opt(10000, "EPLB: steps between rebalances")
+    distributed_executor_backend: str = _opt(
+        "mp", "how the ranks of a multi-rank engine start: mp (one process per rank on this host, plus `openinfer "
+              "worker` ranks on other hosts) or ray (one Ray actor per rank, placed by placement groups on the Ray "
+              "cluster at $RAY_ADDRESS, the one `ray start` runs here, or a new local one; needs openinfer[ray]; "
+              "docs/deployment.md)", choices=["mp", "ray"])
     distributed_init_method: str | None = _opt(
         None, "rendezvous of the worker processes: env:// (torchrun's MASTER_ADDR/MASTER_PORT) or tcp://host:port "
               "(default: a free local port; with ranks on other hosts required, reachable from every host)")
@@ -221,7 +226,11 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")
+        # under Ray the GPUs are the cluster's: the front end (the Ray driver) needs none of its own
+        if self.device.startswith("cuda") and not torch.cuda.is_available() and not self.uses_ray:
             raise ValueError("device='cuda' requested but torch sees no CUDA device")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -327,11 +336,13 @@ class EngineConfig:
                              "(attention DP + EP) or tensor_parallel_size")
         if not self.worker_start_timeout_s > 0:
             raise ValueError(f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
-        if self.num_local_ranks is not None and (not isinstance(self.num_local_ranks, int)
+        if self.uses_ray:
+            self._check_ray()
+        elif self.num_local_ranks is not None and (not isinstance(self.num_local_ranks, int)
                                                  or not 1 <= self.num_local_ranks <= self.world_size):
             raise ValueError(f"num_local_ranks must be an integer in 1..{self.world_size} (the world size, "
                              f"data_parallel_size x tensor_parallel_size), got {self.num_local_ranks!r}")
-        if self.local_ranks < self.world_size:
+        if self.local_ranks < self.world_size and not self.uses_ray:     # ranks `openinfer worker` starts
             if self.worker_listen_address is None:
                 raise ValueError(f"num_local_ranks={self.num_local_ranks} < world size {self.world_size}: set "
                                  f"worker_listen_address ('host:port' where the other hosts' workers connect)")
@@ -347,7 +358,7 @@ class EngineConfig:
             raise ValueError("worker_listen_address is only used with ranks on other hosts "
                              f"(num_local_ranks < world size {self.world_size})")
         if self.world_size > 1:
-            if self.device.startswith("cuda") and self.local_ranks > torch.cuda.device_count():
+            if self.device.startswith("cuda") and self.local_ranks > torch.cuda.device_count():   # (none under Ray)
                 raise ValueError(f"{self.local_ranks} ranks on this host need as many GPUs; torch sees "
                                  f"{torch.cuda.device_count()} (data_parallel_size x tensor_parallel_size = "
                                  f"{self.world_size}, num_local_ranks = {self.num_local_ranks})")
@@ -357,6 +368,21 @@ class EngineConfig:
                 raise ValueError(f"quantization={self.quantization!r} is a one-process CPU path")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
+
+    def _check_ray(self) -> None:
+        """What the Ray backend cannot take, refused by name before anything starts; and Ray itself, an extra."""
+        if self.world_size == 1:
+            raise ValueError("distributed_executor_backend='ray' starts one Ray actor per rank: it needs several "
+                             "ranks (data_parallel_size x tensor_parallel_size > 1); one rank runs in this process")
+        for name in ("num_local_ranks", "worker_listen_address", "worker_authkey"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is for ranks started by `openinfer worker` "
+                                 f"(distributed_executor_backend='mp'); under 'ray' Ray places every rank")
+        try:
+            import ray  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"distributed_executor_backend='ray' needs Ray, an optional extra: "
+                             f"pip install 'openinfer[ray]' ({e})") from None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -389,8 +415,14 @@ class EngineConfig:
         return 256 << 20 if self.kv_store_enabled else 0
 
     @property
+    def uses_ray(self) -> bool:
+        return self.distributed_executor_backend == "ray"
+
+    @property
     def local_ranks(self) -> int:
-        """Ranks the front end spawns on its own host (ranks 0..local_ranks-1)."""
+        """Ranks the front end spawns as processes of its own host (ranks 0..local_ranks-1; none under Ray)."""
+        if self.uses_ray:
+            return 0
         return self.world_size if self.num_local_ranks is None else self.num_local_ranks
 
     @property

@@ -1,5 +1,6 @@
 """Executors: how an engine's ranks are started, watched and stopped. One rank runs in the caller's process (an
-`LLMEngine`); several run as one worker process each behind `MultiprocEngine` (`multiproc.py`, `worker.py`)."""
+`LLMEngine`); several run as one worker process each behind `MultiprocEngine` (`multiproc.py`, `worker.py`), or, with
+`distributed_executor_backend="ray"`, as one Ray actor each behind the same front end (`ray_ranks.py`)."""
 
 from openinfer.config import EngineConfig
 

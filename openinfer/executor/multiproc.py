@@ -1,4 +1,4 @@
-"""MultiprocEngine: one front-end object over one worker process per rank.
+"""MultiprocEngine: one front-end object over one worker process per rank (or one Ray actor per rank).
 
 The front end (in the caller's process: `LLM`, the server) keeps the tokenizer, validates requests, assigns
 each to a data-parallel group and forwards it to that group's ranks; every `step()` steps all ranks once and
@@ -28,6 +28,12 @@ its connection is used exactly like a local pipe. Tensors go through torch.distr
 rendezvous must then be env:// or tcp://host:port reachable from every host). A remote rank has no process
 here: its liveness is its connection (closed or reset: an error naming the rank); shutdown sends
 ("shutdown",) and closes the connection, which ends the remote process.
+
+Ray (`distributed_executor_backend="ray"`, `ray_ranks.py`): every rank is a remote rank of this kind, started by
+Ray as an actor in a placement group instead of by hand; it connects to a listener on this node's address with a
+key made for the engine. Ray adds what a hand-started rank lacks: a rank that ends before it connects is reported
+with Ray's error, a dead one with Ray's account of its death, and shutdown kills the actors and removes the
+placement groups.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import itertools
 import multiprocessing.connection as mpc
 import os
 import queue
+import secrets
 import select
 import socket
 import threading
@@ -44,7 +51,8 @@ import weakref
 
 from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.executor.worker import end_process
+from openinfer.executor.ray_ranks import RayRanks
+from openinfer.executor.worker import WorkerError, end_process
 from openinfer.models.registry import check_layout, resolve
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -55,10 +63,6 @@ _PEER_GRACE_S = 1.0       # after one rank fails, how long the others get to sho
 _SUM_STATS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens",
               "prefix_cache_queried_tokens", "num_preemptions", "prompt_tokens_computed")
 _EXPERT_STATS = ("moe_lb", "moe_rank_load", "moe_expert_load", "moe_load_steps", "eplb_rebalances")
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed or died; the message names its rank and carries the error it sent, if it could."""
 
 
 def free_local_port() -> int:
@@ -84,17 +88,23 @@ class MultiprocEngine:
         check_layout(self.model_source, config)       # before any worker starts loading
         self.tokenizer = Tokenizer.from_dir(self.model_dir, self.model_source.family.vocabulary,
                                             self.model_source.hf_config)
-        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
+        start_deadline = time.monotonic() + config.worker_start_timeout_s
+        # under Ray every rank is an actor, placed (and removed again if that fails) before anything else starts
+        self._ray = RayRanks(config, start_deadline) if config.uses_ray else None
+        if self._ray is not None:
+            init_method = config.distributed_init_method or self._ray.rendezvous
+        else:
+            init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
         ctx = rank_process_context()
-        # one entry per rank; a remote rank has no process here (None) and its connection arrives later
+        # one entry per rank; a remote rank (another host's, or a Ray actor) has no process here (None) and its
+        # connection arrives later
         self._procs: list = [None] * config.world_size
         self._conns: list = [None] * config.world_size
         # until every rank is ready, a failure stops the others at once: they may be waiting in the rendezvous
         # for a rank that will never come, not reading their commands
         self._stop_opts = {"grace_s": 2.0}
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._stop_opts)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._stop_opts, self._ray)
         self._lock = threading.Lock()     # one exchange with the ranks at a time (see the module's docstring)
-        start_deadline = time.monotonic() + config.worker_start_timeout_s
         try:
             for rank in range(config.local_ranks):
                 parent, child = ctx.Pipe()
@@ -104,8 +114,16 @@ class MultiprocEngine:
                 p.start()
                 child.close()
                 self._procs[rank], self._conns[rank] = p, parent
-            if config.local_ranks < config.world_size:
-                self._accept_remote(config, init_method, start_deadline)
+            if self._ray is not None:
+                # the actors connect here with a key made for this engine, which Ray hands them
+                authkey = secrets.token_bytes(32)
+                server = _listen(self._ray.driver_ip, 0)
+                self._ray.start(server.getsockname()[:2], authkey, config.worker_start_timeout_s)
+                self._accept_remote(server, authkey, init_method, start_deadline)
+            elif config.local_ranks < config.world_size:
+                host, port = parse_host_port(config.worker_listen_address, "worker_listen_address")
+                self._accept_remote(_listen(host, port), config.resolved_worker_authkey.encode(), init_method,
+                                    start_deadline)
             infos = self._gather_replies(range(config.world_size), max(0.0, start_deadline - time.monotonic()),
                                          "start")
         except BaseException:
@@ -253,33 +271,39 @@ class MultiprocEngine:
         return self._finalizer() or {}
 
     # ---- remote ranks -----------------------------------------------------------------------------------
-    def _accept_remote(self, config: EngineConfig, init_method: str, deadline: float) -> None:
-        """Accept the other hosts' workers on `worker_listen_address` until every remote rank has connected
-        (or the start timeout: an error naming the missing ranks). Each connection is authenticated with the
-        stdlib's HMAC challenge (both ways, as `multiprocessing.connection.Listener` does), in a thread of its
-        own so a silent or slow client holds up nobody; then it names its rank and gets the config."""
-        host, port = parse_host_port(config.worker_listen_address, "worker_listen_address")
-        authkey = config.resolved_worker_authkey.encode()
+    def _accept_remote(self, server: socket.socket, authkey: bytes, init_method: str, deadline: float) -> None:
+        """Accept the ranks this process did not spawn (other hosts' `openinfer worker`, or Ray actors) on `server`
+        until every one has connected (or the start timeout: an error naming the missing ranks). Each connection
+        is authenticated with the stdlib's HMAC challenge (both ways, as `multiprocessing.connection.Listener`
+        does), in a thread of its own so a silent or slow client holds up nobody; then it names its rank and gets
+        the config. Closes `server`."""
+        config = self.config
+        host, port = server.getsockname()[:2]
         remote = set(range(config.local_ranks, config.world_size))
         results: queue.Queue = queue.Queue()
         handshaking: list[tuple[socket.socket, threading.Event]] = []   # to cut off unfinished handshakes
         problems: list[str] = []
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = socket.create_server((host, port), family=family, backlog=64)
         try:
             while any(self._conns[r] is None for r in remote):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(r for r in remote if self._conns[r] is None)
+                    how = (f"their Ray actors are running: can their nodes reach {host}:{port}?"
+                           if self._ray is not None else
+                           f"start `openinfer worker --connect {host}:{port} --ranks {','.join(map(str, missing))}` "
+                           f"on their hosts, with the same OPENINFER_WORKER_AUTHKEY")
                     raise WorkerError(
                         f"worker rank(s) {missing} did not connect to {host}:{port} within "
-                        f"{config.worker_start_timeout_s:g} s (start `openinfer worker --connect {host}:{port} "
-                        f"--ranks {','.join(map(str, missing))}` on their hosts, with the same "
-                        f"OPENINFER_WORKER_AUTHKEY)" + "".join(f"; {p}" for p in problems)
+                        f"{config.worker_start_timeout_s:g} s ({how})" + "".join(f"; {p}" for p in problems)
                         + "; the engine was shut down")
                 for r in range(config.local_ranks):    # a local rank that fails while we wait: say so now
                     if not self._procs[r].is_alive():
                         self._gather_replies([r], 1.0, "start")
+                if self._ray is not None:              # an actor that ended before it connected: say why now
+                    ended = self._ray.ended_before_connecting([r for r in remote if self._conns[r] is None])
+                    if ended is not None:
+                        self._fail(ended[0], f"({self._ray.describe(ended[0])}) ended before it connected to the "
+                                             f"front end:\n{ended[1]}")
                 if select.select([server], [], [], min(left, 0.05))[0]:
                     sock, addr = server.accept()
                     sock.setblocking(True)
@@ -428,6 +452,8 @@ class MultiprocEngine:
 
     def _how_ended(self, rank: int, when: str) -> str:
         p = self._procs[rank]
+        if p is None and self._ray is not None:
+            return f"({self._ray.describe(rank)}) closed its connection {when}: {self._ray.outcome(rank)}"
         if p is None:
             return f"(on another host) closed its connection {when}"
         p.join(timeout=5)            # its pipe can close before the process is reaped: wait for the exit code
@@ -489,11 +515,17 @@ def _handshake(sock: socket.socket, addr, authkey: bytes, timeout_s: float, resu
             conn.close()
 
 
-def _stop_workers(procs, conns, opts) -> dict[int, tuple[str, float]]:
-    """Stop every rank: ("shutdown",), up to `grace_s` for them to exit, then by force (no orphans). Returns the
-    errors ranks sent meanwhile, by rank ((traceback, time it failed)): a rank that fails while it stops says
-    why, and so does one that failed earlier between commands and was not heard yet. Connections are read while
-    the ranks stop, so none blocks writing to a full pipe."""
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket remote ranks connect to (port 0: any free port)."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=64)
+
+
+def _stop_workers(procs, conns, opts, ray_ranks=None) -> dict[int, tuple[str, float]]:
+    """Stop every rank: ("shutdown",), up to `grace_s` for them to exit, then by force (no orphans; Ray actors
+    killed and their placement groups removed). Returns the errors ranks sent meanwhile, by rank ((traceback,
+    time it failed)): a rank that fails while it stops says why, and so does one that failed earlier between
+    commands and was not heard yet. Connections are read while the ranks stop, so none blocks writing to a full
+    pipe."""
     for conn in conns:
         if conn is None:
             continue
@@ -536,4 +568,6 @@ def _stop_workers(procs, conns, opts) -> dict[int, tuple[str, float]]:
     for conn in conns:
         if conn is not None:
             conn.close()
+    if ray_ranks is not None:
+        ray_ranks.stop()
     return errors

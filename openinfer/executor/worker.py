@@ -1,7 +1,7 @@
 """One rank's process: an `LLMEngine` for its rank, driven by commands from the front end
 (`executor.MultiprocEngine`) over a pipe (ranks the front end spawned) or a TCP connection
-(`multiprocessing.connection.Client`, HMAC-authenticated: ranks on other hosts, started by `openinfer worker`).
-Both have the same send/recv API, so one command loop serves both.
+(`multiprocessing.connection.Client`, HMAC-authenticated: ranks on other hosts, started by `openinfer worker`, and
+ranks Ray started as actors, `ray_ranks.py`). Both have the same send/recv API, so one command loop serves all.
 
 Commands are handled strictly in arrival order (adds and aborts apply before the next step), which is what
 keeps the TP ranks of a group scheduling identically. Every reply is `(kind, payload)`; an exception — at start,
@@ -18,6 +18,11 @@ import sys
 import threading
 import time
 import traceback
+
+
+class WorkerError(RuntimeError):
+    """A worker (a rank's process or Ray actor) failed or died; the message names its rank and carries the error it
+    sent, if it could."""
 
 
 def rank_process_context():
@@ -82,14 +87,25 @@ def worker_main(config, model, rank: int, init_method: str, conn, parent_pid: in
 
 def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, local_index: int, ranks_on_host: int,
                        device: str | None, connect_timeout_s: float = 1800.0) -> None:
-    """A rank on another host (`openinfer worker`): connect to the front end, say which rank this is, receive
-    the engine config and the rendezvous address, then serve commands exactly as a spawned rank does. Uses GPU
-    `local_index` (its position among this host's ranks); `device`, when given, must match the front end's.
-    The front end may not be listening yet: connecting is retried for `connect_timeout_s`."""
-    import multiprocessing.connection as mpc
-
+    """A rank on another host (`openinfer worker`): `serve_front_end` in a process that ends with the command that
+    started it."""
     _exit_with_parent()                             # the `openinfer worker` command is the parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the command's to handle
+    try:
+        serve_front_end(address, authkey, rank, local_index, ranks_on_host, device, connect_timeout_s)
+    except ConnectionError as e:
+        raise SystemExit(f"openinfer worker {e}") from None
+
+
+def serve_front_end(address: tuple[str, int], authkey: bytes, rank: int, local_index: int, ranks_on_host: int,
+                    device: str | None, connect_timeout_s: float) -> None:
+    """A rank the front end did not spawn (`openinfer worker` on another host, or a Ray actor: ray_ranks.py):
+    connect to the front end, say which rank this is, receive the engine config and the rendezvous address, then
+    serve commands exactly as a spawned rank does. Uses GPU `local_index` (its position among this host's ranks);
+    `device`, when given, must match the front end's. The front end may not be listening yet: connecting is retried
+    for `connect_timeout_s`. A front end that cannot be reached, refuses the key or this rank: ConnectionError."""
+    import multiprocessing.connection as mpc
+
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
@@ -97,19 +113,17 @@ def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, loca
             break
         except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as e:
             if time.monotonic() > deadline:
-                raise SystemExit(f"openinfer worker rank {rank}: no front end at {address[0]}:{address[1]} "
-                                 f"within {connect_timeout_s:g} s ({e})") from None
+                raise ConnectionError(f"rank {rank}: no front end at {address[0]}:{address[1]} within "
+                                      f"{connect_timeout_s:g} s ({e})") from None
             time.sleep(0.2)
         except mpc.AuthenticationError as e:
-            raise SystemExit(f"openinfer worker rank {rank}: the front end at {address[0]}:{address[1]} "
-                             f"rejected the authkey ({e}): is OPENINFER_WORKER_AUTHKEY the same on both hosts?") \
-                from None
+            raise ConnectionError(f"rank {rank}: the front end at {address[0]}:{address[1]} rejected the authkey "
+                                  f"({e}): is OPENINFER_WORKER_AUTHKEY the same on both hosts?") from None
     try:
         conn.send(("hello", rank))
         reply = conn.recv()
         if reply[0] != "config":
-            raise SystemExit(f"openinfer worker rank {rank}: the front end at {address[0]}:{address[1]} refused "
-                             f"it: {reply[1]}")
+            raise ConnectionError(f"rank {rank}: the front end at {address[0]}:{address[1]} refused it: {reply[1]}")
         config, init_method, model = reply[1], reply[2], reply[3]
         if device is not None and device.split(":")[0] != config.device.split(":")[0]:
             conn.send(("error", f"rank {rank}: this host's --device {device} differs from the front end's "
@@ -117,7 +131,7 @@ def remote_worker_main(address: tuple[str, int], authkey: bytes, rank: int, loca
                        time.time()))
             raise SystemExit(1)
     except EOFError:
-        raise SystemExit(f"openinfer worker rank {rank}: the front end closed the connection") from None
+        raise ConnectionError(f"rank {rank}: the front end closed the connection") from None
     _run(config, model, rank, init_method, conn, local_index=local_index, ranks_on_host=ranks_on_host)
     conn.close()
 
