@@ -135,6 +135,11 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "torch (reference) | triton (CUDA); auto: triton on CUDA",
                                   choices=["auto", "torch", "triton"])
     enforce_eager: bool = _opt(False, "CUDA: no CUDA graphs for decode steps")
+    cuda_graph_capture: str = _opt(
+        "startup", "CUDA: when decode graphs of models with context buckets (DeepSeek-V4/V4.1) are captured: "
+                   "startup (every batch x context bucket before the first request, so no step captures under "
+                   "traffic) or first_use (each when a step first needs it: a faster start, stalls later)",
+        choices=["startup", "first_use"])
     load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights of its shape and "
                                     "formats (benchmarks)", choices=["auto", "dummy"])
     async_scheduling: bool | None = _opt(
@@ -247,6 +252,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.cuda_graph_capture not in ("startup", "first_use"):
+            raise ValueError(f"cuda_graph_capture must be 'startup' or 'first_use', got {self.cuda_graph_capture!r}")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ValueError("attention_backend='triton' needs device='cuda'")
         if self.engram_tables not in ("device", "host"):

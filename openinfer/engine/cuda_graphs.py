@@ -2,8 +2,9 @@
 
 Padded rows of a bucket attend to one token of the scratch page and write their KV (and state) there, so they
 touch no real block or slot. Models whose decode reads a context-sized gather (`ModelTraits.context_bucketed_graphs`:
-DeepSeek-V4/V4.1's compressed entries) get one graph per (batch bucket, power-of-two context bucket), captured the
-first time a step needs it; the others one per batch bucket at max_model_len, at start-up.
+DeepSeek-V4/V4.1's compressed entries) get one graph per (batch bucket, power-of-two context bucket); the others one
+per batch bucket at max_model_len. All are captured at start-up (`EngineConfig.cuda_graph_capture = "startup"`), so
+no step captures under traffic; "first_use" captures a context-bucketed model's graphs when a step first needs them.
 
 With speculative decoding a verify step runs 1 + k decode rows per request: the buckets then reach
 max_num_seqs * (1 + k) rows (at most max_num_batched_tokens). With expert parallelism the ranks replay the bucket
@@ -46,6 +47,7 @@ class DecodeGraphs:
         self.device, self.block_size = dev, bs
         self.sizes, self.max_context = sizes, max_model_len
         self.replays = self.max_rows = 0    # steps replayed with real rows, the most rows in one
+        self.captures, self.capture_s = 0, 0.0    # graphs captured so far, and their seconds
         # (decode batch bucket, context the graph was captured for) -> (graph, its output, the features it keeps)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, dict | None]] = {}
         self.valid = torch.zeros((), dtype=torch.long, device=dev)   # EP: rows of the bucket that are real
@@ -70,24 +72,48 @@ class DecodeGraphs:
     def largest(self) -> int:
         return self.sizes[-1]
 
+    def context_sizes(self) -> list[int]:
+        """The contexts graphs are captured for: powers of two from one block up to max_model_len, and
+        max_model_len (models without context buckets: max_model_len alone)."""
+        if not self.context_buckets:
+            return [self.max_context]
+        sizes, c = [], self.block_size
+        while c < self.max_context:
+            sizes.append(c)
+            c *= 2
+        return sizes + [self.max_context]
+
+    def context_bucket(self, longest: int) -> int:
+        """The context a step whose longest row holds `longest` tokens replays the graph of."""
+        if not self.context_buckets:
+            return self.max_context
+        return min(max(self.block_size, 1 << (max(longest, 1) - 1).bit_length()), self.max_context)
+
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every batch bucket now (models without context buckets; the others capture on first use)."""
-        if self.context_buckets:
+        """Capture every (batch, context) bucket now; a context-bucketed model under `cuda_graph_capture =
+        "first_use"` captures each on first use instead."""
+        if self.context_buckets and self.config.cuda_graph_capture == "first_use":
             print("[openinfer] CUDA graphs for decode are captured on first use per (batch, context) bucket",
                   file=sys.stderr, flush=True)
             return
+        from tqdm import tqdm
+
         t0 = time.perf_counter()
-        for b in reversed(self.sizes):
-            self.capture(b, self.max_context)
+        todo = [(b, c) for c in reversed(self.context_sizes()) for b in reversed(self.sizes)]
+        for b, c in tqdm(todo, desc="capturing decode CUDA graphs", unit="graph", file=sys.stderr,
+                         disable=len(todo) < 16 or not sys.stderr.isatty()):
+            self.capture(b, c)
         torch.cuda.synchronize(self.device)
-        print(f"[openinfer] captured CUDA graphs for decode batch sizes {self.sizes} in "
+        contexts = f" x contexts {self.context_sizes()}" if self.context_buckets else ""
+        print(f"[openinfer] captured {len(todo)} CUDA graphs for decode (batch sizes {self.sizes}{contexts}) in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
     def capture(self, b: int, context: int) -> None:
         """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without
         collectives (same shapes): a capture is one rank's affair, the others are not waiting for it."""
         bs, pool = self.block_size, self.pool
+        t0 = time.perf_counter()
 
         def meta_for(communicate: bool) -> AttentionMetadata:
             meta = AttentionMetadata(block_size=bs, slot_mapping=self.slots[:b], num_decode_tokens=b,
@@ -119,6 +145,8 @@ class DecodeGraphs:
         # rewritten by each replay
         captured = dict(self.model.captured) if self.model.capture_layers else None
         self.graphs[(b, context)] = (graph, hidden, captured)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
 
     def _pad_rows(self, start: int, end: int) -> None:
         """Make graph rows [start, end) padding rows: they read and write only the scratch page and slot."""
@@ -148,12 +176,9 @@ class DecodeGraphs:
             return None, None
         if self.lockstep:
             self.valid.fill_(b)
-        context = self.max_context
-        if self.context_buckets:
-            longest = max(lens) if lens else 1
-            context = min(max(self.block_size, 1 << (longest - 1).bit_length()), self.max_context)
-            if (bucket, context) not in self.graphs:
-                self.capture(bucket, context)
+        context = self.context_bucket(max(lens) if lens else 1)
+        if (bucket, context) not in self.graphs:        # first_use (cuda_graph_capture)
+            self.capture(bucket, context)
         # Rows of the bucket past b must be padding rows (scratch page, scratch state slot, position 0): rows
         # that held real requests in an earlier replay would otherwise write into those requests' slots
         # and state (and address context the graph's tables may not cover).

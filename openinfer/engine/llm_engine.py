@@ -16,6 +16,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.engine.compile_watch import install_triton_compile_counter, triton_compiles
 from openinfer.engine.model_runner import ModelRunner
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.parallel_sampling import ParentRequest, child_params
@@ -52,6 +53,17 @@ def make_kernels(config: EngineConfig):
     if not config.quantize_activations:
         ops = dataclasses.replace(ops, fp8_linear=weight_only_fp8_linear(ops.grouped_gemm), quantize_activations=False)
     return backend, ops
+
+
+def warm_up_token_counts(budget: int, longest: int) -> list[int]:
+    """Prompt lengths whose prefill steps meet every kernel variant a step of up to `budget` tokens can: 1-3,
+    and p, p + 1, p + 16 for each power of two p from 16 up to the budget, and the budget itself."""
+    counts = {1, 2, 3, budget}
+    p = 16
+    while p <= budget:
+        counts |= {p, p + 1, p + 16}
+        p *= 2
+    return sorted(n for n in counts if 1 <= n <= min(budget, longest))
 
 
 class LLMEngine:
@@ -118,6 +130,8 @@ class LLMEngine:
             self.kv_manager.min_uncached_tokens = max(self.kv_manager.min_uncached_tokens,
                                                       self.speculator.context_tokens_after_hit)
         self.async_scheduling = self._resolve_async_scheduling()
+        if self.runner.device.type == "cuda":
+            install_triton_compile_counter()
         if config.use_cuda_graphs and model.traits.cuda_graph_decode:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -343,8 +357,9 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run what the first requests would compile (Triton kernels JIT-compile on first use, per shape class)
         before any request arrives: a few prompts of different lengths, prefilled whole and in chunks beside
-        decodes, then decoded; then leave no trace (prefix cache emptied, counters back to zero). Returns its
-        seconds. CUDA graphs of decode were captured already (context-bucketed models capture on first use)."""
+        decodes, then decoded; then one prompt per step over the token counts of warm_up_token_counts; then leave no trace (prefix cache emptied, counters back to zero). Returns its
+        seconds. CUDA graphs of decode were captured already, every (batch, context) bucket (cuda_graphs.py); from here
+        on `stats()["jit_compiles"]` and `["graph_captures"]` should not move under traffic (compile_watch.py)."""
         start = time.perf_counter()
         budget = self.config.max_num_batched_tokens
         lengths = sorted({1, 17, min(budget, 512) // 2 + 3, max(1, min(budget + 5, self.max_model_len - 4))})
@@ -355,6 +370,25 @@ class LLMEngine:
                              request_id=f"openinfer-warm-up-{i}")
         while self.has_unfinished_requests():
             self.step()
+        # then a wave as wide as the batch, prompts of many lengths: steps with many chunks and decode rows (the
+        # attention kernels' split counts follow the number of rows and tiles)
+        wave = min(self.config.max_num_seqs, 64)
+        for i in range(wave):
+            n = max(1, min(1 + (i * 37) % max(1, min(budget, 300)), self.max_model_len - 4))
+            self.add_request(torch.randint(0, self.model_config.vocab_size, (n,), generator=g).tolist(),
+                             SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0),
+                             request_id=f"openinfer-warm-up-w{i}")
+        while self.has_unfinished_requests():
+            self.step()
+        # then steps of one prompt each, whose token counts cover every class the GEMM launchers pick a kernel
+        # variant by (tile sizes switch at powers of two; Triton specializes integers equal to 1 or divisible by 16)
+        lengths = warm_up_token_counts(budget, self.max_model_len - 2)
+        for i, n in enumerate(lengths):
+            self.add_request(torch.randint(0, self.model_config.vocab_size, (n,), generator=g).tolist(),
+                             SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+                             request_id=f"openinfer-warm-up-m{i}")
+            while self.has_unfinished_requests():
+                self.step()
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()
         self.scheduler.num_preemptions = self.scheduler.num_prompt_tokens_computed = 0
@@ -549,7 +583,7 @@ class LLMEngine:
         return before, eplb.measure(), moved
 
     def stats(self) -> dict:
-        kv = self.kv_manager
+        kv, graphs = self.kv_manager, self.runner.decode_graphs
         return {
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks, "kv_usage": kv.usage(),
@@ -565,6 +599,10 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "num_steps": self.num_steps, "step_time_s": self.step_time_s, "num_prefill_steps": self.num_prefill_steps,
+            # what stalls a step under traffic: after warm_up both stay where start-up left them (compile_watch.py)
+            "graph_captures": graphs.captures if graphs is not None else 0,
+            "graph_capture_s": graphs.capture_s if graphs is not None else 0.0,
+            "jit_compiles": triton_compiles(),
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         }

@@ -33,7 +33,9 @@ from openinfer.layers.triton_ops import write_kv_fp8 as triton_write_kv_fp8
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# the table stride is the step's widest table (1 for short contexts): not specialized on, so a step's
+# context lengths do not make a new kernel variant under traffic (engine/compile_watch.py)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_decode_kernel(
     q_ptr, cache_ptr, scale_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     sm_scale, window,
@@ -250,7 +252,9 @@ def _attend_block(q, acc, m_i, l_i, start, end, tables_row, cache_ptr, scale_ptr
     return acc, m_new, l_i
 
 
-@triton.jit
+# the table stride is the step's widest table (1 for short contexts): not specialized on, so a step's
+# context lengths do not make a new kernel variant under traffic (engine/compile_watch.py)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_prefill_kernel(
     q_ptr, cache_ptr, scale_ptr, tables_ptr, chunk_info_ptr, tile_info_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, window,

@@ -89,11 +89,13 @@ def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool 
 
 
 # ---- FP8 block-scaled linear (W8A8) -------------------------------------------------------------------
-@triton.jit
+# SPLIT_K is a runtime argument: the split count follows the step's token count (fp8_config), and as a constexpr
+# each count would compile its own variant under traffic (engine/compile_watch.py)
+@triton.jit(do_not_specialize=["SPLIT_K", "stride_os"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
-                     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_os, stride_om,
+                     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_os, stride_om, SPLIT_K,
                      BLOCK: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr):
     """out[split] = sum over this split's K-blocks of dot(a_q, w_q^T) * a_scale * w_scale (fp32).
 
     K advances one quantization block per step, so every dot has a single scale per (row, column) and is
@@ -142,8 +144,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["SPLIT_K"])
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K, BLOCK: tl.constexpr):
     """out = sum of the SPLIT_K fp32 partials [SPLIT_K, numel], in a fixed order (deterministic)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < numel
@@ -217,12 +219,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, ws, target, m, n, k, a.stride(0), stride_asm, stride_ask, weight.stride(0),
-        ws.stride(0), target.stride(0) if cfg.split_k > 1 else 0, n, BLOCK=block, QUANT_A=cfg.fused_quant,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, GROUP_M=8,
+        ws.stride(0), target.stride(0) if cfg.split_k > 1 else 0, n, cfg.split_k, BLOCK=block,
+        QUANT_A=cfg.fused_quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         numel = m * n
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, numel, SPLIT_K=cfg.split_k, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](target, out, numel, cfg.split_k, BLOCK=1024)
     return out
 
 
