@@ -190,6 +190,9 @@ class EngineConfig:
     swa_state_bytes: int | None = _opt(
         None, "sliding-window models with a store: host memory for the windowed layers' rows of ended requests' "
               "last windows (default 256 MiB with a store, 0: none; docs/kv_cache.md)", metavar="BYTES")
+    encoder_cache_bytes: int = _opt(
+        256 << 20, "vision models: memory for the image embeddings already computed, by image digest (least recently "
+                   "used evicted first; 0: every chunk that reads an image encodes it again)", metavar="BYTES")
     swa_replay: str = _opt("bounded", "a prefix hit without its window state replays the last window with attention "
                                       "truncated to it (bounded, the spec's §5.4) or from the first missing block "
                                       "(exact)", choices=["bounded", "exact"])

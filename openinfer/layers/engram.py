@@ -316,7 +316,8 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(hc_mult, dim, dtype=torch.float32), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(hc_mult, dim, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        """`skip` [T] bool: rows that take no Engram write (DeepSeek-V4.1's image spans: their gate is shut)."""
         # [T, n_hash_cols, head_dim]; FP8 x E8M0 values are exact in bf16 and in wider float types alike
         rows = self.embed.lookup(hash_ids, streams.device).to(streams.dtype)
         kv = self.wkv(rows.flatten(-2))
@@ -327,4 +328,6 @@ class Engram(nn.Module):
         inv_rms = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * qk * key).sum(-1) * inv_rms * self.dim ** -0.5           # [T, hc]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        if skip is not None:
+            gate = gate.masked_fill(skip[:, None], 0.0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

@@ -52,6 +52,17 @@ class ModelTraits:
     fp8_kv_cache: bool = False
     # every reduction is one that batch-invariant mode covers (layers/batch_invariant.py)
     batch_invariant: bool = False
+    # images in prompts (docs/vision.md): the model checks image spans (`check_image`), embeds them
+    # (`embed_image`) and its `forward` takes the step's image rows (`images=ImageRows`)
+    vision: bool = False
+
+
+@dataclass
+class ImageRows:
+    """A step's rows inside image spans (vision models): their indices among the step's rows and the embeddings
+    they take instead of their token's (model dtype, on the model's device)."""
+    rows: torch.Tensor          # [k] long
+    embeds: torch.Tensor        # [k, dim]
 
 
 @runtime_checkable
@@ -73,7 +84,8 @@ class CausalLM(Protocol):
         keep for rows a later step rolls back (speculative decoding)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor: ...
+                meta: AttentionMetadata) -> torch.Tensor:
+        """(A model with the `vision` trait also takes `images: ImageRows | None`.)"""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
