@@ -67,6 +67,16 @@ def reference_image_logits(model, ids: list[int], images: list[ImageSpan]) -> to
         model.head.forward = head
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These shapes are too small to share between threads, and OpenMP threads waiting on a busy machine's other
+    processes cost seconds per call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     model, args = build_reference(**VISION)
@@ -157,7 +167,7 @@ def test_bad_images_are_refused_naming_the_problem_and_leave_the_engine_idle(vl,
     good = make_image(7, (4, 6), 2)
     prompt = image_prompt(prompts_of(10, seed=24)[0], [good])
     params = SamplingParams(max_tokens=1, **GREEDY)
-    wrong_grid = ImageSpan.make(2, good.token_types, good.patches[:-1], (4, 5))
+    wrong_grid = ImageSpan.make(2, good.token_types, good.patches[:12], (4, 3))      # 2x1 tokens, not 2x2
     cases = [
         ((ImageSpan.make(2, good.token_types, good.patches, good.grid),), prompt[:5], "inside the 5-token prompt"),
         ((wrong_grid,), prompt, "token layout does not match"),
