@@ -151,6 +151,11 @@ class ModelFamily:
         `config.json`; `tokenizer_dir`: tokenizer files to copy beside them ("own": the family's; None: none)."""
         raise ValueError(f"the {self.name} family writes no random checkpoints")
 
+    def image_processor(self, hf: dict):
+        """What turns a request's preprocessed images into the model's image spans (`expand(prompt_token_ids,
+        pixels) -> (prompt_token_ids, spans)`), for models that take images; None for those that do not."""
+        return None
+
     def write_tiny_model(self, tiny: TinyModel, out: Path) -> None:
         """One of `tiny_models` into `out` (default: as a random checkpoint in the published layout)."""
         self.write_random_checkpoint(tiny.config, out, tiny.seed)

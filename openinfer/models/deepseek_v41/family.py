@@ -146,6 +146,14 @@ class DeepseekV41Family(ModelFamily):
             net.attach_hasher(engram[1].to(net.embed.weight.device))
         return net
 
+    def image_processor(self, hf: dict):
+        cfg = self.parse_config(hf)
+        if not cfg.vision_n_layers:
+            return None
+        from openinfer.models.deepseek_v41.image_processor import ImageProcessor
+
+        return ImageProcessor(cfg)
+
     def write_random_checkpoint(self, hf_config: dict, out: Path, seed: int = 0, std: float = 0.02,
                                 shard_bytes: int | None = 64 << 20, tokenizer_dir: Path | str | None = "own") -> None:
         from openinfer.models.deepseek_v41.writer import write_checkpoint
