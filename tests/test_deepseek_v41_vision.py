@@ -189,3 +189,42 @@ def test_a_text_model_refuses_images_by_name():
     with pytest.raises(ValueError, match="does not take images"):
         engine.add_request([IMAGE_ID] * 8, SamplingParams(max_tokens=1), images=(make_image(8, (3, 3), 0),))
     assert not engine.has_unfinished_requests()
+
+
+def test_preemption_and_chunking_through_images_keep_outputs(vl, tmp_path_factory):
+    """Unquantized (the bf16 checkpoint in float32, caches unrounded: no FP8/FP4 step amplifies last-bit noise):
+    two image prompts preempted in a pool too small for both, and run in chunks of 24, give the tokens and logprobs
+    they get alone in one chunk."""
+    from tests.test_deepseek_v41 import save_dequantized
+
+    path = save_dequantized(vl[1], tmp_path_factory.mktemp("v41vl_bf16"))
+    images = [[make_image(9, (4, 6), 4)], [make_image(10, (5, 7), 30), make_image(11, (3, 3), 45)]]
+    prompts = [image_prompt(t, im) for t, im in zip(prompts_of(50, 40, seed=25), images)]
+    params = SamplingParams(max_tokens=6, logprobs=0, **GREEDY)
+
+    def run_all(engine, budgets):
+        add = engine.add_request
+        queue = iter(images)
+        engine.add_request = lambda p, prm, **kw: add(p, prm, images=tuple(next(queue)), **kw)
+        try:
+            return run_recording(engine, prompts, params, budgets=budgets)
+        finally:
+            engine.add_request = add
+
+    alone = []
+    big = v41_engine(path, kv_cache_dtype="float32")
+    for p, im in zip(prompts, images):
+        add = big.add_request
+        big.add_request = lambda q, prm, im=im, **kw: add(q, prm, images=tuple(im), **kw)
+        try:
+            alone += run_recording(big, [p], params, budgets=WHOLE)
+        finally:
+            big.add_request = add
+    small = v41_engine(path, kv_cache_dtype="float32", num_kv_blocks=3, max_num_seqs=2, max_num_batched_tokens=64)
+    together = run_all(small, (24, 24))
+    assert small.scheduler.num_preemptions > 0
+    for (oa, _), (ob, _) in zip(alone, together):
+        assert ob.outputs[0].token_ids == oa.outputs[0].token_ids
+        for a, b, t in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, oa.outputs[0].token_ids):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert_pool_idle(small)
