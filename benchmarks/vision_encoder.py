@@ -98,7 +98,8 @@ def main():
            "matmul_floor_s_32_layers": round(floor_full, 4),
            "fraction_of_floor": round(floor_full / t_full, 3)}
     print(json.dumps(out, indent=1))
-    res = Path(__file__).resolve().parent / "results" / f"{'h200' if device.type == 'cuda' else 'cpu'}_vision_encoder_{args.dtype}.json"
+    kind = "h200" if device.type == "cuda" else "cpu"
+    res = Path(__file__).resolve().parent / "results" / f"{kind}_vision_encoder_{args.dtype}.json"
     res.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -64,7 +64,8 @@ def client(server):
 
 def chat_image(client, url: str, text: str = "What is in the picture?", **kw):
     return client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}],
+        {"role": "user", "content": [{"type": "text", "text": text},
+                                     {"type": "image_url", "image_url": {"url": url}}]}],
         **kw)
 
 

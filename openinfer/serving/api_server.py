@@ -307,7 +307,11 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
         if isinstance(body.get("prompt"), str):
             ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
         elif isinstance(body.get("messages"), list):
-            ids = chat.prepare("chat", {"model": served, "messages": body["messages"]}).prompt_token_ids
+            chat_body = {"model": served, "messages": body["messages"]}
+            if has_image_parts(chat_body):     # images are fetched and decoded: off the event loop
+                ids = (await asyncio.to_thread(chat.prepare, "chat", chat_body)).prompt_token_ids
+            else:
+                ids = chat.prepare("chat", chat_body).prompt_token_ids
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages' (a list)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
