@@ -194,8 +194,6 @@ def test_llm_chat_with_an_image_runs_the_vision_tower(llm):
         return llm.chat(msgs, SamplingParams(max_tokens=1, logprobs=5, **GREEDY), use_tqdm=False)[0]
 
     a, b = chat(0), chat(1)
-    text = llm.chat([{"role": "user", "content": "What is it?"}], SamplingParams(max_tokens=1, **GREEDY),
-                    use_tqdm=False)[0]
-    assert a.prompt_token_ids.count(129264) > 100 and 129264 not in text.prompt_token_ids   # a span, not one id
-    assert len(a.prompt_token_ids) > len(text.prompt_token_ids) + 100
+    assert a.prompt_token_ids.count(129264) > 100           # the image's span, not one placeholder id
+    assert a.prompt_token_ids == b.prompt_token_ids         # same size: same span
     assert a.outputs[0].logprobs[0] != b.outputs[0].logprobs[0]

