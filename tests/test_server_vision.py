@@ -101,7 +101,7 @@ def test_anthropic_image_block_and_responses_input_image(server, client):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
         {"type": "text", "text": "Describe it."}]}])
     assert m.usage.input_tokens > image_tokens(image)
-    r = client.responses.create(model=MODEL, max_output_tokens=16, input=[{"role": "user", "content": [
+    r = client.responses.create(model=MODEL, max_output_tokens=2, input=[{"role": "user", "content": [
         {"type": "input_text", "text": "Describe it."}, {"type": "input_image", "image_url": data_url(image)}]}])
     assert r.usage.input_tokens > image_tokens(image)
 
