@@ -16,7 +16,9 @@ The pieces, in the order the model uses them:
 - `Engram`: the gated residual write of one engram layer (parameter names as in the checkpoint).
 
 The algorithm follows DeepSeek's V4.1-Flash reference (MIT) and is tested against it
-(tests/test_v41_engram.py); text only: image spans (the reference's dead tokens) are not handled here.
+(tests/test_v41_engram.py). Image spans (the reference's dead tokens): the model gives their rows -1 as compressed
+ids (a window reaching one reads the pad id from there on, `NgramHasher.forward`) and `Engram.forward` a `skip` mask
+(no write); tests/test_deepseek_v41_vision.py checks both against the reference.
 """
 
 from __future__ import annotations
