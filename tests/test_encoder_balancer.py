@@ -44,3 +44,25 @@ def test_an_unhealthy_instance_gets_nothing_until_it_is_back():
     assert loads.take(10) is None
     loads.mark("a", True)
     assert loads.take(10).url == "a"
+
+
+def test_load_reports_the_patches_of_image_spans_not_computed_yet():
+    """/load's `image_patches_in_flight`: the patches of every image whose span a request has not computed yet."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from openinfer.multimodal import ImageSpan
+    from openinfer.serving.load import BusyMeter, engine_load
+
+    def image(offset, grid):
+        return ImageSpan.make(offset, (0, 3), torch.zeros(grid[0] * grid[1], 3, 2, 2), grid)
+
+    reqs = {"a": NS(num_computed_tokens=0, num_prompt_tokens=40, images=(image(2, (4, 5)), image(30, (2, 2)))),
+            "b": NS(num_computed_tokens=35, num_prompt_tokens=40, images=(image(2, (3, 3)), image(34, (6, 6)))),
+            "c": NS(num_computed_tokens=10, num_prompt_tokens=10, images=())}
+    engine = NS(scheduler=object(), requests=reqs, config=NS(block_size=16), max_model_len=128,
+                stats=lambda: {"kv_blocks_total": 8, "kv_blocks_free": 4, "num_running": 3},
+                kv_store_namespace=lambda: None)
+    load = engine_load(engine, NS(num_waiting=0), "both", "m", BusyMeter())
+    assert load["image_patches_in_flight"] == 20 + 4 + 36       # b has computed its first span, not its second
