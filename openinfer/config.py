@@ -195,6 +195,14 @@ class EngineConfig:
     swa_state_bytes: int | None = _opt(
         None, "sliding-window models with a store: host memory for the windowed layers' rows of ended requests' "
               "last windows (default 256 MiB with a store, 0: none; docs/kv_cache.md)", metavar="BYTES")
+    encoder_cache_bytes: int = _opt(
+        256 << 20, "vision models: memory for the image embeddings already computed, by image digest (least recently "
+                   "used evicted first; 0: every chunk that reads an image encodes it again)", metavar="BYTES")
+    max_images_per_prompt: int = _opt(8, "vision models: most images one request may hold (more: a 400)")
+    max_image_bytes: int = _opt(20 << 20, "vision models: largest encoded image a request may send or point to "
+                                          "(bytes; larger: a 400)", metavar="BYTES")
+    image_fetch_timeout_s: float = _opt(10.0, "vision models: seconds to fetch and preprocess a request's images "
+                                              "(http(s) URLs; past it: a 400)", metavar="SECONDS")
     swa_replay: str = _opt("bounded", "a prefix hit without its window state replays the last window with attention "
                                       "truncated to it (bounded, the spec's §5.4) or from the first missing block "
                                       "(exact)", choices=["bounded", "exact"])
@@ -324,6 +332,13 @@ class EngineConfig:
         if self.kv_store_url is not None and not str(self.kv_store_url).startswith(("redis://", "rediss://",
                                                                                      "unix://")):
             raise ValueError(f"kv_store_url must be a redis://, rediss:// or unix:// URL, got {self.kv_store_url!r}")
+        for name in ("max_images_per_prompt", "max_image_bytes", "encoder_cache_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "encoder_cache_bytes" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'encoder_cache_bytes' else 1}, "
+                                 f"got {v!r}")
+        if not self.image_fetch_timeout_s > 0:
+            raise ValueError(f"image_fetch_timeout_s must be > 0, got {self.image_fetch_timeout_s}")
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be 'bounded' or 'exact', got {self.swa_replay!r}")
         if self.swa_state_bytes is not None and (not isinstance(self.swa_state_bytes, int)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openinfer.multimodal import ImageSpan
 from openinfer.outputs import PositionLogprobs, RequestMetrics
 from openinfer.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class Request:
     metrics: RequestMetrics
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    # images of the prompt, in order (multimodal.py): their spans' rows take the model's image embeddings
+    images: tuple[ImageSpan, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (or scheduled to be written this step).

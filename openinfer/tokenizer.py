@@ -172,7 +172,10 @@ class Tokenizer:
                 ids += self.encode_plain(user_strings[int(part)])
         return ids
 
-    def _encode_deepseek(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
+    def _encode_deepseek(self, messages: list[dict], add_generation_prompt: bool, images: bool = False,
+                         **kwargs) -> list[int]:
+        """`images`: image parts are allowed and encoded as their placeholders (the caller expands them into the
+        images' spans: entrypoints/llm.py, serving/images.py); else they are refused."""
         import deepseek_recipe as dr
 
         if not add_generation_prompt:
@@ -181,11 +184,12 @@ class Tokenizer:
         for i, m in enumerate(messages):
             parts = m.get("content") if isinstance(m, dict) else None
             for part in parts if isinstance(parts, list) else ():
-                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                if isinstance(part, dict) and part.get("type") not in (None, "text") and not images:
                     # deepseek-recipe would encode an image as its placeholder token and the model would never see
-                    # the image: openinfer loads DeepSeek models text-only (no vision tower)
-                    raise ValueError(f"messages[{i}] has a {part.get('type')!r} content part: openinfer serves "
-                                     f"DeepSeek models text-only (the vision tower is not loaded)")
+                    # the image: the tokenizer alone is text-only
+                    raise ValueError(f"messages[{i}] has a {part.get('type')!r} content part: encoding a chat is "
+                                     f"text-only here; images go through LLM.chat or the chat API of a model with "
+                                     f"a vision encoder")
         try:
             conv = dr.ChatCompletionRequest({"model": self.deepseek_model, "messages": messages, **kwargs}).convert(
                 dr.ConversionOptions())
@@ -195,6 +199,13 @@ class Tokenizer:
             encoding = dr.DeepseekV41Encoding() if self.deepseek_model == DEEPSEEK_V41 else dr.DeepseekV4Encoding()
             self._deepseek_encoding = encoding.with_tokenizer(self.recipe_tokenizer())
         return list(self._deepseek_encoding.encode(conv.conversation))
+
+    def encode_chat_with_image_placeholders(self, messages: list[dict], **kwargs) -> list[int]:
+        """A DeepSeek conversation with image parts, each encoded as its placeholder token (to be expanded into
+        the image's span by the model's image processor)."""
+        if not self.is_deepseek:
+            raise ValueError("image parts are encoded for DeepSeek models only")
+        return self._encode_deepseek(messages, True, images=True, **kwargs)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.is_deepseek:

@@ -173,3 +173,27 @@ def test_serves_as_deepseek_v41_flash_over_http(llm):
         assert r.usage.prompt_tokens == len(enc.encode(conv.conversation))
         assert r.usage.completion_tokens <= 4 and r.choices[0].finish_reason in ("length", "stop")
         assert server.wait_idle()
+
+
+def test_llm_chat_with_an_image_runs_the_vision_tower(llm):
+    """`LLM.chat` takes OpenAI `image_url` parts (here a data URL): deepseek-recipe resolves and sizes the image, the
+    model's image processor expands its placeholder into the span the tiny vision tower fills; another image gives
+    other logits for the same text."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def chat(seed):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (28, 42, 3), dtype=np.uint8)).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+        return llm.chat(msgs, SamplingParams(max_tokens=1, logprobs=5, **GREEDY), use_tqdm=False)[0]
+
+    a, b = chat(0), chat(1)
+    assert a.prompt_token_ids.count(129264) > 100           # the image's span, not one placeholder id
+    assert a.prompt_token_ids == b.prompt_token_ids         # same size: same span
+    assert a.outputs[0].logprobs[0] != b.outputs[0].logprobs[0]

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "openinfer"
 # lowest first, each (name, members); a module may import from its own layer and from every layer before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("openinfer.config", "openinfer.sampling_params", "openinfer.outputs", "openinfer.request",
-              "openinfer.device_io", "openinfer.structured_output.params")),
+              "openinfer.multimodal", "openinfer.device_io", "openinfer.structured_output.params")),
     # the engine's mechanisms, each knowing nothing of models: caches, sampling, weight formats, collectives and
     # EPLB, the tokenizer, checkpoint I/O
     ("mechanisms", ("openinfer.kv_cache", "openinfer.sampling", "openinfer.quantization", "openinfer.distributed",

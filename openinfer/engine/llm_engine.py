@@ -26,6 +26,7 @@ from openinfer.layers.attention import TorchPagedAttention
 from openinfer.layers.basic import TORCH_OPS
 from openinfer.models.interface import ResolvedModel
 from openinfer.models.registry import resolve
+from openinfer.multimodal import ImageSpan, check_spans
 from openinfer.outputs import RequestMetrics, RequestOutput
 from openinfer.quantization.reference import weight_only_fp8_linear
 from openinfer.request import Request, RequestStatus
@@ -220,9 +221,11 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    images: tuple[ImageSpan, ...] = ()) -> str:
         """Validate and queue one request; raises ValueError (engine state untouched) on bad input. With
-        `params.n` > 1 the request runs as n sequences sharing its prompt's prefill (parallel_sampling.py)."""
+        `params.n` > 1 the request runs as n sequences sharing its prompt's prefill (parallel_sampling.py).
+        `images`: the prompt's image spans (multimodal.py), for a model with the `vision` trait."""
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -231,15 +234,18 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.validate_prompt(prompt_token_ids)
+        images = tuple(images)
+        if images:
+            self.validate_images(prompt_token_ids, images)
         arrival_time = arrival_time or time.time()
         if params.n == 1:
-            self._queue(self._make_request(request_id, prompt_token_ids, params, prompt, arrival_time))
+            self._queue(self._make_request(request_id, prompt_token_ids, params, prompt, arrival_time, images))
             return request_id
         parent = ParentRequest(request_id, params.n, params.output_kind)
         taken = next((c for c in parent.child_ids if c in self.requests or c in self._parents), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} (sequence of request {request_id!r}) is already in use")
-        children = [self._make_request(cid, prompt_token_ids, child_params(params, i), prompt, arrival_time)
+        children = [self._make_request(cid, prompt_token_ids, child_params(params, i), prompt, arrival_time, images)
                     for i, cid in enumerate(parent.child_ids)]
         if self.config.enable_prefix_caching:       # the others wait for child 0's prompt blocks
             for child in children[1:]:
@@ -251,14 +257,14 @@ class LLMEngine:
         return request_id
 
     def _make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None, arrival_time: float) -> Request:
+                      prompt: str | None, arrival_time: float, images: tuple[ImageSpan, ...] = ()) -> Request:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       metrics=RequestMetrics(arrival_time), prompt=prompt,
-                      eos_token_ids=self.tokenizer.eos_token_ids, generator=generator)
+                      eos_token_ids=self.tokenizer.eos_token_ids, generator=generator, images=images)
         if params.structured_outputs is not None:
             # compiles in the pool (or comes from its cache); the scheduler admits the request once it is ready
             req.grammar = self.structured_output.new_state(params.structured_outputs)
@@ -303,6 +309,15 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def validate_images(self, prompt_token_ids: list[int], images: tuple[ImageSpan, ...]) -> None:
+        """Raise ValueError naming the problem unless the model reads images and each span is one it reads."""
+        model = self.runner.model
+        if not model.traits.vision:
+            raise ValueError(f"this model ({self.config.model}) does not take images: it has no vision encoder")
+        check_spans(images, len(prompt_token_ids))
+        for image in images:
+            model.check_image(image, prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored. A request with n > 1

@@ -28,11 +28,12 @@ from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.cache_pool import CachePool
 from openinfer.engine.cuda_graphs import DecodeGraphs, pad_tables
+from openinfer.engine.encoder_cache import EncoderCache
 from openinfer.engine.scheduler import SchedulerOutput
 from openinfer.engine.store_io import StoreIO
 from openinfer.kv_cache.bounded_replay import replay_slot_mappings, window_layer_chunk
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk
-from openinfer.models.interface import CausalLM
+from openinfer.models.interface import CausalLM, ImageRows
 from openinfer.request import Request
 from openinfer.sampling.bitmask import GrammarBitmask
 from openinfer.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -99,6 +100,8 @@ class ModelRunner:
 
             self.eplb = EplbController(model, self.parallel, config)
         self.decode_graphs: DecodeGraphs | None = None      # capture_decode_graphs makes them
+        # vision models: image embeddings by image digest (a repeated image is not encoded again)
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if self.traits.vision else None
 
     # ---- what the engine sizes from the pool -------------------------------------------------------------------
     @property
@@ -164,6 +167,7 @@ class ModelRunner:
         sample_rows: list[Request] = []         # the sampler's rows: a request verifying drafts fills several
         capture = bool(self.model.capture_layers)
         row_drafts: list[list[int]] = []        # the drafts each row comes after
+        image_rows, image_embeds = [], []       # rows inside image spans and the embeddings they take
         for s in order:
             req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
             drafts = s.draft_token_ids
@@ -178,6 +182,8 @@ class ModelRunner:
             else:
                 ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
                 ids.extend(drafts)
+            if req.images:
+                self._image_rows(req, start, start + n - len(drafts), row, image_rows, image_embeds)
             replaying = _replaying(s)
             if self._as_decode_rows(s):
                 for p in range(start, start + n):     # a verify step's rows: each sees the keys up to its own
@@ -237,7 +243,10 @@ class ModelRunner:
         window = self._window_inputs(order, prefills) if self.num_window_blocks else None
         hidden, plan = None, None
         graphs = self.decode_graphs
-        graphable = not prefills and graphs is not None and len(ids) <= graphs.largest
+        images = None
+        if image_rows:
+            images = ImageRows(h2d(torch.tensor(image_rows), dev), torch.cat(image_embeds))
+        graphable = not prefills and images is None and graphs is not None and len(ids) <= graphs.largest
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
@@ -250,7 +259,7 @@ class ModelRunner:
             views = self._layer_views(slots, pos, prefills, replays, window) if window is not None else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
-                                         layer_views=views, offsets=decode_offsets)
+                                         layer_views=views, offsets=decode_offsets, images=images)
         if self.eplb is not None:
             self.eplb.after_forward()
         if capture:
@@ -328,7 +337,7 @@ class ModelRunner:
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
                        moe_valid: torch.Tensor | None = None, layer_views=None,
-                       offsets: list[int] | None = None) -> torch.Tensor:
+                       offsets: list[int] | None = None, images: ImageRows | None = None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
@@ -350,7 +359,20 @@ class ModelRunner:
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
+        if images is not None:
+            return self.model(input_ids, h2d(pos, dev), self.caches, meta, images=images)
         return self.model(input_ids, h2d(pos, dev), self.caches, meta)
+
+    def _image_rows(self, req: Request, start: int, end: int, row: int, rows: list[int], embeds: list) -> None:
+        """The rows of positions [start, end) (step rows from `row` on) inside the request's image spans, and their
+        embeddings (encoded on first use, then from the encoder cache)."""
+        for image in req.images:
+            lo, hi = max(start, image.offset), min(end, image.end)
+            if lo >= hi:
+                continue
+            span = self.encoder_cache.get_or_encode(image.digest, lambda: self.model.embed_image(image))
+            rows.extend(range(row + lo - start, row + hi - start))
+            embeds.append(span[lo - image.offset:hi - image.offset])
 
 
 def _replaying(s) -> bool:

@@ -13,6 +13,8 @@ from openinfer.config import EngineConfig
 from openinfer.executor import make_engine
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import RequestOutputKind, SamplingParams
+from openinfer.serving.errors import APIError
+from openinfer.serving.images import ImageInputs, has_image_parts, image_sources
 
 Conversation = list[dict]
 
@@ -24,6 +26,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(**engine_options)
         self.engine = make_engine(self.config)   # one process, or a front end over one worker per rank
         self.tokenizer = self.engine.tokenizer
+        self._images = None        # chat with images: limits and the model's image processor (made on first use)
 
     def shutdown(self) -> None:
         """Free the engine now (device memory included) instead of whenever Python's collector next runs;
@@ -67,11 +70,39 @@ class LLM:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         kwargs = chat_template_kwargs or {}
-        texts = [self.tokenizer.apply_chat_template(list(conv), add_generation_prompt, **kwargs) for conv in messages]
-        token_lists = [self.tokenizer.encode_chat(list(conv), add_generation_prompt, **kwargs) for conv in messages]
-        return self._run(token_lists, texts, sampling_params, use_tqdm)
+        texts, token_lists, images = [], [], []
+        for conv in messages:
+            if has_image_parts({"messages": conv}):
+                ids, spans = self._encode_images(list(conv), kwargs)
+                texts.append(None)
+            else:
+                texts.append(self.tokenizer.apply_chat_template(list(conv), add_generation_prompt, **kwargs))
+                ids, spans = self.tokenizer.encode_chat(list(conv), add_generation_prompt, **kwargs), ()
+            token_lists.append(ids)
+            images.append(spans)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images)
 
-    def _run(self, token_lists, texts, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _encode_images(self, conv: list[dict], kwargs: dict):
+        """A conversation with image parts (OpenAI `image_url` parts: data URLs or http(s)), through deepseek-recipe's
+        conversion and image resolution and the model's image processor, as the chat API runs it (serving/images.py):
+        (prompt token ids with the images' spans, the spans). ValueError naming what is wrong."""
+        import deepseek_recipe as dr
+
+        source = self.engine.model_source
+        if self._images is None:
+            self._images = ImageInputs(self.config, source.family.image_processor(source.hf_config), self.config.model)
+        if self._images.processor is None:
+            raise ValueError(f"model {self.config.model!r} does not take images (it has no vision encoder)")
+        ids = self.tokenizer.encode_chat_with_image_placeholders(conv, **kwargs)
+        try:
+            req = dr.ChatCompletionRequest({"model": self.tokenizer.deepseek_model, "messages": conv, **kwargs})
+            return self._images.expand(image_sources(req.convert(dr.ConversionOptions())), ids)
+        except dr.ConversionError as e:
+            raise ValueError(f"invalid conversation: {e}") from None
+        except APIError as e:
+            raise ValueError(e.message) from None
+
+    def _run(self, token_lists, texts, sampling_params, use_tqdm, images=None) -> list[RequestOutput]:
         if self.engine is None:
             raise RuntimeError("this LLM was shut down; create a new one")
         n = len(token_lists)
@@ -101,8 +132,9 @@ class LLM:
                 pool.compile_blocking(spec)
         ids = []
         try:
-            for toks, text, p in zip(token_lists, texts, params):
-                ids.append(self.engine.add_request(toks, p, prompt=text))
+            for i, (toks, text, p) in enumerate(zip(token_lists, texts, params)):
+                spans = images[i] if images else ()
+                ids.append(self.engine.add_request(toks, p, prompt=text, **({"images": spans} if spans else {})))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

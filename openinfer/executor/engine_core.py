@@ -217,8 +217,9 @@ class EngineCoreClient:
         LLMEngine.validate_prompt(self, prompt_token_ids)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request in the core (validated here first: a bad one is a ValueError and sends nothing)."""
+                    request_id: str | None = None, arrival_time: float | None = None, images: tuple = ()) -> str:
+        """Queue a request in the core (validated here first: a bad one is a ValueError and sends nothing;
+        `images`, the prompt's image spans, are checked by the core's engine and travel with the request)."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -227,7 +228,8 @@ class EngineCoreClient:
         self.validate_prompt(prompt_token_ids)
         self._prompts[request_id] = (list(prompt_token_ids), prompt)
         self._send(("add", dict(prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt,
-                                request_id=request_id, arrival_time=arrival_time or time.time())))
+                                request_id=request_id, arrival_time=arrival_time or time.time(),
+                                **({"images": tuple(images)} if images else {}))))
         self._sent += 1
         return request_id
 

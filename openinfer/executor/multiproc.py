@@ -145,9 +145,12 @@ class MultiprocEngine:
     validate_prompt = LLMEngine.validate_prompt
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, images: tuple = ()) -> str:
         """Validate here (the workers only see valid requests), pick the DP group with the fewest live
         requests (then the most free KV blocks), and send the request to each of its ranks."""
+        if images:
+            raise ValueError("requests with images run on a one-process engine for now: the multi-process executor "
+                             "does not carry image spans to its ranks yet (docs/vision.md)")
         with self._lock:
             return self._add_request(prompt_token_ids, params, prompt, request_id, arrival_time)
 

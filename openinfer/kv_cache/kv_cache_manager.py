@@ -45,13 +45,17 @@ from openinfer.kv_cache.block_pool import BlockPool, KVBlock
 from openinfer.kv_cache.bounded_replay import ReplayPlan, SlidingWindowLayout, plan_replay, window_blocks
 from openinfer.kv_cache.kv_store import TieredKVStore
 from openinfer.kv_cache.window_group import WindowGroup
+from openinfer.multimodal import block_image_key
 from openinfer.request import Request
 from openinfer.sampling_params import resolve_ttl
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """`extra`: what the block holds beyond its tokens (the digests of the images it overlaps)."""
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"images:" + extra)
     return h.digest()
 
 
@@ -174,7 +178,9 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs)))
+            extra = block_image_key(request.images, i * bs, (i + 1) * bs) if request.images else b""
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids_slice(i * bs, (i + 1) * bs),
+                                     extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute (it yields the logits).

@@ -16,7 +16,9 @@ The pieces, in the order the model uses them:
 - `Engram`: the gated residual write of one engram layer (parameter names as in the checkpoint).
 
 The algorithm follows DeepSeek's V4.1-Flash reference (MIT) and is tested against it
-(tests/test_v41_engram.py); text only: image spans (the reference's dead tokens) are not handled here.
+(tests/test_v41_engram.py). Image spans (the reference's dead tokens): the model gives their rows -1 as compressed
+ids (a window reaching one reads the pad id from there on, `NgramHasher.forward`) and `Engram.forward` a `skip` mask
+(no write); tests/test_deepseek_v41_vision.py checks both against the reference.
 """
 
 from __future__ import annotations
@@ -316,7 +318,8 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(hc_mult, dim, dtype=torch.float32), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(hc_mult, dim, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        """`skip` [T] bool: rows that take no Engram write (DeepSeek-V4.1's image spans: their gate is shut)."""
         # [T, n_hash_cols, head_dim]; FP8 x E8M0 values are exact in bf16 and in wider float types alike
         rows = self.embed.lookup(hash_ids, streams.device).to(streams.dtype)
         kv = self.wkv(rows.flatten(-2))
@@ -327,4 +330,6 @@ class Engram(nn.Module):
         inv_rms = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * qk * key).sum(-1) * inv_rms * self.dim ** -0.5           # [T, hc]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        if skip is not None:
+            gate = gate.masked_fill(skip[:, None], 0.0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

@@ -52,6 +52,17 @@ class ModelTraits:
     fp8_kv_cache: bool = False
     # every reduction is one that batch-invariant mode covers (layers/batch_invariant.py)
     batch_invariant: bool = False
+    # images in prompts (docs/vision.md): the model checks image spans (`check_image`), embeds them
+    # (`embed_image`) and its `forward` takes the step's image rows (`images=ImageRows`)
+    vision: bool = False
+
+
+@dataclass
+class ImageRows:
+    """A step's rows inside image spans (vision models): their indices among the step's rows and the embeddings
+    they take instead of their token's (model dtype, on the model's device)."""
+    rows: torch.Tensor          # [k] long
+    embeds: torch.Tensor        # [k, dim]
 
 
 @runtime_checkable
@@ -73,7 +84,8 @@ class CausalLM(Protocol):
         keep for rows a later step rolls back (speculative decoding)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, list[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor: ...
+                meta: AttentionMetadata) -> torch.Tensor:
+        """(A model with the `vision` trait also takes `images: ImageRows | None`.)"""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -138,6 +150,11 @@ class ModelFamily:
         """Random weights of `hf_config`'s shape in the family's published layout (names, dtypes, files) with
         `config.json`; `tokenizer_dir`: tokenizer files to copy beside them ("own": the family's; None: none)."""
         raise ValueError(f"the {self.name} family writes no random checkpoints")
+
+    def image_processor(self, hf: dict):
+        """What turns a request's preprocessed images into the model's image spans (`expand(prompt_token_ids,
+        pixels) -> (prompt_token_ids, spans)`), for models that take images; None for those that do not."""
+        return None
 
     def write_tiny_model(self, tiny: TinyModel, out: Path) -> None:
         """One of `tiny_models` into `out` (default: as a random checkpoint in the published layout)."""

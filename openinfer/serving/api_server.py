@@ -37,6 +37,7 @@ from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
+from openinfer.serving.images import ImageInputs, has_image_parts
 from openinfer.serving.load import ROLES, BusyMeter, engine_load, prefill_body
 from openinfer.serving.metrics import EngineMetrics
 
@@ -114,7 +115,9 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
     def load() -> dict:
         return engine_load(engine, async_engine, config.role, served, busy)
     metrics.add_load_gauges(load, config.role)
-    chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served)
+    source = engine.model_source
+    images = ImageInputs(engine.config, source.family.image_processor(source.hf_config), served)
+    chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served, images)
     completions = CompletionsFrontend(async_engine, engine.tokenizer, served)
     state = {"accepting": True}
 
@@ -248,7 +251,10 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
         check_model(body)
         if config.role == "prefill":
             body = prefill_body(request.url.path, body)
-        prepared = chat.prepare(protocol, body)
+        if has_image_parts(body):     # images are fetched and decoded: off the event loop
+            prepared = await asyncio.to_thread(chat.prepare, protocol, body)
+        else:
+            prepared = chat.prepare(protocol, body)
         if not prepared.stream:
             answer = await chat.complete(prepared)
             await settle()
@@ -301,7 +307,11 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
         if isinstance(body.get("prompt"), str):
             ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
         elif isinstance(body.get("messages"), list):
-            ids = chat.prepare("chat", {"model": served, "messages": body["messages"]}).prompt_token_ids
+            chat_body = {"model": served, "messages": body["messages"]}
+            if has_image_parts(chat_body):     # images are fetched and decoded: off the event loop
+                ids = (await asyncio.to_thread(chat.prepare, "chat", chat_body)).prompt_token_ids
+            else:
+                ids = chat.prepare("chat", chat_body).prompt_token_ids
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages' (a list)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

@@ -90,9 +90,9 @@ class AsyncLLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, images: tuple = ()) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; aborts it if the consumer stops early or the request runs
-        past `request_timeout_s` (then RequestTimeoutError)."""
+        past `request_timeout_s` (then RequestTimeoutError). `images`: the prompt's image spans."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         if self._stopping:
@@ -106,14 +106,15 @@ class AsyncLLMEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if self.core is not None:
             try:
-                self.core.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+                self.core.add_request(prompt_token_ids, params, prompt=prompt, request_id=request_id,
+                                      **({"images": images} if images else {}))
             except BaseException:
                 self._streams.pop(request_id, None)
                 raise
         else:
             with self._pending_lock:
                 self._num_pending += 1
-            self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
+            self._inbox.put(("add", request_id, prompt_token_ids, params, prompt, images))
             self._wake.set()
         finished = False
         timeout = self.request_timeout_s
@@ -192,13 +193,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, prompt = cmd
+                _, rid, ids, params, prompt, images = cmd
                 with self._pending_lock:
                     self._num_pending -= 1
                 if rid not in self._streams:      # consumer already gone
                     continue
                 try:
-                    self.engine.add_request(ids, params, prompt=prompt, request_id=rid)
+                    self.engine.add_request(ids, params, prompt=prompt, request_id=rid,
+                                            **({"images": images} if images else {}))
                 except Exception as e:          # bad input caught late: report, keep serving
                     self._deliver(rid, e)
             else:

@@ -133,3 +133,43 @@ def pick_decode(instances: Sequence[InstanceState], request_tokens: int,
     least = min(s.num_requests for s in pool)
     near = [s for s in pool if s.num_requests <= least + 1]
     return max(near, key=lambda s: (s.kv_tokens, -s.num_requests))
+
+
+# ---- the vision-encoder pool (spec 003 §1.3) ---------------------------------------------------------------------
+def image_patches(width: int, height: int, patch_size: int) -> int:
+    """An image's cost to the vision encoder, as the spec counts it: (width / patch_size) x (height / patch_size)."""
+    return (width // patch_size) * (height // patch_size)
+
+
+@dataclass
+class EncoderGpu:
+    """One GPU of a vision-encoder instance and the patches of the images it is encoding."""
+    url: str
+    gpu: int
+    patches_in_flight: int = 0
+    healthy: bool = True
+
+
+class EncoderLoads:
+    """§1.3: an image goes to the encoder GPU with the fewest patches in flight (ties: the earlier listed). `take`
+    counts the image's patches on the chosen GPU until `give_back` (the embeddings came back, or the call failed);
+    unhealthy GPUs (their instance failed its health check) are passed over."""
+
+    def __init__(self, gpus: Sequence[EncoderGpu]):
+        self.gpus = list(gpus)
+
+    def take(self, patches: int) -> EncoderGpu | None:
+        pool = [g for g in self.gpus if g.healthy]
+        if not pool:
+            return None
+        best = min(pool, key=lambda g: g.patches_in_flight)
+        best.patches_in_flight += patches
+        return best
+
+    def give_back(self, gpu: EncoderGpu, patches: int) -> None:
+        gpu.patches_in_flight = max(0, gpu.patches_in_flight - patches)
+
+    def mark(self, url: str, healthy: bool) -> None:
+        for g in self.gpus:
+            if g.url == url:
+                g.healthy = healthy

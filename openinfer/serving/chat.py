@@ -24,6 +24,7 @@ from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import MAX_N, SamplingParams
 from openinfer.serving.async_engine import AsyncLLMEngine
 from openinfer.serving.errors import APIError
+from openinfer.serving.images import ImageInputs, image_sources
 from openinfer.structured_output.compiler import wait_compiled
 from openinfer.structured_output.params import StructuredOutputsParams, check_schema_keywords
 from openinfer.structured_output.tool_calls import (dsml_strict_tools_tag, dsml_tool_grammar, json_call_to_dsml,
@@ -54,6 +55,7 @@ class PreparedChat:
     # the marker token, and the parser recognises only the latter among ids (text is parsed either way)
     text_chunks: bool = False
     include_usage: bool = False    # stream_options.include_usage (n > 1: one usage chunk at the end)
+    images: tuple = ()             # the prompt's image spans (multimodal.ImageSpan), its placeholders expanded
 
     @property
     def n(self) -> int:
@@ -160,8 +162,11 @@ class _ToolCallOutput:
 
 
 class ChatFrontend:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Tokenizer, tokenizer_path: str, served_name: str):
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Tokenizer, tokenizer_path: str, served_name: str,
+                 images: ImageInputs | None = None):
+        """`images`: the engine's image limits and the model's image processor (None: image parts are refused)."""
         self.engine = engine
+        self.images = images
         self.tokenizer = tokenizer
         self.served_name = served_name
         self.deepseek = served_name in DEEPSEEK_MODEL_NAMES
@@ -219,6 +224,13 @@ class ChatFrontend:
         client = ClientSchemas.from_body(protocol, body, namespace_map)
         structured, json_tool_call = self._constraint(conv, any_tool, client)
         prompt_ids = self._encode(conv, json_tool_call)
+        sources = image_sources(conv)
+        images = ()
+        if sources:      # each placeholder becomes its image's span: usage counts the image tokens
+            if self.images is None:
+                raise APIError(400, f"model {self.served_name!r} does not take images (it has no vision encoder)",
+                               param="messages")
+            prompt_ids, images = self.images.expand(sources, prompt_ids)
         if len(prompt_ids) > self.max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, more than this model's context "
                                 f"(max_model_len={self.max_model_len})", param="messages")
@@ -241,7 +253,7 @@ class ChatFrontend:
         so = body.get("stream_options")
         return PreparedChat(protocol, self.engine.new_request_id(prefix), conv, prompt_ids, params, conv.stream,
                             extras, json_tool_call, text_chunks=self.deepseek and structured is not None,
-                            include_usage=isinstance(so, dict) and bool(so.get("include_usage")))
+                            include_usage=isinstance(so, dict) and bool(so.get("include_usage")), images=images)
 
     def _constraint(self, conv: dr.ConversationRequest, any_tool: bool = False, client: ClientSchemas | None = None
                     ) -> tuple[StructuredOutputsParams | None, bool]:
@@ -388,7 +400,7 @@ class ChatFrontend:
         procs = [self._processor(p) for _ in range(p.n)]
         first = [True] * p.n
         try:
-            outs = self.engine.generate(p.prompt_token_ids, p.params, p.request_id)
+            outs = self.engine.generate(p.prompt_token_ids, p.params, p.request_id, images=p.images)
             if p.json_tool_call:
                 outs = self._as_tool_calls(outs, p.conversation_request.parsing_options.starts_in_tool_calls)
             else:

@@ -72,6 +72,7 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
     block_size = engine.config.block_size
     used = st["kv_blocks_total"] - st["kv_blocks_free"]
     reqs = _requests(engine)
+    patches = 0                      # image patches of spans not computed yet (the encoder's work in flight)
     if reqs is None:                 # DP front end: blocks in use stand for tokens; queued prefill unknown
         kv_tokens, prefill_queued = used * block_size, 0
     else:
@@ -80,6 +81,7 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
             computed = max(r.num_computed_tokens, 0)
             kv_tokens += computed
             prefill_queued += max(r.num_prompt_tokens - computed, 0)
+            patches += sum(img.num_patches for img in r.images if img.end > computed)
     namespace = engine.kv_store_namespace()
     return {
         "role": role, "model": model,
@@ -91,6 +93,7 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
         "kv_tokens": kv_tokens,
         "kv_capacity_tokens": st["kv_blocks_total"] * block_size,
         "prefill_tokens_queued": prefill_queued,
+        "image_patches_in_flight": patches,
         "busy_fraction": round(busy.fraction(), 4),
         "busy_window_s": busy.window_s,
         # the shared tier's namespace (None: no directory / Redis tier): instances that should hand KV over

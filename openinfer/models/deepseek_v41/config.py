@@ -94,7 +94,18 @@ class DeepseekV41Config:
     dspark_n_activated_experts: int = 0
     dtype: str = "bf16"                  # "fp8": dense weights published FP8 (32x32 E8M0 blocks)
     expert_dtype: str | None = None      # "fp4": routed experts published MXFP4
-    vision_n_layers: int = 0             # vision tower: not loaded (text only)
+    # the vision tower (ViT + Aligner, models/deepseek_v41/vision.py); 0 layers: text only
+    vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
+    image_token_id: int = 129264         # every position of an image span carries it
     max_position_embeddings: int = 1 << 20
     model_type: str = "deepseek_v41"
 
@@ -238,6 +249,12 @@ class DeepseekV41Config:
             raise ValueError(f"o_groups {self.o_groups} must divide the heads' width")
         if self.head_dim % 32 or self.index_head_dim % 32 or self.rope_head_dim % 2:
             raise ValueError("head_dim and index_head_dim must be multiples of 32 (the caches' FP4/FP8 groups)")
+        if self.vision_n_layers:
+            if self.vision_dim % self.vision_n_heads or (self.vision_dim // self.vision_n_heads) % 4:
+                raise ValueError(f"vision_dim {self.vision_dim} must split into vision_n_heads {self.vision_n_heads} "
+                                 f"heads whose width is a multiple of 4 (2D RoPE: a half per axis, rotated in pairs)")
+            if self.vision_patch_size < 1 or self.vision_downsample_ratio < 1:
+                raise ValueError("vision_patch_size and vision_downsample_ratio must be positive")
         if self.dtype not in ("fp8", "bf16"):
             raise ValueError(f"dtype {self.dtype!r}: V4.1 weights are published 'fp8' (or 'bf16')")
         if self.expert_dtype not in (None, "fp4", "fp8"):

@@ -3,7 +3,6 @@ in DeepSeek's inference form or HF release form (`model_type: deepseek_v41`), we
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -46,14 +45,17 @@ DEEPSEEK_V41_TINY_CONFIG = dict(
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     **_V41_ENGRAM, engram_num_embeddings=_engram_rows(**_V41_ENGRAM), engram_pad_id=2,
     engram_compressed_vocab_size=99092,
-    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000)
+    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    # a two-block vision tower with the release's patch size and 3x3 Aligner (docs/vision.md)
+    vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
+    vision_downsample_ratio=3, image_token_id=129264)
 
 
 class DeepseekV41Family(ModelFamily):
     name = "DeepSeek-V4.1"
     vocabulary = "deepseek-v4.1"
     tiny_models = {"deepseek-v41-tiny": TinyModel(DEEPSEEK_V41_TINY_CONFIG, "a tiny DeepSeek-V4.1 in DeepSeek's "
-                                                  "published formats", seed=0, version=1)}
+                                                  "published formats", seed=0, version=2)}
     quantization_hint = " (their published FP8/MXFP4 formats load as they are)"
     prefill_modes = ("exact", "yoco")
     fp8_kv_hint = (" (DeepSeek-V4.1: kv_cache_dtype='auto' keeps its own FP8/FP4 cache formats, the model dtype "
@@ -83,9 +85,6 @@ class DeepseekV41Family(ModelFamily):
             if keep < cfg.window_size:
                 raise ValueError(f"v41_prefill_keep_tokens {keep} is below the sliding window ({cfg.window_size}): "
                                  f"decode would read decoder window keys that were never computed")
-        if cfg.vision_n_layers > 0:
-            print(f"[openinfer] {model.path.name}: DeepSeek-V4.1 loads text-only (the {cfg.vision_n_layers}-layer "
-                  f"vision tower is not loaded; requests with images are refused)", file=sys.stderr, flush=True)
 
     def construct(self, cfg, model, config, backend, ops, parallel):
         from openinfer.models.deepseek_v41.loader import engram_hasher
@@ -146,6 +145,14 @@ class DeepseekV41Family(ModelFamily):
         if engram is not None:
             net.attach_hasher(engram[1].to(net.embed.weight.device))
         return net
+
+    def image_processor(self, hf: dict):
+        cfg = self.parse_config(hf)
+        if not cfg.vision_n_layers:
+            return None
+        from openinfer.models.deepseek_v41.image_processor import ImageProcessor
+
+        return ImageProcessor(cfg)
 
     def write_random_checkpoint(self, hf_config: dict, out: Path, seed: int = 0, std: float = 0.02,
                                 shard_bytes: int | None = 64 << 20, tokenizer_dir: Path | str | None = "own") -> None:

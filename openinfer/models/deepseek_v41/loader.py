@@ -235,11 +235,11 @@ def init_random(model: DeepseekV41ForCausalLM, seed: int, std: float = 0.02) -> 
                     part = p[i:i + step]
                     part.copy_((torch.randn(part.shape, generator=gen, device=dev, dtype=torch.bfloat16) * fp8_std)
                                .clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
-            elif name.endswith(("norm.weight", "_scale", "q_weight", "k_weight")):
+            elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "_scale", "q_weight", "k_weight")):
                 p.fill_(1.0)
             elif name.endswith(("attn_sink", "_base")):
                 p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.5)
-            elif name.endswith("gate.bias"):
+            elif name.endswith(("gate.bias", "gate.bias_vl")):
                 p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.01)
             else:
                 p.normal_(0.0, std, generator=gen)

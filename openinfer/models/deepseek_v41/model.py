@@ -52,7 +52,10 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
-from openinfer.models.interface import ModelTraits
+from openinfer.models.deepseek_v41.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, Aligner, ViT,
+                                                  image_token_types, token_grid)
+from openinfer.models.interface import ImageRows, ModelTraits
+from openinfer.multimodal import ImageSpan
 from openinfer.quantization.formats import dequantize_activations, quantize_activations
 from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
 
@@ -407,15 +410,21 @@ class Gate(nn.Module):
     """sqrt(softplus) scores in float32; experts = top-k of scores + the selection bias; weights = the chosen
     unbiased scores, renormalized, times route_scale."""
 
-    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float):
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, vision: bool = False):
+        """`vision`: a second selection bias, `bias_vl`, for tokens inside image spans."""
         super().__init__()
         self.topk, self.route_scale = topk, route_scale
         self.weight = nn.Parameter(torch.zeros(n_experts, dim))
         self.bias = nn.Parameter(torch.zeros(n_experts))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts)) if vision else None
 
-    def forward(self, x):
+    def forward(self, x, image_mask: torch.Tensor | None = None):
+        """`image_mask` [T] bool: rows inside an image span, which select experts with `bias_vl`."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        experts = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+        bias = self.bias.float()
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
+        experts = torch.topk(scores + bias, self.topk, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.topk > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -453,7 +462,7 @@ class MoE(nn.Module):
                  parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer)
-        self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale)
+        self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale, vision=cfg.vision_n_layers > 0)
         self.parallel = parallel or ParallelContext.single()
         slots = n_experts
         if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
@@ -471,9 +480,10 @@ class MoE(nn.Module):
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (F.silu(gate) * up * weights[:, None]).to(dtype)
 
-    def forward(self, x, meta: AttentionMetadata | None = None):
-        """`meta`: the step's metadata, read with expert parallelism only (the exchange's lockstep sizes)."""
-        experts, weights = self.gate(x)
+    def forward(self, x, meta: AttentionMetadata | None = None, image_mask: torch.Tensor | None = None):
+        """`meta`: the step's metadata, read with expert parallelism only (the exchange's lockstep sizes);
+        `image_mask`: rows inside image spans (routed with the gate's `bias_vl`)."""
+        experts, weights = self.gate(x, image_mask)
         if hasattr(self, "routing"):
             y = expert_parallel_moe(x, experts, weights, self.routing, self.routed, meta, self.parallel)
         else:
@@ -582,13 +592,14 @@ class Block(nn.Module):
             mixed = mixed + comb[:, i, :, None] * sf[:, i, None, :]
         return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
-    def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True):
+    def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True,
+                image_mask: torch.Tensor | None = None):
         pre, post, comb = self.mixes(streams, "attn")
         h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
                       close_groups)
         streams = self.expand(h, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
-        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta)
+        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta, image_mask)
         return self.expand(h, streams, post, comb), ffn_pre
 
 
@@ -697,8 +708,8 @@ def _float32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # ---- the model ----------------------------------------------------------------------------------------
 # parameters DeepSeek keeps (or its reference computes) in float32 whatever the model dtype
-_FP32_SUFFIXES = ("attn_sink", "_fn", "_base", "_scale", "gate.bias", "norm.weight", "q_weight", "k_weight",
-                  "confidence_head.proj.weight")
+_FP32_SUFFIXES = ("attn_sink", "_fn", "_base", "_scale", "gate.bias", "gate.bias_vl", "norm.weight", "q_weight",
+                  "k_weight", "confidence_head.proj.weight")
 _FP32_EXACT = ()
 
 
@@ -716,7 +727,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ModelTraits(cuda_graph_decode=graphs, context_bucketed_graphs=True, per_request_state=True,
                            prefill_modes=("exact", "yoco") if c.yoco_split is not None else ("exact",),
                            drafters=frozenset({"dspark"}) if c.dspark_block_size and len(self.mtp) else frozenset(),
-                           feature_layers=c.n_layers)
+                           feature_layers=c.n_layers, vision=c.vision_n_layers > 0)
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
                  quantized_caches: bool = True, parallel: ParallelContext | None = None):
@@ -753,6 +764,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.n_layers + k, ops) for k in range(cfg.n_mtp_layers)) \
             if cfg.dspark_block_size else nn.ModuleList()
         self.hasher: NgramHasher | None = None
+        if cfg.vision_n_layers:         # the vision tower (vision.py) and the image span's delimiter embeddings
+            self.vision = ViT(cfg)
+            self.aligner = Aligner(cfg)
+            self.image_start = nn.Parameter(torch.zeros(cfg.dim))
+            self.image_end = nn.Parameter(torch.zeros(cfg.dim))
+            self.image_newline = nn.Parameter(torch.zeros(cfg.dim))
         # opt-in (DSpark drafting): backbone layer ids whose inputs `forward` keeps in `captured` (layer id ->
         # [rows, dim], the layer's input streams averaged over hc, after its Engram; the rows `forward` ran that
         # layer on, i.e. under YOCO only the decoder's rows for layers from the split on). Empty: nothing is kept.
@@ -877,13 +894,45 @@ class DeepseekV41ForCausalLM(nn.Module):
                              f"layers are {self.config.engram_layer_ids}")
         self.hasher = hasher
 
+    # -- images (vision.py)
+    def check_image(self, image: ImageSpan, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError unless `image` is a span this model reads: its grid's token layout, the image token id
+        at every position, patches of the configured size."""
+        c = self.config
+        p = c.vision_patch_size
+        if tuple(image.patches.shape) != (image.num_patches, 3, p, p):
+            raise ValueError(f"image at {image.offset}: patches of shape {tuple(image.patches.shape)}, expected "
+                             f"({image.num_patches}, 3, {p}, {p}) for its {image.grid[0]}x{image.grid[1]} grid")
+        if image.token_types != image_token_types(*token_grid(image.grid, c.vision_downsample_ratio)):
+            raise ValueError(f"image at {image.offset}: its span's token layout does not match its "
+                             f"{image.grid[0]}x{image.grid[1]} patch grid")
+        if any(t != c.image_token_id for t in prompt_token_ids[image.offset:image.end]):
+            raise ValueError(f"image at {image.offset}: every position of its span must carry the image token id "
+                             f"{c.image_token_id}")
+
+    def embed_image(self, image: ImageSpan) -> torch.Tensor:
+        """The span's input rows [num_tokens, dim]: the Aligner's outputs at the IMAGE positions (reading order),
+        the learned delimiter embeddings elsewhere."""
+        dev, dt = self.embed.weight.device, self.embed.weight.dtype
+        feats = self.aligner(self.vision(image.patches.to(dev, dt), image.grid), image.grid).to(dt)
+        types = torch.tensor(image.token_types, device=dev)
+        out = torch.empty((image.num_tokens, self.config.dim), dtype=dt, device=dev)
+        out[types == IMAGE_START] = self.image_start.to(dt)
+        out[types == IMAGE_END] = self.image_end.to(dt)
+        out[types == IMAGE_NEW_LINE] = self.image_newline.to(dt)
+        out[types == IMAGE] = feats
+        return out
+
     # -- forward
-    def _engram_hashes(self, input_ids, positions, caches, meta) -> torch.Tensor:
-        """Global table rows [T, n_engram_layers, cols] for the step's tokens; advances each request's look-back."""
+    def _engram_hashes(self, input_ids, positions, caches, meta, image_mask=None) -> torch.Tensor:
+        """Global table rows [T, n_engram_layers, cols] for the step's tokens; advances each request's look-back.
+        Image rows enter the look-back as -1: no n-gram reaches into or across an image span."""
         h = self.hasher
         ring = caches["ngram"][0]                     # [slots, R]: the compressed id of position p at p % R
         n1, R = h.n - 1, ring.shape[1]
         comp = h.compress(input_ids)
+        if image_mask is not None:
+            comp = comp.masked_fill(image_mask, -1)
         back = torch.arange(1, n1 + 1, device=positions.device)
         windows = torch.empty((len(input_ids), n1 + 1), dtype=torch.long, device=input_ids.device)
         for sl, p in spans_of(meta):
@@ -906,16 +955,25 @@ class DeepseekV41ForCausalLM(nn.Module):
                 ring[p.state_slot, positions[sl][-keep:] % R] = comp[sl][-keep:]
         return h(windows)
 
-    def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, caches, meta, images: ImageRows | None = None) -> torch.Tensor:
+        """`images`: the step's rows inside image spans take the given embeddings, are routed with `bias_vl` and
+        take no Engram write."""
         c = self.config
+        image_mask = None
+        if images is not None:
+            image_mask = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+            image_mask[images.rows] = True
         hashes = None
         if c.engram_layer_ids:
             if self.hasher is None:
                 raise RuntimeError("DeepSeek-V4.1 Engram layers need the n-gram hasher (attach_hasher)")
-            hashes = self._engram_hashes(input_ids, positions, caches, meta)
+            hashes = self._engram_hashes(input_ids, positions, caches, meta, image_mask)
         if self.capture_layers:
             self.captured = {}
-        streams = self.embed(input_ids).unsqueeze(1).repeat(1, c.hc_mult, 1)
+        tokens = self.embed(input_ids)
+        if images is not None:
+            tokens = tokens.index_copy(0, images.rows, images.embeds.to(tokens.dtype))
+        streams = tokens.unsqueeze(1).repeat(1, c.hc_mult, 1)
         pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=streams.device)
         pre_mix[:, 0] = 1.0
         shared = StepShared()
@@ -923,7 +981,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         rows = None
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
-                streams = layer.engram(streams, hashes[:, c.engram_layer_ids.index(i)])
+                streams = layer.engram(streams, hashes[:, c.engram_layer_ids.index(i)], image_mask)
             state = self.layer_state(caches, i)
             if i == split:          # YOCO: the decoder's global KV for every token, then only its own rows go on
                 layer.attn.close_all(layer.attn_norm(Block.collapse(streams, pre_mix)), positions, self.ropes,
@@ -937,10 +995,12 @@ class DeepseekV41ForCausalLM(nn.Module):
                 streams, pre_mix, positions = streams[rows], pre_mix[rows], positions[rows]
                 if hashes is not None:
                     hashes = hashes[rows]
+                if image_mask is not None:
+                    image_mask = image_mask[rows]
             if self.capture_layers and i in self.capture_layers:
                 self.captured[i] = streams.mean(dim=1)
             streams, pre_mix = layer(streams, pre_mix, positions, self.ropes, state, meta, shared,
-                                     close_groups=i != split)
+                                     close_groups=i != split, image_mask=image_mask)
         hidden = self.norm(Block.collapse(streams, pre_mix))
         if rows is None:
             return hidden

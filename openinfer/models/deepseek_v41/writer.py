@@ -24,7 +24,7 @@ def published_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tenso
     entry per routed expert (MXFP4 as uint8 bytes), bf16 for what the reference promotes to float32 on load
     (head, compressors, confidence head), float32 for mHC, sinks and the router bias."""
     out = {}
-    keep_fp32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.gate\.bias)$")
+    keep_fp32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|\.attn_sink|\.gate\.bias(_vl)?)$")
     for name, p in model.named_parameters():
         t = p.detach()
         m = re.match(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)(_scale)?$", name)
