@@ -85,7 +85,7 @@ class RayRanks:
         try:
             gpu = config.device.startswith("cuda")
             bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-            tp = config.tensor_parallel_size
+            tp = config.ranks_per_dp_group      # a DP group's TP x CP ranks, packed on one node
             tag = uuid.uuid4().hex[:8]
             self.groups = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                                            name=f"openinfer-{tag}-dp{d}")
