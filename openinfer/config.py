@@ -284,6 +284,9 @@ class EngineConfig:
         if self.context_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("context_parallel_size > 1 does not combine with tensor_parallel_size > 1 yet: use "
                              "context_parallel_size with data_parallel_size (and enable_expert_parallel)")
+        if self.context_parallel_size > 1 and self.v41_prefill_mode == "yoco":
+            raise ValueError("context_parallel_size > 1 runs v41_prefill_mode='exact' only (YOCO's decoder rows "
+                             "would need their own split)")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.enable_eplb and not self.enable_expert_parallel:

@@ -72,7 +72,14 @@ class ContextParallelStep:
     pieces: list[list[tuple[int, int, int]]]   # per chunk: (local query start, a, b) of this rank's pieces
     max_prefill_rows: int           # the most prefill rows any rank holds (the gather's padded size)
     order: torch.Tensor             # gathered (rank-major, padded) prefill rows -> the step's prefill rows
-    slot_mapping: torch.Tensor | None = None   # the whole step's cache slots (device), set by the runner
+    # the whole step as one process sees it (set by the runner): cache slots, positions and token ids on the
+    # device, its AttentionMetadata (models that run attention over the whole step: DeepSeek-V4/V4.1)
+    slot_mapping: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    chunks: list | None = None      # the whole step's PrefillChunks
+    meta: object = None
+    local_index: torch.Tensor | None = None    # local_rows on the device
 
     @classmethod
     def plan(cls, ctx: ParallelContext, num_decode: int, chunk_lens: list[int], device) -> "ContextParallelStep":
@@ -109,6 +116,12 @@ class ContextParallelStep:
                                             context_len=c.context_len - c.query_len + b)
                         for c, pieces in zip(chunks, self.pieces) for qs, a, b in pieces]
         return [ids[i] for i in self.local_rows.tolist()], pos[rows], slots[rows], local_chunks
+
+    def whole_step(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """`fn` over the whole step's rows (this rank's `x` gathered with the others'), then this rank's rows of
+        its result: a sublayer that must see every token of the step (DeepSeek's attention: windows, compressor
+        groups and indexer keys crossing piece boundaries) computed as one process would."""
+        return fn(self.gather(x)).index_select(0, self.local_index)
 
     @property
     def num_local(self) -> int:

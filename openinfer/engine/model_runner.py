@@ -241,7 +241,10 @@ class ModelRunner:
             # context parallelism: this rank runs the decode rows and its pieces of each chunk; the layers
             # exchange K/V, and the hidden rows are gathered back whole after the forward
             cp = ContextParallelStep.plan(self.parallel, len(dec_pos), [p.query_len for p in prefills], dev)
-            cp.slot_mapping = h2d(slots, dev)
+            cp.slot_mapping, cp.positions = h2d(slots, dev), h2d(pos, dev)
+            cp.input_ids, cp.local_index = h2d(torch.tensor(ids, dtype=torch.long), dev), h2d(
+                torch.from_numpy(cp.local_rows), dev)
+            cp.chunks = prefills
             ids, pos, slots, prefills = cp.localize(ids, pos, slots, prefills)
         graphs = self.decode_graphs
         graphable = cp is None and not prefills and graphs is not None and len(ids) <= graphs.largest
@@ -351,6 +354,9 @@ class ModelRunner:
                 meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
                 if offsets and any(offsets):
                     meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+        if context_parallel is not None:     # the whole step's metadata beside this rank's
+            context_parallel.meta = dataclasses.replace(meta, slot_mapping=context_parallel.slot_mapping,
+                                                        prefills=context_parallel.chunks, context_parallel=None)
         if layer_views is not None:
             full_slots, window_slots, window_prefills, window_tables = layer_views
             windowed = dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev), prefills=window_prefills)
@@ -360,6 +366,8 @@ class ModelRunner:
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
+            if context_parallel is not None:    # (decode rows: the same rows of the whole step)
+                context_parallel.input_ids[fixups[0]] = fixups[1]
         return self.model(input_ids, h2d(pos, dev), self.caches, meta)
 
 

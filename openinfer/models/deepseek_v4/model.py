@@ -709,8 +709,13 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams, input_ids, positions, rope, state, meta):
         post, comb, h = self.attn_hc(streams)
-        streams = HyperConnection.merge(streams, self.self_attn(self.input_layernorm(h), positions, rope, state, meta),
-                                        post, comb)
+        cp = meta.context_parallel
+        if cp is None:
+            attn = self.self_attn(self.input_layernorm(h), positions, rope, state, meta)
+        else:   # context parallelism: attention over the whole step (windows, compressors, indexer as one process)
+            attn = cp.whole_step(lambda x: self.self_attn(x, cp.positions, rope, state, cp.meta),
+                                 self.input_layernorm(h))
+        streams = HyperConnection.merge(streams, attn, post, comb)
         post, comb, h = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
 

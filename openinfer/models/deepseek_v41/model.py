@@ -584,8 +584,13 @@ class Block(nn.Module):
 
     def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True):
         pre, post, comb = self.mixes(streams, "attn")
-        h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
-                      close_groups)
+        cp = meta.context_parallel
+        if cp is None:
+            h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
+                          close_groups)
+        else:   # context parallelism: attention over the whole step (windows, compressors, indexer as one process)
+            h = cp.whole_step(lambda x: self.attn(x, cp.positions, ropes, state, cp.meta, shared, close_groups),
+                              self.attn_norm(self.collapse(streams, pre_mix)))
         streams = self.expand(h, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta)
@@ -912,7 +917,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         if c.engram_layer_ids:
             if self.hasher is None:
                 raise RuntimeError("DeepSeek-V4.1 Engram layers need the n-gram hasher (attach_hasher)")
-            hashes = self._engram_hashes(input_ids, positions, caches, meta)
+            cp = meta.context_parallel
+            if cp is None:
+                hashes = self._engram_hashes(input_ids, positions, caches, meta)
+            else:   # context parallelism: n-grams look back across piece boundaries; this rank's rows of the step's
+                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta
+                                             ).index_select(0, cp.local_index)
         if self.capture_layers:
             self.captured = {}
         streams = self.embed(input_ids).unsqueeze(1).repeat(1, c.hc_mult, 1)
