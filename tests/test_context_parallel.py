@@ -1,7 +1,7 @@
 """Context parallelism (distributed/context_parallel.py): the zigzag split covers every token once and balances
 causal attention work (asserted from the assignment); a step's rows gathered from every rank come back in the
 step's order; the ring exchange equals the all-gather; bad layouts fail before any worker starts; and through real
-worker processes (gloo), CP prefill equals one process (logits within 1e-4, fp32) for a Llama (CP2, every prompt
+worker processes (gloo), CP prefill equals one process (logits within 1e-4, fp32) for a Llama (CP4, every prompt
 row scored), DeepSeek-V4 (DP2 x CP2 + EP: world 4) and DeepSeek-V4.1 (CP2 + EP), over prompts whose lengths do not
 divide evenly, chunked prefill and prefix hits. One one-process engine and one CP engine per model, a few short
 requests each."""
@@ -25,7 +25,7 @@ from openinfer.models.llama.family import FAMILY as LLAMA
 from openinfer.models.olmo2.family import FAMILY as OLMO
 from openinfer.sampling_params import SamplingParams
 from tests.test_deepseek_v4 import make_v4, prompts_of
-from tests.test_models_tiny import make_tiny
+from tests.test_models_tiny import TINY
 from tests.test_parallel import V4_OPTS, assert_ranks_idle, assert_same_outputs, params
 
 
@@ -134,6 +134,36 @@ def test_bad_layouts_fail_by_name_before_any_worker_starts():
 LLAMA_OPTS = dict(device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
 
 
+def write_tiny_llama(path, smollm_dir):
+    """tests/test_models_tiny.py's tiny Llama shape, random weights written straight to safetensors (no
+    transformers import: seconds on a busy 2-core host)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    c = TINY
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
+              "lm_head.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
+                            ("self_attn.o_proj", (h, h)), ("mlp.gate_proj", (c["intermediate_size"], h)),
+                            ("mlp.up_proj", (c["intermediate_size"], h)), ("mlp.down_proj", (h, c["intermediate_size"])),
+                            ("input_layernorm", (h,)), ("post_attention_layernorm", (h,))):
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.1 * torch.randn(s, generator=g)
+               for k, s in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**c, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "rope_theta": 10000.0, "torch_dtype": "float32"}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / f, path / f)
+    return path
+
+
 def _llama_workload(llm: LLM):
     """Three uneven prompts together, every prompt row scored (prompt logprobs: each row's hidden state, whichever
     rank computed it), one cut into chunks; then two sharing a 23-token prefix (the second hits 20 cached)."""
@@ -164,12 +194,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_llama_cp2_equals_one_process_with_uneven_prompts_chunks_and_a_prefix_hit(tmp_path, smollm_dir, one_thread):
-    path = str(make_tiny(tmp_path, smollm_dir, "llama")[0])
+def test_llama_cp4_equals_one_process_with_uneven_prompts_chunks_and_a_prefix_hit(tmp_path, smollm_dir, one_thread):
+    path = str(write_tiny_llama(tmp_path / "llama", smollm_dir))
     one = LLM(path, **LLAMA_OPTS)
     ref = _llama_workload(one)
     one.shutdown()
-    llm = LLM(path, **LLAMA_OPTS, context_parallel_size=2)
+    llm = LLM(path, **LLAMA_OPTS, context_parallel_size=4)
     try:
         _compare(_llama_workload(llm), ref, cached_last=20)
         assert_ranks_idle(llm)
@@ -177,10 +207,10 @@ def test_llama_cp2_equals_one_process_with_uneven_prompts_chunks_and_a_prefix_hi
         llm.shutdown()
 
 
-def _ds_workload(llm: LLM):
-    """Three uneven prompts together (one in chunks), then two sharing a 70-token prefix (the second hits 64)."""
+def _ds_workload(llm: LLM, lengths=(9, 53, 30)):
+    """Uneven prompts together (one in chunks), then two sharing a 70-token prefix (the second hits 64)."""
     base = prompts_of(70, seed=11)[0]
-    batch = llm.generate(prompt_token_ids=prompts_of(9, 53, 30, seed=3), sampling_params=params(4), use_tqdm=False)
+    batch = llm.generate(prompt_token_ids=prompts_of(*lengths, seed=3), sampling_params=params(4), use_tqdm=False)
     return batch + [llm.generate(prompt_token_ids=[base + tail], sampling_params=params(4), use_tqdm=False)[0]
                     for tail in ([5, 6, 7], [9, 10, 11, 12, 13])]
 
@@ -205,11 +235,11 @@ def test_deepseek_v41_cp2_ep_equals_one_process(one_thread):
     opts = dict(device="cpu", kv_cache_dtype="float32", quantize_activations=False, block_size=32,
                 max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=48)
     one = LLM("deepseek-v41-tiny", **opts)
-    ref = _ds_workload(one)
+    ref = _ds_workload(one, (53,))
     one.shutdown()
     llm = LLM("deepseek-v41-tiny", **opts, context_parallel_size=2, enable_expert_parallel=True)
     try:
-        _compare(_ds_workload(llm), ref, cached_last=64)
+        _compare(_ds_workload(llm, (53,)), ref, cached_last=64)
         assert_ranks_idle(llm)
     finally:
         llm.shutdown()
