@@ -137,30 +137,7 @@ LLAMA_OPTS = dict(device="cpu", block_size=4, max_num_batched_tokens=32, max_num
 def write_tiny_llama(path, smollm_dir):
     """tests/test_models_tiny.py's tiny Llama shape, random weights written straight to safetensors (no
     transformers import: seconds on a busy 2-core host)."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-
-    c = TINY
-    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
-              "lm_head.weight": (c["vocab_size"], h)}
-    for i in range(c["num_hidden_layers"]):
-        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
-                            ("self_attn.o_proj", (h, h)), ("mlp.gate_proj", (c["intermediate_size"], h)),
-                            ("mlp.up_proj", (c["intermediate_size"], h)), ("mlp.down_proj", (h, c["intermediate_size"])),
-                            ("input_layernorm", (h,)), ("post_attention_layernorm", (h,))):
-            shapes[f"model.layers.{i}.{name}.weight"] = shape
-    g = torch.Generator().manual_seed(0)
-    tensors = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.1 * torch.randn(s, generator=g)
-               for k, s in shapes.items()}
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps({**c, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                  "rope_theta": 10000.0, "torch_dtype": "float32"}))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, path / f)
+    LLAMA.write_random_checkpoint({**TINY, "rope_theta": 10000.0}, path, std=0.1, tokenizer_dir=smollm_dir)
     return path
 
 

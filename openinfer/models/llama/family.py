@@ -51,6 +51,13 @@ class LlamaFamily(ModelFamily):
     def load(self, net: LlamaForCausalLM, model, config) -> None:
         net.load_weights(iter_safetensors(model.path, self._load_dtype(config)))
 
+    def write_random_checkpoint(self, hf_config: dict, out, seed: int = 0, std: float = 0.02,
+                                shard_bytes: int | None = None, tokenizer_dir=None) -> None:
+        """One float32 safetensors file under HF's names (`shard_bytes` is not used: one file)."""
+        from openinfer.models.llama.writer import write_checkpoint
+
+        write_checkpoint(hf_config, out, seed, std, tokenizer_dir)
+
     def finish(self, net: LlamaForCausalLM, model, config) -> LlamaForCausalLM:
         if config.quantization == "int4":
             from openinfer.layers.quantized import quantize_linears
