@@ -54,22 +54,23 @@ def _exchange_rank(rank: int, cp: int, port: int, rows: int, width: int, reps: i
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
     ctx = ParallelContext(world_size=cp, rank=rank, cp_size=cp, cp_rank=rank, cp_group=dist.new_group(list(range(cp))))
     x = torch.randn(rows, width)
-    out = {}
-    for name, fn in (("all_gather", cp_all_gather), ("ring", ring_all_gather)):
+    fns = {"all_gather": cp_all_gather, "ring": ring_all_gather}
+    times = {name: [] for name in fns}
+    for fn in fns.values():
         fn(x, ctx)
-        times = []
-        for _ in range(reps):
+    for i in range(reps):           # interleaved, so a busy host's drift weighs on both alike
+        for name in (("all_gather", "ring") if i % 2 else ("ring", "all_gather")):
             dist.barrier()
             t = time.perf_counter()
-            fn(x, ctx)
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times) * 1e3
+            fns[name](x, ctx)
+            times[name].append(time.perf_counter() - t)
+    out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     assert torch.equal(cp_all_gather(x, ctx), ring_all_gather(x, ctx))
     queue.put((rank, out))
     dist.destroy_process_group()
 
 
-def exchange(cp: int, tokens: int, width: int, reps: int = 30) -> dict:
+def exchange(cp: int, tokens: int, width: int, reps: int = 40) -> dict:
     """One layer's K/V exchange of a `tokens`-token chunk: each rank's tokens/cp rows of `width` floats."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _port()
@@ -151,7 +152,8 @@ def main() -> None:
                   date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
                   load_average_at_start=os.getloadavg(), model=MODEL, prompt_len=a.prompt_len)
     kv_width = 2 * MODEL["num_key_value_heads"] * MODEL["hidden_size"] // MODEL["num_attention_heads"]
-    result["exchange_ms_per_layer"] = {f"cp{cp}": exchange(cp, a.prompt_len, kv_width) for cp in cps if cp > 1}
+    result["exchange_ms_per_layer"] = {f"cp{cp}_{n}_tokens": exchange(cp, n, kv_width, reps=40)
+                                       for cp in cps if cp > 1 for n in (1024, a.prompt_len, 4 * a.prompt_len)}
     print(json.dumps(result["exchange_ms_per_layer"]), flush=True)
     result["attention_balance"] = {f"cp{cp}": balance(a.prompt_len, cp) for cp in cps if cp > 1}
     print(json.dumps(result["attention_balance"]), flush=True)
