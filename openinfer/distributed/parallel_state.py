@@ -3,8 +3,9 @@
 Layout (docs/parallelism.md): `world = data_parallel_size x context_parallel_size x tensor_parallel_size` ranks,
 rank `r = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank`. Tensor-parallel ranks of one DP group share requests
 and split every matrix; context-parallel ranks share requests and split a step's prefill tokens
-(distributed/context_parallel.py); data-parallel groups own their requests and KV pools. With expert parallelism the routed experts
-are split over all `world` ranks (the EP group is the world, as in vLLM and DeepInfer's attention-DP + EP).
+(distributed/context_parallel.py); data-parallel groups own their requests and KV pools. With expert parallelism
+the routed experts are split over all `world` ranks (the EP group is the world, as in vLLM and DeepInfer's
+attention-DP + EP).
 
 A `ParallelContext` is built once per process and handed to the model and the runner; nothing reads ranks
 from globals. `ParallelContext.single()` is the one-process context (every collective is the identity).
@@ -90,9 +91,10 @@ def init_parallel(dp_size: int, tp_size: int, enable_expert_parallel: bool, rank
                                                                       timeout=timeout)
     ep = enable_expert_parallel and world > 1
     return ParallelContext(world_size=world, rank=rank, dp_size=dp_size, dp_rank=dp_rank, tp_size=tp_size,
-                           tp_rank=tp_rank, cp_size=cp_size, cp_rank=cp_rank, ep_size=world if ep else 1, ep_rank=rank if ep else 0,
-                           num_redundant_experts=num_redundant_experts if ep else 0,
-                           tp_group=tp_group, cp_group=cp_group, ep_group=world_group if ep else None, cpu_group=cpu_group,
+                           tp_rank=tp_rank, cp_size=cp_size, cp_rank=cp_rank, ep_size=world if ep else 1,
+                           ep_rank=rank if ep else 0, num_redundant_experts=num_redundant_experts if ep else 0,
+                           tp_group=tp_group, cp_group=cp_group, ep_group=world_group if ep else None,
+                           cpu_group=cpu_group,
                            backend=backend, device=device)
 
 
