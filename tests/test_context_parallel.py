@@ -143,7 +143,8 @@ def write_tiny_llama(path, smollm_dir):
 
 def _llama_workload(llm: LLM):
     """Three uneven prompts together, every prompt row scored (prompt logprobs: each row's hidden state, whichever
-    rank computed it), one cut into chunks; then two sharing a 23-token prefix (the second hits 20 cached)."""
+    rank computed it), one cut into chunks; then two sharing a 23-token prefix (the second hits 20 cached); then a
+    prompt shorter than the CP size."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 49000, (n,), generator=g).tolist() for n in (13, 45, 7)]
     scored = SamplingParams(max_tokens=5, logprobs=0, prompt_logprobs=0, temperature=0, ignore_eos=True)
@@ -151,16 +152,18 @@ def _llama_workload(llm: LLM):
     batch = llm.generate(prompt_token_ids=prompts, sampling_params=scored, use_tqdm=False)
     first = llm.generate(prompt_token_ids=[base + [5, 6, 7]], sampling_params=params(5), use_tqdm=False)
     second = llm.generate(prompt_token_ids=[base + [9, 10, 11, 12, 13]], sampling_params=params(5), use_tqdm=False)
-    return batch + first + second
+    # alone, 3 tokens over 4 ranks: a rank without a row in the step still joins its exchanges
+    short = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params(3), use_tqdm=False)
+    return batch + first + second + short
 
 
-def _compare(outs, refs, cached_last: int) -> None:
+def _compare(outs, refs, cached_last: int, cached_at: int = -1) -> None:
     assert_same_outputs(outs, refs)
     for o, r in zip(outs, refs):
         if r.prompt_logprobs is not None:
             for a, b, t in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], r.prompt_token_ids[1:]):
                 assert abs(a[t].logprob - b[t].logprob) < 1e-4
-    assert outs[-1].num_cached_tokens == refs[-1].num_cached_tokens == cached_last
+    assert outs[cached_at].num_cached_tokens == refs[cached_at].num_cached_tokens == cached_last
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,7 @@ def test_llama_cp4_equals_one_process_with_uneven_prompts_chunks_and_a_prefix_hi
     one.shutdown()
     llm = LLM(path, **LLAMA_OPTS, context_parallel_size=4)
     try:
-        _compare(_llama_workload(llm), ref, cached_last=20)
+        _compare(_llama_workload(llm), ref, cached_last=20, cached_at=-2)
         assert_ranks_idle(llm)
     finally:
         llm.shutdown()

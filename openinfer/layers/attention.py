@@ -138,6 +138,8 @@ def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch
         q, k = rope(positions, q, k)
         kv = cp.gather(torch.stack((k, v), dim=1))
         backend.write(kv_cache, cp.slot_mapping, kv[:, 0], kv[:, 1], kv_scale)
+        if q.shape[0] == 0:        # a chunk shorter than 2·cp may leave this rank no row
+            return torch.empty_like(q)
         return backend.forward(q, k, v, kv_cache, meta.for_layer(window), scale, **extra)
     if getattr(backend, "applies_rotary", False):
         extra["rotary"] = (rope, positions)
