@@ -22,10 +22,14 @@ Where KV lands: in every CP rank's pool, whole (the CP ranks of a DP group share
 table, as TP ranks do). Decode then runs on each CP rank as on one process. The pool is not divided by CP: the
 cost is cp copies of the KV, the gain that decode needs no change and no exchange.
 
-Why all-gather and not a ring: measured on the CPU (benchmarks/cpu_context_parallel.py, BENCHMARKS.md), one
-all-gather of a layer's K/V beats cp − 1 ring steps of send/recv on gloo; a ring pays off when each step's
-transfer hides behind a block of attention (GPU, NVLink, long chunks) — `ring_all_gather` is the exchange such a
-kernel would use and is tested equal to the all-gather.
+Why all-gather and not a ring: measured on the CPU (benchmarks/cpu_context_parallel.py, BENCHMARKS.md), the two
+are even at CP2 and the all-gather takes 0.72-0.89x the ring's time at CP4 on gloo; it is also one collective. A
+ring pays off when each step's transfer hides behind a block of attention (GPU, NVLink, long chunks) —
+`ring_all_gather` is the exchange such a kernel would use and is tested equal to the all-gather.
+
+DeepSeek-V4/V4.1 (models/deepseek_v4, deepseek_v41): their attention's KV side (window ring, compressor groups,
+indexer keys) crosses piece boundaries, so its input rows are gathered and the KV side runs over the whole step on
+every rank; V4 then runs queries and attention on this rank's pieces, V4.1 the whole sublayer (`whole_step`).
 """
 
 from __future__ import annotations
