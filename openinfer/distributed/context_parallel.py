@@ -29,7 +29,7 @@ ring pays off when each step's transfer hides behind a block of attention (GPU, 
 
 DeepSeek-V4/V4.1 (models/deepseek_v4, deepseek_v41): their attention's KV side (window ring, compressor groups,
 indexer keys) crosses piece boundaries, so its input rows are gathered and the KV side runs over the whole step on
-every rank; V4 then runs queries and attention on this rank's pieces, V4.1 the whole sublayer (`whole_step`).
+every rank; queries, the indexer's picks and attention then run on this rank's pieces only (`query_spans`).
 """
 
 from __future__ import annotations
@@ -121,12 +121,6 @@ class ContextParallelStep:
                         for c, pieces in zip(chunks, self.pieces) for qs, a, b in pieces]
         return [ids[i] for i in self.local_rows.tolist()], pos[rows], slots[rows], local_chunks
 
-    def whole_step(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """`fn` over the whole step's rows (this rank's `x` gathered with the others'), then this rank's rows of
-        its result: a sublayer that must see every token of the step (DeepSeek's attention: windows, compressor
-        groups and indexer keys crossing piece boundaries) computed as one process would."""
-        return fn(self.gather(x)).index_select(0, self.local_index)
-
     @property
     def num_local(self) -> int:
         return len(self.local_rows)
@@ -168,3 +162,22 @@ def ring_all_gather(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
         out[(me - step) % cp] = recv
         block = recv
     return out.view(cp * x.shape[0], *x.shape[1:])
+
+
+def query_spans(meta, cp: ContextParallelStep | None, device) -> list[tuple[slice, slice, torch.Tensor | None, object]]:
+    """A step's attention spans for models whose KV side runs over the whole step (DeepSeek): per span — the decode
+    rows, then each prefill chunk of `meta` (the whole step's AttentionMetadata) — (its rows in the step, its
+    queries' rows, which of the span's rows query or None for all, its PrefillChunk or None). Without `cp` the
+    queries are the span's rows; with it a chunk's queries are this rank's pieces, consecutive in its rows."""
+    nd = meta.num_decode_tokens
+    spans = [(slice(0, nd), slice(0, nd), None, None)] if nd else []
+    for i, p in enumerate(meta.prefills):
+        sl = slice(p.query_start, p.query_start + p.query_len)
+        if cp is None:
+            spans.append((sl, sl, None, p))
+            continue
+        pieces = cp.pieces[i]
+        first = pieces[0][0] if pieces else nd
+        sel = torch.cat([torch.arange(a, b) for _, a, b in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+        spans.append((sl, slice(first, first + len(sel)), sel.to(device), p))
+    return spans

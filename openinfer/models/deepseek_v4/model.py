@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.collectives import tp_all_reduce
+from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
@@ -394,7 +395,7 @@ class DeepseekV4Attention(nn.Module):
                 index_rows = comp.indexer.rows(x, positions)
                 index_q = comp.indexer.queries(qx, q_residual, qcos, qsin)
         out = torch.empty_like(q)
-        for sl, qsl, sel, p in _query_spans(meta, cp, x.device):
+        for sl, qsl, sel, p in query_spans(meta, cp, x.device):
             groups = [self._window_keys(kv[sl], positions[sl], state["swa"], meta, p)]
             q_pos = positions[sl] if sel is None else positions[sl][sel]
             if comp is not None:
@@ -494,24 +495,6 @@ class DeepseekV4Attention(nn.Module):
         if p is None:
             return cache.view(-1, self.head_dim)[flat.gather(1, picked)], valid, None
         return cache.view(-1, self.head_dim)[flat], valid, picked
-
-
-def _query_spans(meta: AttentionMetadata, cp, device):
-    """(the span's rows, its queries' rows, which of the span's rows query (None: all), its chunk or None) for the
-    decode rows, then each prefill chunk. Without `cp` queries are the span's rows; with it (context
-    parallelism) a chunk's queries are this rank's pieces, consecutive in its rows (distributed/context_parallel.py)."""
-    spans = [(slice(0, meta.num_decode_tokens), slice(0, meta.num_decode_tokens), None, None)
-             ] if meta.num_decode_tokens else []
-    for i, p in enumerate(meta.prefills):
-        sl = slice(p.query_start, p.query_start + p.query_len)
-        if cp is None:
-            spans.append((sl, sl, None, p))
-            continue
-        pieces = cp.pieces[i]
-        first = pieces[0][0] if pieces else 0
-        sel = torch.cat([torch.arange(a, b) for _, a, b in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
-        spans.append((sl, slice(first, first + len(sel)), sel.to(device), p))
-    return spans
 
 
 def grouped_projection(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
