@@ -332,6 +332,11 @@ class Attention(nn.Module):
         publishes its blocks [T, N / candidate_block_size]; later index sources score inside them."""
         q, w = iq
         T, N, bs = q.shape[0], keys.shape[-2], self.cfg.candidate_block_size
+        if T == 0:          # context parallelism: this rank has no query in the span (it still closed its groups)
+            none = torch.zeros((0, min(self.cfg.index_topk, N)), dtype=torch.long, device=q.device)
+            if self.is_candidate_source:
+                shared.candidates[span] = torch.zeros((0, -(-N // bs)), dtype=torch.bool, device=q.device)
+            return none, none.bool()
         step = max(1, budget // (self.indexer.n_heads * N))
         picks, valid, blocks = [], [], []
         for i0 in range(0, T, step):
