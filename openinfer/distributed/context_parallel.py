@@ -77,7 +77,8 @@ class ContextParallelStep:
     max_prefill_rows: int           # the most prefill rows any rank holds (the gather's padded size)
     order: torch.Tensor             # gathered (rank-major, padded) prefill rows -> the step's prefill rows
     # the whole step as one process sees it (set by the runner): cache slots, positions and token ids on the
-    # device, its AttentionMetadata (models that run attention over the whole step: DeepSeek-V4/V4.1)
+    # device, its chunks and AttentionMetadata (for models whose attention's KV side runs over the whole step:
+    # DeepSeek-V4/V4.1, `query_spans`)
     slot_mapping: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
@@ -88,26 +89,28 @@ class ContextParallelStep:
     @classmethod
     def plan(cls, ctx: ParallelContext, num_decode: int, chunk_lens: list[int], device) -> "ContextParallelStep":
         cp, me = ctx.cp_size, ctx.cp_rank
-        rank_rows: list[list[int]] = [[] for _ in range(cp)]     # each rank's prefill rows, step-relative
+        rank_rows: list[list[np.ndarray]] = [[] for _ in range(cp)]     # each rank's prefill rows (step rows)
+        counts = [0] * cp
         mine: list[list[tuple[int, int, int]]] = []
         start = num_decode
         for n in chunk_lens:
-            split = zigzag_pieces(n, cp)
             here = []
-            for r in range(cp):
-                for a, b in split[r]:
+            for r, pieces in enumerate(zigzag_pieces(n, cp)):
+                for a, b in pieces:
                     if b > a:
                         if r == me:
-                            here.append((num_decode + len(rank_rows[r]), a, b))
-                        rank_rows[r].extend(range(start + a, start + b))
+                            here.append((num_decode + counts[r], a, b))
+                        rank_rows[r].append(np.arange(start + a, start + b))
+                        counts[r] += b - a
             mine.append(here)
             start += n
-        width = max(1, max(len(rows) for rows in rank_rows))
+        rows = [np.concatenate(r) if r else np.zeros(0, dtype=np.int64) for r in rank_rows]
+        width = max(1, *counts)
         # gathered position r * width + i holds rank r's i-th prefill row; order[j] = where step row num_decode+j is
         where = np.empty(start - num_decode, dtype=np.int64)
-        for r, rows in enumerate(rank_rows):
-            where[np.asarray(rows, dtype=np.int64) - num_decode] = r * width + np.arange(len(rows))
-        local = np.concatenate([np.arange(num_decode), np.asarray(rank_rows[me], dtype=np.int64)])
+        for r, own in enumerate(rows):
+            where[own - num_decode] = r * width + np.arange(len(own))
+        local = np.concatenate([np.arange(num_decode), rows[me]])
         return cls(ctx, num_decode, local, mine, width,
                    torch.from_numpy(where).to(device, non_blocking=True))
 
@@ -121,12 +124,8 @@ class ContextParallelStep:
                         for c, pieces in zip(chunks, self.pieces) for qs, a, b in pieces]
         return [ids[i] for i in self.local_rows.tolist()], pos[rows], slots[rows], local_chunks
 
-    @property
-    def num_local(self) -> int:
-        return len(self.local_rows)
-
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's rows [num_local, ...] -> the step's rows [num_decode + prefill rows, ...]: decode rows from
+        """This rank's rows [len(local_rows), ...] -> the step's rows [num_decode + prefill rows, ...]: decode rows from
         here (every rank has them), prefill rows all-gathered over the CP group and put back in step order."""
         d = self.num_decode
         mine = x[d:]
