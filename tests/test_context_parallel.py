@@ -2,9 +2,10 @@
 causal attention work (asserted from the assignment); a step's rows gathered from every rank come back in the
 step's order; the ring exchange equals the all-gather; bad layouts fail before any worker starts; and through real
 worker processes (gloo), CP prefill equals one process (logits within 1e-4, fp32) for a Llama (CP4, every prompt
-row scored), DeepSeek-V4 (DP2 x CP2 + EP: world 4) and DeepSeek-V4.1 (CP2 + EP), over prompts whose lengths do not
-divide evenly, chunked prefill and prefix hits. One one-process engine and one CP engine per model, a few short
-requests each."""
+row scored, and a prompt shorter than the CP size), DeepSeek-V4 (DP2 x CP2 + EP: world 4) and DeepSeek-V4.1 (CP2 +
+EP), over prompts whose lengths do not divide evenly, chunked prefill and prefix hits — DeepSeek's windows,
+compressor groups, indexer and Engram n-grams crossing the pieces' boundaries. One one-process engine and one CP
+engine per model, a few short requests each."""
 
 from __future__ import annotations
 
