@@ -209,6 +209,9 @@ class EngineConfig:
     data_parallel_size: int = _opt(1, "DP ranks, each with its own requests and KV pool (one process per rank)",
                                    aliases=["-dp"])
     tensor_parallel_size: int = _opt(1, "TP ranks per DP group", aliases=["-tp"])
+    context_parallel_size: int = _opt(1, "CP ranks per DP group: each step's prefill chunks are split over them "
+                                         "(balanced: each rank a front and a back piece), K/V all-gathered per "
+                                         "layer; decode runs whole on each (docs/parallelism.md)", aliases=["-cp"])
     enable_expert_parallel: bool = _opt(False, "MoE models: split the routed experts over all ranks (attention DP + "
                                                "EP, DeepInfer's layout)")
     enable_eplb: bool = _opt(False, "expert parallelism: rebalance experts by measured load (EPLB)")
@@ -289,10 +292,16 @@ class EngineConfig:
                              f"{self.structured_output_compile_timeout_s}")
         if self.prefill_step_budget_ms is not None and not self.prefill_step_budget_ms > 0:
             raise ValueError(f"prefill_step_budget_ms must be > 0, got {self.prefill_step_budget_ms}")
-        for name in ("data_parallel_size", "tensor_parallel_size", "eplb_window_steps",
+        for name in ("data_parallel_size", "tensor_parallel_size", "context_parallel_size", "eplb_window_steps",
                      "eplb_rebalance_interval_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.context_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("context_parallel_size > 1 does not combine with tensor_parallel_size > 1 yet: use "
+                             "context_parallel_size with data_parallel_size (and enable_expert_parallel)")
+        if self.context_parallel_size > 1 and self.v41_prefill_mode == "yoco":
+            raise ValueError("context_parallel_size > 1 runs v41_prefill_mode='exact' only (YOCO's decoder rows "
+                             "would need their own split)")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -416,7 +425,12 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size
+        return self.data_parallel_size * self.ranks_per_dp_group
+
+    @property
+    def ranks_per_dp_group(self) -> int:
+        """Ranks sharing one DP group's requests and schedule: its TP ranks times its CP ranks."""
+        return self.context_parallel_size * self.tensor_parallel_size
 
     @property
     def kv_store_enabled(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
+from openinfer.distributed.context_parallel import ContextParallelStep
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.cache_pool import CachePool
@@ -241,12 +242,22 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         window = self._window_inputs(order, prefills) if self.num_window_blocks else None
-        hidden, plan = None, None
+        hidden, plan, cp = None, None, None
+        if self.parallel.cp_size > 1 and prefills:
+            # context parallelism: this rank runs the decode rows and its pieces of each chunk; the layers
+            # exchange K/V, and the hidden rows are gathered back whole after the forward
+            cp = ContextParallelStep.plan(self.parallel, len(dec_pos), [p.query_len for p in prefills], dev)
+            cp.slot_mapping, cp.positions = h2d(slots, dev), h2d(pos, dev)
+            cp.input_ids, cp.local_index = h2d(torch.tensor(ids, dtype=torch.long), dev), h2d(
+                torch.from_numpy(cp.local_rows), dev)
+            cp.chunks = prefills
+            ids, pos, slots, prefills = cp.localize(ids, pos, slots, prefills)
         graphs = self.decode_graphs
         images = None
-        if image_rows:
+        if image_rows:      # (never with context parallelism: the multi-process executor refuses images)
             images = ImageRows(h2d(torch.tensor(image_rows), dev), torch.cat(image_embeds))
-        graphable = not prefills and images is None and graphs is not None and len(ids) <= graphs.largest
+        graphable = (cp is None and not prefills and images is None and graphs is not None
+                     and len(ids) <= graphs.largest)
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
@@ -259,7 +270,10 @@ class ModelRunner:
             views = self._layer_views(slots, pos, prefills, replays, window) if window is not None else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
-                                         layer_views=views, offsets=decode_offsets, images=images)
+                                         layer_views=views, offsets=decode_offsets, images=images,
+                                         context_parallel=cp)
+        if cp is not None:
+            hidden = cp.gather(hidden)
         if self.eplb is not None:
             self.eplb.after_forward()
         if capture:
@@ -337,11 +351,13 @@ class ModelRunner:
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
                        moe_valid: torch.Tensor | None = None, layer_views=None,
-                       offsets: list[int] | None = None, images: ImageRows | None = None) -> torch.Tensor:
+                       offsets: list[int] | None = None, images: ImageRows | None = None,
+                       context_parallel=None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
-                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid)
+                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid,
+                                 context_parallel=context_parallel)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
             meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
@@ -350,6 +366,9 @@ class ModelRunner:
                 meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
                 if offsets and any(offsets):
                     meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+        if context_parallel is not None:     # the whole step's metadata beside this rank's
+            context_parallel.meta = dataclasses.replace(meta, slot_mapping=context_parallel.slot_mapping,
+                                                        prefills=context_parallel.chunks, context_parallel=None)
         if layer_views is not None:
             full_slots, window_slots, window_prefills, window_tables = layer_views
             windowed = dataclasses.replace(meta, slot_mapping=h2d(window_slots, dev), prefills=window_prefills)
@@ -359,6 +378,8 @@ class ModelRunner:
         input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
+            if context_parallel is not None:    # (decode rows: the same rows of the whole step)
+                context_parallel.input_ids[fixups[0]] = fixups[1]
         if images is not None:
             return self.model(input_ids, h2d(pos, dev), self.caches, meta, images=images)
         return self.model(input_ids, h2d(pos, dev), self.caches, meta)

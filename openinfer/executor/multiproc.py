@@ -134,8 +134,8 @@ class MultiprocEngine:
         info = infos[0]
         self.model_config, self.max_model_len = info["model_config"], info["max_model_len"]
         self.kv_blocks_per_rank = info["num_blocks"]
-        tp = config.tensor_parallel_size
-        self._groups = [list(range(d * tp, (d + 1) * tp)) for d in range(config.data_parallel_size)]
+        g = config.ranks_per_dp_group       # a DP group's TP x CP ranks share its requests
+        self._groups = [list(range(d * g, (d + 1) * g)) for d in range(config.data_parallel_size)]
         self._ids = itertools.count()
         self._rank_busy = [False] * config.world_size
         self._rank_stats: list[dict] = [info["stats"] for info in infos]

@@ -85,15 +85,15 @@ class RayRanks:
         try:
             gpu = config.device.startswith("cuda")
             bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-            tp = config.tensor_parallel_size
+            per_group = config.ranks_per_dp_group      # a DP group's TP x CP ranks, packed on one node
             tag = uuid.uuid4().hex[:8]
-            self.groups = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
+            self.groups = [placement_group([dict(bundle) for _ in range(per_group)], strategy="STRICT_PACK",
                                            name=f"openinfer-{tag}-dp{d}")
                            for d in range(config.data_parallel_size)]
             self._wait_placed(bundle, deadline)
             actor_class = ray.remote(_RankActor)
             for rank in range(config.world_size):
-                group, index = divmod(rank, tp)
+                group, index = divmod(rank, per_group)
                 self.actors.append(actor_class.options(
                     name=f"openinfer-{tag}-rank{rank}", num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(

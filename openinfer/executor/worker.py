@@ -151,7 +151,8 @@ def _run(config, model, rank: int, init_method: str, conn, local_index: int, ran
         else:
             device = torch.device("cuda", local_index % max(1, torch.cuda.device_count()))
         ctx = init_parallel(config.data_parallel_size, config.tensor_parallel_size, config.enable_expert_parallel,
-                            rank, device, init_method, num_redundant_experts=config.num_redundant_experts)
+                            rank, device, init_method, num_redundant_experts=config.num_redundant_experts,
+                            cp_size=config.context_parallel_size)
         engine = LLMEngine(config, parallel=ctx, model=model)
         conn.send(("ready", {"model_config": engine.model_config, "max_model_len": engine.max_model_len,
                              "num_blocks": engine.kv_manager.num_blocks, "stats": engine.stats()}))
@@ -187,8 +188,8 @@ def _serve(engine, ctx, conn) -> None:
             try:
                 _add(engine, msg[1])
             except (ValueError, TypeError) as e:     # fails alone; the engine keeps serving
-                if ctx.tp_size > 1:
-                    # the group's other TP ranks may have taken it: their schedules would part (and their
+                if ctx.tp_size * ctx.cp_size > 1:
+                    # the group's other TP (or CP) ranks may have taken it: their schedules would part (and their
                     # collectives with them), so this is fatal for the engine, named by rank
                     raise
                 refused.append(_refusal(msg[1], e))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,9 @@ class AttentionMetadata:
     # layers) see it: the windowed layers read the window group's tables and slots (and, in a step with bounded
     # replay, kv_cache/bounded_replay.py, other slot mappings and chunks starting later); None: one view
     layer_views: tuple[AttentionMetadata, AttentionMetadata] | None = None
+    # context parallelism (distributed/context_parallel.py: ContextParallelStep): this rank holds some of the
+    # step's prefill rows; `attend` all-gathers the chunk's K/V and writes it whole before attending. None: off
+    context_parallel: Any = None
 
     def for_layer(self, window: int | None) -> AttentionMetadata:
         """This step's metadata for a layer with this window (None: full attention)."""
@@ -126,12 +129,22 @@ def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch
     `applies_rotary` (with the KV write, fused on Triton), else is applied here; the window and the FP8 scale
     cache are passed only when set (backends without window or FP8 support keep their signatures)."""
     extra = {} if window is None else {"window": window}
+    if kv_scale is not None:
+        extra["kv_scale"] = kv_scale
+    cp = meta.context_parallel
+    if cp is not None:
+        # context parallelism: every CP rank's rotated K/V of the step, written whole into this rank's pool, then
+        # this rank's queries attend (its own rows are written again, the same values)
+        q, k = rope(positions, q, k)
+        kv = cp.gather(torch.stack((k, v), dim=1))
+        backend.write(kv_cache, cp.slot_mapping, kv[:, 0], kv[:, 1], kv_scale)
+        if q.shape[0] == 0:        # a chunk shorter than 2·cp may leave this rank no row
+            return torch.empty_like(q)
+        return backend.forward(q, k, v, kv_cache, meta.for_layer(window), scale, **extra)
     if getattr(backend, "applies_rotary", False):
         extra["rotary"] = (rope, positions)
     else:
         q, k = rope(positions, q, k)
-    if kv_scale is not None:
-        extra["kv_scale"] = kv_scale
     return backend.forward(q, k, v, kv_cache, meta.for_layer(window), scale, **extra)
 
 

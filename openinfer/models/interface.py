@@ -132,7 +132,11 @@ class ModelFamily:
     def check_layout(self, cfg, hf: dict, config: EngineConfig) -> None:
         """Raise ValueError naming the constraint if the parallel layout of `config` cannot run this model (before
         any rank starts loading). The base refuses expert parallelism for models without routed experts and
-        checks the expert count for those with them (`routed_experts`)."""
+        checks the expert count for those with them (`routed_experts`), and refuses context parallelism for
+        families that do not declare it (`context_parallel`)."""
+        if config.context_parallel_size > 1 and not self.context_parallel:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: {self.name} models do not run "
+                             f"context parallelism (Llama-family and DeepSeek-V4/V4.1 do)")
         if config.enable_expert_parallel:
             experts = self.routed_experts(cfg)
             if experts is None:
@@ -205,6 +209,7 @@ class ModelFamily:
                              f"({str(config.torch_dtype).removeprefix('torch.')})")
 
     # what check_options reads (a family's traits that hold before a model exists)
+    context_parallel: bool = False    # splits prefill chunks over context_parallel_size ranks (check_layout)
     prefill_modes: tuple[str, ...] = ("exact",)
     fp8_kv_cache: bool = False
     fp8_kv_hint: str = ""

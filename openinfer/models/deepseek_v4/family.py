@@ -38,6 +38,7 @@ class DeepseekV4Family(ModelFamily):
     name = "DeepSeek-V4"
     vocabulary = "deepseek-v4"
     tiny_models = {"deepseek-v4-tiny": TinyModel(DEEPSEEK_V4_TINY_CONFIG, "a tiny DeepSeek-V4", seed=0, version=2)}
+    context_parallel = True    # attention over the whole step on every CP rank, the rest split (model.py)
 
     def matches(self, hf: dict) -> bool:
         return hf.get("model_type") == "deepseek_v4"

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.collectives import tp_all_reduce
+from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
@@ -371,13 +372,20 @@ class DeepseekV4Attention(nn.Module):
             if layer_type == CSA:
                 self.compressor.indexer = Indexer(cfg, self.ratio)
 
-    def forward(self, x, positions, rope: InterleavedRope, state: dict, meta: AttentionMetadata):
-        T = x.shape[0]
+    def forward(self, x, positions, rope: InterleavedRope, state: dict, meta: AttentionMetadata, cp=None):
+        """`cp` (context parallelism, distributed/context_parallel.py: ContextParallelStep): `x`, `positions` and
+        `meta` are the whole step's; the KV side (window ring, compressors, indexer keys) runs on every row as one
+        process does, queries and their attention only on this rank's rows, whose outputs are returned."""
         cos, sin = rope.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))
+        qx, qcos, qsin = x, cos, sin
+        if cp is not None:
+            mine = cp.local_index
+            qx, q_residual, qcos, qsin = x[mine], q_residual[mine], cos[mine], sin[mine]
+        T = qx.shape[0]
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim),
                                 self.cfg.rms_norm_eps)
-        q = apply_rope(q, cos[:, None], sin[:, None])
+        q = apply_rope(q, qcos[:, None], qsin[:, None])
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         comp = self.compressor
         rows = index_rows = index_q = None
@@ -385,18 +393,22 @@ class DeepseekV4Attention(nn.Module):
             rows = comp.rows(x, positions)
             if self.layer_type == CSA:
                 index_rows = comp.indexer.rows(x, positions)
-                index_q = comp.indexer.queries(x, q_residual, cos, sin)
+                index_q = comp.indexer.queries(qx, q_residual, qcos, qsin)
         out = torch.empty_like(q)
-        spans = ([(slice(0, meta.num_decode_tokens), None)] if meta.num_decode_tokens else []) + \
-            [(slice(p.query_start, p.query_start + p.query_len), p) for p in meta.prefills]
-        for sl, p in spans:
+        for sl, qsl, sel, p in query_spans(meta, cp, x.device):
             groups = [self._window_keys(kv[sl], positions[sl], state["swa"], meta, p)]
+            q_pos = positions[sl] if sel is None else positions[sl][sel]
             if comp is not None:
                 groups.append(self._compressed_keys(
                     positions[sl], rows[sl], None if index_rows is None else index_rows[sl],
-                    None if index_q is None else (index_q[0][sl], index_q[1][sl]), rope, state, meta, p))
-            out[sl] = self._attend(q[sl], groups, banded=p is not None)
-        o = apply_rope(out, cos[:, None], -sin[:, None]).reshape(T, self.o_groups, -1)
+                    None if index_q is None else (index_q[0][qsl], index_q[1][qsl]), rope, state, meta, p, q_pos))
+            if sel is not None:         # this rank's queries of the chunk: their rows of the window mask
+                keys, mask, picks = groups[0]
+                groups[0] = (keys, mask[sel], picks)
+            if q_pos.numel():
+                out[qsl] = self._attend(q[qsl], groups, banded=p is not None and sel is None)
+        o = apply_rope(out, qcos[:, None], -qsin[:, None]).reshape(T, self.o_groups,
+                                                                   self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
     def _attend(self, q, groups, banded: bool, query_block: int = 512):
@@ -451,11 +463,13 @@ class DeepseekV4Attention(nn.Module):
         ring[positions[-keep:] % R] = kv[-keep:].to(ring.dtype)
         return keys, mask, None
 
-    def _compressed_keys(self, positions, rows, index_rows, index_q, rope, state, meta, p):
+    def _compressed_keys(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None):
+        """`q_pos`: the positions of the queries that read the entries (context parallelism: this rank's rows of
+        the chunk); None: every row's."""
         comp, r = self.compressor, self.ratio
         cache = state["kv"]
         epb = cache.shape[1]
-        num_closed = (positions + 1) // r
+        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
             if self.layer_type == HCA:      # (a recurrence over positions: a verify step's rows need their offsets)
@@ -709,8 +723,12 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams, input_ids, positions, rope, state, meta):
         post, comb, h = self.attn_hc(streams)
-        streams = HyperConnection.merge(streams, self.self_attn(self.input_layernorm(h), positions, rope, state, meta),
-                                        post, comb)
+        cp = meta.context_parallel
+        if cp is None:
+            attn = self.self_attn(self.input_layernorm(h), positions, rope, state, meta)
+        else:   # context parallelism: the KV side over the whole step's rows, the queries over this rank's
+            attn = self.self_attn(cp.gather(self.input_layernorm(h)), cp.positions, rope, state, cp.meta, cp)
+        streams = HyperConnection.merge(streams, attn, post, comb)
         post, comb, h = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
 

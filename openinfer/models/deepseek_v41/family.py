@@ -58,6 +58,7 @@ class DeepseekV41Family(ModelFamily):
                                                   "published formats", seed=0, version=2)}
     quantization_hint = " (their published FP8/MXFP4 formats load as they are)"
     prefill_modes = ("exact", "yoco")
+    context_parallel = True    # attention over the whole step on every CP rank, the rest split (model.py)
     fp8_kv_hint = (" (DeepSeek-V4.1: kv_cache_dtype='auto' keeps its own FP8/FP4 cache formats, the model dtype "
                    "keeps its caches unquantized)")
 

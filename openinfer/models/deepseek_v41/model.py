@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
@@ -242,27 +243,36 @@ class Attention(nn.Module):
 
     # -- forward over the step's spans
     def forward(self, x, positions, ropes, state: dict, meta: AttentionMetadata, shared: StepShared,
-                close_groups: bool = True):
-        """`close_groups` False: this step's compressed groups were already closed (`close_all`, YOCO)."""
-        T = x.shape[0]
+                close_groups: bool = True, cp=None):
+        """`close_groups` False: this step's compressed groups were already closed (`close_all`, YOCO). `cp`
+        (context parallelism, distributed/context_parallel.py): `x`, `positions` and `meta` are the whole step's;
+        the KV side (window ring, compressor groups, indexer keys) runs on every row as one process does, queries,
+        the indexer's picks and attention only on this rank's rows, whose outputs are returned."""
         rope = ropes["compress" if self.ratio else "main"]
         cos, sin = rope.cos_sin(positions, torch.float32)
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        qx, qcos, qsin = (x, cos, sin) if cp is None else (x[cp.local_index], cos[cp.local_index], sin[cp.local_index])
+        qr = self.q_norm(self.wq_a(qx))
+        T = qr.shape[0]
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), qcos[:, None], qsin[:, None])
         kv_stored = state["codecs"]["swa"].encode(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype)      # as every later step reads them
         rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
-        iq = self.indexer.queries(x, qr, cos, sin, self.quantized_caches) if self.is_index_source else None
+        iq = self.indexer.queries(qx, qr, qcos, qsin, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
-        for span, (sl, p) in enumerate(spans_of(meta)):
+        for span, (sl, qsl, sel, p) in enumerate(query_spans(meta, cp, x.device)):
             sub = (lambda t: None if t is None else t[sl])
             win = self._window(kv[sl], kv_stored[sl], positions[sl], state, meta, p)
+            if sel is not None:         # this rank's queries of the chunk: their rows of the window's columns
+                win = (win[0], win[1][sel], win[2][sel])
             comp = None
             if self.ratio:
-                comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][sl], iq[1][sl]),
-                                        x[sl], rope, state, meta, p, shared, span, close_groups)
-            out[sl] = self._attend(q[sl], win, comp)
-        o = apply_rope(out, cos[:, None], -sin[:, None]).view(T, self.cfg.o_groups, -1)
+                comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][qsl], iq[1][qsl]),
+                                        x[sl], rope, state, meta, p, shared, span, close_groups,
+                                        None if sel is None else positions[sl][sel])
+            if q[qsl].shape[0]:
+                out[qsl] = self._attend(q[qsl], win, comp)
+        o = apply_rope(out, qcos[:, None], -qsin[:, None]).view(T, self.cfg.o_groups,
+                                                                self.n_heads * self.head_dim // self.cfg.o_groups)
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
 
@@ -293,13 +303,14 @@ class Attention(nn.Module):
         return keys, kpos - (start - W), valid
 
     def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int,
-                    close_groups: bool = True):
+                    close_groups: bool = True, q_pos=None):
         """(keys, valid, picks) of the compressed entries this span's queries attend to: the KV source first
         closes the groups its new tokens complete (entries + index keys into the paged caches), then the index
-        source scores (or the picks of the latest one are reused)."""
+        source scores (or the picks of the latest one are reused). `q_pos`: the queries' positions when they are
+        some of the span's rows (context parallelism), else None."""
         r = self.ratio
         ckv, cidx = cache_rows(state["ckv"]), state.get("cidx")
-        num_closed = (positions + 1) // r
+        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables = meta.decode_block_tables
             n = max(meta.max_decode_context_len // r, 1)
@@ -324,6 +335,11 @@ class Attention(nn.Module):
         publishes its blocks [T, N / candidate_block_size]; later index sources score inside them."""
         q, w = iq
         T, N, bs = q.shape[0], keys.shape[-2], self.cfg.candidate_block_size
+        if T == 0:          # context parallelism: this rank has no query in the span (it still closed its groups)
+            none = torch.zeros((0, min(self.cfg.index_topk, N)), dtype=torch.long, device=q.device)
+            if self.is_candidate_source:
+                shared.candidates[span] = torch.zeros((0, -(-N // bs)), dtype=torch.bool, device=q.device)
+            return none, none.bool()
         step = max(1, budget // (self.indexer.n_heads * N))
         picks, valid, blocks = [], [], []
         for i0 in range(0, T, step):
@@ -595,8 +611,13 @@ class Block(nn.Module):
     def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True,
                 image_mask: torch.Tensor | None = None):
         pre, post, comb = self.mixes(streams, "attn")
-        h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
-                      close_groups)
+        cp = meta.context_parallel
+        if cp is None:
+            h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
+                          close_groups)
+        else:   # context parallelism: the KV side over the whole step's rows, the queries over this rank's
+            h = self.attn(cp.gather(self.attn_norm(self.collapse(streams, pre_mix))), cp.positions, ropes, state,
+                          cp.meta, shared, close_groups, cp)
         streams = self.expand(h, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta, image_mask)
@@ -967,7 +988,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         if c.engram_layer_ids:
             if self.hasher is None:
                 raise RuntimeError("DeepSeek-V4.1 Engram layers need the n-gram hasher (attach_hasher)")
-            hashes = self._engram_hashes(input_ids, positions, caches, meta, image_mask)
+            cp = meta.context_parallel
+            if cp is None:
+                hashes = self._engram_hashes(input_ids, positions, caches, meta, image_mask)
+            else:   # context parallelism (never with images: the multi-process executor refuses them): n-grams
+                # look back across piece boundaries; this rank's rows of the step's
+                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta
+                                             ).index_select(0, cp.local_index)
         if self.capture_layers:
             self.captured = {}
         tokens = self.embed(input_ids)

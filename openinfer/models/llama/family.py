@@ -14,6 +14,7 @@ class LlamaFamily(ModelFamily):
     name = "Llama-family"
     takes_int4 = True          # weight-only int4 linears on the CPU; a Q4_1 GGUF keeps its 4-bit grid
     fp8_kv_cache = True
+    context_parallel = True    # attention through layers.attention.attend (its K/V exchange), no windows
 
     def matches(self, hf: dict) -> bool:
         return hf.get("model_type", "llama") in SUPPORTED_MODEL_TYPES
@@ -28,6 +29,10 @@ class LlamaFamily(ModelFamily):
     def check_layout(self, cfg: LlamaConfig, hf: dict, config) -> None:
         super().check_layout(cfg, hf, config)
         cfg.check_tensor_parallel(config.tensor_parallel_size)   # whole heads, equal MLP and vocabulary slices
+        if config.context_parallel_size > 1 and any(cfg.window_layers):
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: sliding-window layers "
+                             f"({hf.get('model_type')!r}, sliding_window={cfg.sliding_window}) are not wired for "
+                             f"context parallelism (their window group has its own slots)")
 
     @staticmethod
     def _load_dtype(config) -> torch.dtype:
@@ -45,6 +50,13 @@ class LlamaFamily(ModelFamily):
 
     def load(self, net: LlamaForCausalLM, model, config) -> None:
         net.load_weights(iter_safetensors(model.path, self._load_dtype(config)))
+
+    def write_random_checkpoint(self, hf_config: dict, out, seed: int = 0, std: float = 0.02,
+                                shard_bytes: int | None = None, tokenizer_dir=None) -> None:
+        """One float32 safetensors file under HF's names (`shard_bytes` is not used: one file)."""
+        from openinfer.models.llama.writer import write_checkpoint
+
+        write_checkpoint(hf_config, out, seed, std, tokenizer_dir)
 
     def finish(self, net: LlamaForCausalLM, model, config) -> LlamaForCausalLM:
         if config.quantization == "int4":
