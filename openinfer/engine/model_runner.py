@@ -92,7 +92,8 @@ class ModelRunner:
         # the prefix-KV store's side (the engine gives it the store's tiers)
         self.store = StoreIO(self.pool, config.kv_store_ttl_s)
         # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
-        self.step_sync = StepSync(self.parallel) if self.parallel.ep_size > 1 else None
+        self.step_sync = (StepSync(self.parallel, config.resolved_step_sync_channel) if self.parallel.ep_size > 1
+                          else None)
         self.eplb = None
         if self.step_sync is not None:
             from openinfer.distributed.eplb_controller import EplbController

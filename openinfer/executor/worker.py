@@ -209,6 +209,7 @@ def _serve(engine, ctx, conn) -> None:
             stats["worker_step_s"] = step_s
             if engine.runner.step_sync is not None:
                 stats["step_sync_s"] = engine.runner.step_sync.wait_s
+                stats["step_sync_rounds"] = engine.runner.step_sync.rounds
             conn.send(("ok", (outputs, engine.has_unfinished_requests(), stats)))
         elif kind == "touch":
             engine.touch_cache_pages()
