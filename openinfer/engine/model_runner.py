@@ -25,6 +25,7 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.distributed.expert_parallel import step_exchange
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.cache_pool import CachePool
 from openinfer.engine.cuda_graphs import DecodeGraphs, pad_tables
@@ -239,9 +240,11 @@ class ModelRunner:
         hidden, plan = None, None
         graphs = self.decode_graphs
         graphable = not prefills and graphs is not None and len(ids) <= graphs.largest
+        exchange = None
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
+            exchange = self._exchange(plan)
         captured = None
         if graphable:
             hidden, captured = graphs.replay(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
@@ -251,9 +254,9 @@ class ModelRunner:
             views = self._layer_views(slots, pos, prefills, replays, window) if window is not None else None
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
-                                         layer_views=views, offsets=decode_offsets)
+                                         layer_views=views, offsets=decode_offsets, moe_exchange=exchange)
         if self.eplb is not None:
-            self.eplb.after_forward()
+            self.eplb.after_forward(summed=exchange is not None and exchange.dispatch == "all_to_all")
         if capture:
             out.captured = self.model.captured if captured is None else captured
 
@@ -280,6 +283,7 @@ class ModelRunner:
         plan = self.step_sync.exchange(0, 0)
         if not plan.any_work:
             return
+        exchange = self._exchange(plan)
         if plan.graph_batch and self.decode_graphs is not None:
             self.decode_graphs.replay([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
                                       min_batch=plan.graph_batch)
@@ -287,8 +291,16 @@ class ModelRunner:
             self._eager_forward([0], torch.zeros(1, dtype=torch.long), torch.tensor([self.pool.scratch_slot]),
                                 [[self.num_blocks]], [1], [], None, [self.num_state_slots],
                                 moe_rows=plan.max_tokens, moe_valid=torch.zeros((), dtype=torch.long,
-                                                                                device=self.device))
-        self.eplb.after_forward()
+                                                                                device=self.device),
+                                moe_exchange=exchange)
+        self.eplb.after_forward(summed=exchange.dispatch == "all_to_all")
+
+    def _exchange(self, plan):
+        """The step's MoE exchange (all ranks pick alike: from agreed values); a graph replay's is its bucket's."""
+        if plan.graph_batch and self.decode_graphs is not None:
+            return self.decode_graphs.exchange_for(self.decode_graphs.bucket_of(plan.graph_batch))
+        return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap, self.parallel.ep_size,
+                             plan.max_tokens)
 
     def _window_inputs(self, order, prefills: list[PrefillChunk]):
         """The windowed layers' inputs (kv_cache/window_group.py): slots, decode tables and prefill chunks from the
@@ -329,11 +341,11 @@ class ModelRunner:
     def _eager_forward(self, ids, pos, slots, decode_tables, decode_lens, prefills, fixups=None,
                        decode_state_slots=None, moe_rows: int | None = None,
                        moe_valid: torch.Tensor | None = None, layer_views=None,
-                       offsets: list[int] | None = None) -> torch.Tensor:
+                       offsets: list[int] | None = None, moe_exchange=None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
-                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid)
+                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid, moe_exchange=moe_exchange)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
             meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
