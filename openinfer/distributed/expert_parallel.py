@@ -97,24 +97,33 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     (moe_rows_per_rank, moe_valid_rows, moe_communicate: the lockstep sizes the runner agreed on;
     moe_exchange: which dispatch, and whether two micro-batches overlap, `MoeExchange`).
 
-    Two-batch overlap (`micro_batches=2`): the R rows per rank split in two fixed halves (the same on every
-    rank); the second half's dispatch is in flight while the first half's experts compute, and the first half's
-    combine while the second's compute (asynchronous collectives: on NCCL its stream, waited on by the compute
-    stream through events, no host wait; on gloo its threads). Each row's arithmetic is the same as in one
-    batch (its replica choice follows its place in the rank-major layout, not its micro-batch)."""
+    Micro-batches: a step of R >= TBO_MIN_ROWS rows per rank runs its exchange and experts in two fixed halves
+    (`split_rows`, the same on every rank), with or without two-batch overlap, so that overlap changes no bit:
+    CPU and GPU GEMM libraries pick kernels by the row count, so a half's expert GEMMs round differently from the
+    whole's (1 ulp, measured), and the halves must be the same computation either way. With two-batch overlap
+    (`micro_batches=2`) the second half's dispatch is in flight while the first half's experts compute, and the
+    first half's combine while the second's compute (asynchronous collectives: on NCCL its stream, waited on by
+    the compute stream through events, no host wait; on gloo its threads); without, each half's collectives are
+    waited for in turn. Each row's replica choice follows its place in the rank-major layout of the whole step,
+    not its half."""
     T = x.shape[0]
     R = meta.moe_rows_per_rank or T
     exchange = meta.moe_exchange or MoeExchange()
     if meta.moe_valid_rows is not None:
         experts = torch.where(torch.arange(T, device=x.device)[:, None] < meta.moe_valid_rows, experts, -1)
     path = AllToAll if exchange.dispatch == "all_to_all" else AllGather
-    halves = split_rows(R, exchange.micro_batches)
+    halves = split_rows(R)
     packed = pack_rows(x, experts, weights, R)
-    # the dispatches go out first; each half's experts run as soon as its rows arrive
-    flights = [path.dispatch(packed, x, o, n, R, routing, ctx, meta.moe_communicate) for o, n in halves]
-    combines = [path.combine(f, routed, routing, ctx, meta.moe_communicate) for f in flights]
-    out = torch.cat([path.finish(c) for c in combines]) if len(combines) > 1 else path.finish(combines[0])
-    return out[:T]
+    comm = meta.moe_communicate
+    if exchange.micro_batches == 2:
+        # the dispatches go out first; each half's experts run as soon as its rows arrive
+        flights = [path.dispatch(packed, x, o, n, R, routing, ctx, comm) for o, n in halves]
+        combines = [path.combine(f, routed, routing, ctx, comm) for f in flights]
+        outs = [path.finish(c) for c in combines]
+    else:
+        outs = [path.finish(path.combine(path.dispatch(packed, x, o, n, R, routing, ctx, comm), routed, routing,
+                                         ctx, comm)) for o, n in halves]
+    return (torch.cat(outs) if len(outs) > 1 else outs[0])[:T]
 
 
 class MoeExchange:
@@ -138,9 +147,12 @@ def step_exchange(dispatch: str, two_batch_overlap: bool, ep_size: int, rows_per
     return MoeExchange(pick_dispatch(dispatch, ep_size, rows_per_rank), 2 if two_batch_overlap else 1)
 
 
-def split_rows(R: int, micro_batches: int) -> list[tuple[int, int]]:
-    """(offset, rows) of each micro-batch of R rows per rank: one, or two halves (one when R < 2)."""
-    if micro_batches < 2 or R < 2:
+TBO_MIN_ROWS = 32     # rows per rank from which a step runs in two halves (below, nothing worth overlapping)
+
+
+def split_rows(R: int) -> list[tuple[int, int]]:
+    """(offset, rows) of each micro-batch of R rows per rank: two halves from TBO_MIN_ROWS on, else one."""
+    if R < TBO_MIN_ROWS:
         return [(0, R)]
     first = (R + 1) // 2
     return [(0, first), (first, R - first)]
