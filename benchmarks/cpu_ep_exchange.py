@@ -94,11 +94,14 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
         for _ in range(20):
             fn()
         dist.barrier()
-        t = time.perf_counter()
-        n = 500
-        for _ in range(n):
+        times = []
+        for _ in range(500):
+            t = time.perf_counter()
             fn()
-        results.append({"what": "agreement", "channel": name, "ep": world, "us": 1e6 * (time.perf_counter() - t) / n})
+            times.append(time.perf_counter() - t)
+        times.sort()
+        results.append({"what": "agreement", "channel": name, "ep": world, "us_p50": 1e6 * times[len(times) // 2],
+                        "us_p90": 1e6 * times[9 * len(times) // 10], "us_mean": 1e6 * sum(times) / len(times)})
     # the exchange alone
     for H, k, E, R in jobs:
         spr = E // world
@@ -119,11 +122,13 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
             for _ in range(3):
                 outs[dispatch] = expert_parallel_moe(x, experts, weights, routing, routed, meta, ctx)
             dist.barrier()
-            reps = max(3, int(2e6 // (R * H * world)))
-            t = time.perf_counter()
+            reps = max(5, int(2e6 // (R * H * world)))
+            times = []
             for _ in range(reps):
+                t = time.perf_counter()
                 expert_parallel_moe(x, experts, weights, routing, routed, meta, ctx)
-            ms = 1e3 * (time.perf_counter() - t) / reps
+                times.append(time.perf_counter() - t)
+            ms = 1e3 * sorted(times)[len(times) // 2]        # median: robust to a rank descheduled on shared cores
             row_bytes = H * 2 + 8 * k
             sent = (world - 1) * R * row_bytes + (world - 1) * R * H * 2    # both paths: padded to R per peer
             # what a sparse all-to-all would send: each row once to each other rank it needs, and back
@@ -132,7 +137,7 @@ def _rank(rank: int, world: int, port: int, jobs: list, out) -> None:
             need[:, rank] = False
             sparse = int(need.sum()) * (row_bytes + H * 2)
             results.append({"what": "exchange", "dispatch": dispatch, "ep": world, "hidden": H, "top_k": k,
-                            "experts": E, "rows_per_rank": R, "ms_per_layer": ms, "bytes_sent_per_rank": sent,
+                            "experts": E, "rows_per_rank": R, "ms_per_layer_p50": ms, "bytes_sent_per_rank": sent,
                             "sparse_bytes_per_rank": sparse})
         assert torch.allclose(outs["all_gather"].float(), outs["all_to_all"].float(), rtol=1e-2)
     shm.close()

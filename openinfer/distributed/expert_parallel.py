@@ -117,12 +117,12 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     comm = meta.moe_communicate
     if exchange.micro_batches == 2:
         # the dispatches go out first; each half's experts run as soon as its rows arrive
-        flights = [path.dispatch(packed, x, o, n, R, routing, ctx, comm) for o, n in halves]
-        combines = [path.combine(f, routed, routing, ctx, comm) for f in flights]
+        flights = [path.dispatch(packed, x, o, n, R, routing, ctx, comm, True) for o, n in halves]
+        combines = [path.combine(f, routed, routing, ctx, comm, True) for f in flights]
         outs = [path.finish(c) for c in combines]
     else:
-        outs = [path.finish(path.combine(path.dispatch(packed, x, o, n, R, routing, ctx, comm), routed, routing,
-                                         ctx, comm)) for o, n in halves]
+        outs = [path.finish(path.combine(path.dispatch(packed, x, o, n, R, routing, ctx, comm, False), routed,
+                                         routing, ctx, comm, False)) for o, n in halves]
     return (torch.cat(outs) if len(outs) > 1 else outs[0])[:T]
 
 
@@ -193,15 +193,15 @@ class AllGather:
     top-6 routing a token needs both ranks 97% of the time, so this moves what two all-to-alls would."""
 
     @staticmethod
-    def dispatch(packed, x, o, n, R, routing, ctx, communicate):
+    def dispatch(packed, x, o, n, R, routing, ctx, communicate, overlap):
         part = packed[o:o + n]
         if not communicate:           # the warm-up before a graph capture: same shapes, no collective
             return part.repeat(ctx.ep_size, 1), None, (x.dtype, x.shape[1], o, n, R)
-        everyone, work = ep_all_gather(part, ctx, async_op=True)
+        everyone, work = ep_all_gather(part, ctx, async_op=True) if overlap else (ep_all_gather(part, ctx), None)
         return everyone, work, (x.dtype, x.shape[1], o, n, R)
 
     @staticmethod
-    def combine(flight, routed, routing, ctx, communicate):
+    def combine(flight, routed, routing, ctx, communicate, overlap):
         everyone, work, (dtype, H, o, n, R) = flight
         _wait(work)
         k = (everyone.shape[1] - H * torch.empty((), dtype=dtype).element_size()) // 8
@@ -211,7 +211,7 @@ class AllGather:
         partial = routed(xa, routing.local_slots(ea, rows), wa)
         if not communicate:
             return partial[ctx.ep_rank * n:(ctx.ep_rank + 1) * n], None
-        return ep_reduce_scatter(partial, ctx, async_op=True)
+        return ep_reduce_scatter(partial, ctx, async_op=True) if overlap else (ep_reduce_scatter(partial, ctx), None)
 
     @staticmethod
     def finish(combine):
@@ -225,7 +225,7 @@ class AllToAll:
     capacity per destination; partial sums come back the same way and add up on the row's rank."""
 
     @staticmethod
-    def dispatch(packed, x, o, n, R, routing, ctx, communicate):
+    def dispatch(packed, x, o, n, R, routing, ctx, communicate, overlap):
         H, dtype = x.shape[1], x.dtype
         nx = H * x.element_size()
         k = (packed.shape[1] - nx) // 8
@@ -237,18 +237,18 @@ class AllToAll:
         send, index = dispatch_layout(part, phys, routing.slots_per_rank, ctx.ep_size, capacity=n)
         if not communicate:
             return send, None, index, (dtype, H, k)
-        recv, work = ep_all_to_all(send, ctx, async_op=True)
+        recv, work = ep_all_to_all(send, ctx, async_op=True) if overlap else (ep_all_to_all(send, ctx), None)
         return recv, work, index, (dtype, H, k)
 
     @staticmethod
-    def combine(flight, routed, routing, ctx, communicate):
+    def combine(flight, routed, routing, ctx, communicate, overlap):
         recv, work, index, (dtype, H, k) = flight
         _wait(work)
         xa, pa, wa = unpack_rows(recv, dtype, H, k)
         partial = routed(xa, routing.local_of(pa), wa)
         if not communicate:
             return partial, None, index
-        back, work = ep_all_to_all(partial, ctx, async_op=True)
+        back, work = ep_all_to_all(partial, ctx, async_op=True) if overlap else (ep_all_to_all(partial, ctx), None)
         return back, work, index
 
     @staticmethod
