@@ -127,7 +127,8 @@ def test_dispatch_layout_sends_each_row_once_to_each_rank_it_needs():
 
 
 def test_settings_are_checked_and_split_is_fixed():
-    assert pick_dispatch("auto", 2, 8) == "all_gather" and pick_dispatch("all_to_all", 2, 8) == "all_to_all"
+    assert pick_dispatch("auto", 2, 8, "gloo") == "all_gather" and pick_dispatch("auto", 4, 8, "gloo") == "all_to_all"
+    assert pick_dispatch("auto", 8, 8, "nccl") == "all_gather" and pick_dispatch("all_to_all", 2, 8, "nccl") == "all_to_all"
     assert split_rows(TBO_MIN_ROWS + 1) == [(0, TBO_MIN_ROWS // 2 + 1), (TBO_MIN_ROWS // 2 + 1, TBO_MIN_ROWS // 2)]
     assert split_rows(TBO_MIN_ROWS - 1) == [(0, TBO_MIN_ROWS - 1)]
     from openinfer.config import EngineConfig

@@ -27,17 +27,19 @@ import torch
 DISPATCHES = ("all_gather", "all_to_all")
 
 
-def pick_dispatch(setting: str, ep_size: int, rows_per_rank: int) -> str:
+def pick_dispatch(setting: str, ep_size: int, rows_per_rank: int, backend: str) -> str:
     """The exchange for a step: `setting` ("auto", "all_gather" or "all_to_all", `EngineConfig.moe_dispatch`),
-    the EP size and the step's agreed rows per rank (every rank passes the same values, so every rank picks the
-    same). auto: all-gather — with padded capacity the all-to-all moves the same bytes and measured slower on the
-    CPU at EP2 and EP4 (BENCHMARKS.md, "MoE dispatch"); kept as the rule's single place to change when a
-    sparser all-to-all lands."""
+    the EP size, the step's agreed rows per rank and the collectives' backend (every rank passes the same values,
+    so every rank picks the same). auto, from what was measured (BENCHMARKS.md, "Expert parallelism on the CPU"):
+    with gloo, all-to-all from EP4 on (1.4-2x faster per layer at 1, 16 and 128 rows: gloo's all-gather and
+    reduce-scatter walk a ring of ep - 1 steps, its all-to-all exchanges pairwise), all-gather at EP2 (neither
+    wins consistently: the bytes are the same); with NCCL the all-gather until the GPU sweep
+    (benchmarks/gpu_deepseek_v4_ep.py, which reports both) has measured the all-to-all."""
     if setting in DISPATCHES:
         return setting
     if setting != "auto":
         raise ValueError(f"moe_dispatch must be auto, all_gather or all_to_all, got {setting!r}")
-    return "all_gather"
+    return "all_to_all" if backend == "gloo" and ep_size >= 4 else "all_gather"
 
 
 def dispatch_layout(rows: torch.Tensor, phys: torch.Tensor, slots_per_rank: int, ep_size: int, capacity: int):

@@ -141,10 +141,11 @@ class MoeExchange:
         return f"MoeExchange({self.dispatch!r}, micro_batches={self.micro_batches})"
 
 
-def step_exchange(dispatch: str, two_batch_overlap: bool, ep_size: int, rows_per_rank: int) -> MoeExchange:
+def step_exchange(dispatch: str, two_batch_overlap: bool, ep_size: int, rows_per_rank: int,
+                  backend: str) -> MoeExchange:
     """The exchange of a step whose ranks agreed on `rows_per_rank` (EngineConfig.moe_dispatch and
     two_batch_overlap; the same on every rank)."""
-    return MoeExchange(pick_dispatch(dispatch, ep_size, rows_per_rank), 2 if two_batch_overlap else 1)
+    return MoeExchange(pick_dispatch(dispatch, ep_size, rows_per_rank, backend), 2 if two_batch_overlap else 1)
 
 
 TBO_MIN_ROWS = 32     # rows per rank from which a step runs in two halves (below, nothing worth overlapping)

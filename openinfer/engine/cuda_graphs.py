@@ -92,7 +92,7 @@ class DecodeGraphs:
     def exchange_for(self, b: int):
         """Expert parallelism: the MoE exchange bucket `b` is captured with (every rank picks the same)."""
         return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap,
-                             self.config.world_size, b)       # (with expert parallelism the EP group is the world)
+                             self.config.world_size, b, "nccl")   # (EP: the EP group is the world; graphs: CUDA)
 
     def capture(self, b: int, context: int) -> None:
         """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without

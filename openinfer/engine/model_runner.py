@@ -300,7 +300,7 @@ class ModelRunner:
         if plan.graph_batch and self.decode_graphs is not None:
             return self.decode_graphs.exchange_for(self.decode_graphs.bucket_of(plan.graph_batch))
         return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap, self.parallel.ep_size,
-                             plan.max_tokens)
+                             plan.max_tokens, self.parallel.backend)
 
     def _window_inputs(self, order, prefills: list[PrefillChunk]):
         """The windowed layers' inputs (kv_cache/window_group.py): slots, decode tables and prefill chunks from the
