@@ -73,6 +73,9 @@ def test_all_to_all_at_world_size_2_equals_one_process(ep2_a2a, reference):
     per_rank = llm.engine.stats()["per_rank"]
     # every step agreed through shared memory (all ranks on this host), and its host time is reported
     assert all(r["step_sync_rounds"] > 0 and r["step_sync_s"] >= 0 for r in per_rank)
+    # each rank counted its own rows' expert load; summed after every step, so EPLB sees the same on all ranks
+    loads = [r["moe_expert_load"] for r in per_rank]
+    assert loads[0] == loads[1] and sum(loads[0]) > 0
 
 
 def test_two_batch_overlap_is_bit_for_bit_the_one_batch_output(ep2_a2a):
