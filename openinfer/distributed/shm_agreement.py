@@ -10,6 +10,8 @@ words) has seen every rank's round s + 1, so every rank has finished reading rou
 
 Waiting polls, then yields, then sleeps in growing steps (up to 0.2 ms): ranks usually arrive within microseconds
 of each other at a steady decode step, and a rank waiting for a long prefill elsewhere must leave the cores to it.
+While it sleeps it checks every 50 ms that the ranks it waits for are alive, and raises if one has exited (as a
+gloo collective fails with "Connection closed by peer"), so the front end hears from every rank.
 
 Values must fit in 32 bits (non-negative). Rank 0 creates the segment and hands its name to the others over the
 gloo group once, at start; after everyone attached it unlinks the name (nothing is left in /dev/shm even if a rank
@@ -45,7 +47,9 @@ class ShmMaxAgreement:
             # (attaching registers the name with the resource tracker too: the ranks, forked from one fork
             # server, share one tracker, and rank 0's unlink below unregisters it for all)
             shm = shared_memory.SharedMemory(name=name[0])
-        dist.barrier(group=group)
+        pids = [None] * world_size
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        self._pids = pids
         if rank == 0:
             shm.unlink()
         self._shm = shm
@@ -64,8 +68,10 @@ class ShmMaxAgreement:
             words[self.rank, i] = tag | v
         spins = 0
         delay = 0.0
+        next_check = None
         while True:
-            if int((words >> _ROUND_SHIFT).min()) >= s:      # every rank's words are this round's
+            rounds = words >> _ROUND_SHIFT
+            if int(rounds.min()) >= s:                       # every rank's words are this round's
                 break
             spins += 1
             if spins < 200:
@@ -75,7 +81,23 @@ class ShmMaxAgreement:
                 continue
             delay = min(2e-4, delay * 2 if delay else 5e-6)
             time.sleep(delay)
+            now = time.monotonic()
+            if next_check is None:
+                next_check = now + 0.05
+            elif now >= next_check:
+                next_check = now + 0.05
+                self._check_alive([r for r in range(self.world) if int(rounds[r].min()) < s])
         return [int(x) for x in (words & _VALUE_MASK).max(axis=0)]
+
+    def _check_alive(self, waiting_for: list[int]) -> None:
+        for r in waiting_for:
+            try:
+                os.kill(self._pids[r], 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"rank {r} (pid {self._pids[r]}) exited while rank {self.rank} waited for it "
+                                   f"in the step agreement (shared memory)") from None
+            except PermissionError:
+                pass
 
     def close(self) -> None:
         self._words = None
