@@ -295,8 +295,13 @@ class EngineConfig:
                               ("moe_dispatch", ("auto", "all_gather", "all_to_all"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.two_batch_overlap and not self.enable_expert_parallel:
-            raise ValueError("two_batch_overlap needs enable_expert_parallel (it overlaps the MoE exchanges)")
+        if not self.enable_expert_parallel:
+            unused = [f"{name}={value!r}" for name, value, default in (
+                ("two_batch_overlap", self.two_batch_overlap, False), ("moe_dispatch", self.moe_dispatch, "auto"),
+                ("step_sync_channel", self.step_sync_channel, "auto")) if value != default]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} need enable_expert_parallel (they set the MoE exchanges and "
+                                 f"the step agreement of expert-parallel ranks)")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (EPLB places experts across EP ranks)")
         if self.num_redundant_experts and not self.enable_eplb:

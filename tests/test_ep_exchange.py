@@ -135,6 +135,11 @@ def test_settings_are_checked_and_split_is_fixed():
     assert split_rows(TBO_MIN_ROWS + 1) == [(0, TBO_MIN_ROWS // 2 + 1), (TBO_MIN_ROWS // 2 + 1, TBO_MIN_ROWS // 2)]
     assert split_rows(TBO_MIN_ROWS - 1) == [(0, TBO_MIN_ROWS - 1)]
     from openinfer.config import EngineConfig
-    for bad in (dict(moe_dispatch="deepep"), dict(step_sync_channel="nccl"), dict(two_batch_overlap=True)):
+    for bad in (dict(moe_dispatch="deepep"), dict(step_sync_channel="nccl"), dict(two_batch_overlap=True),
+                dict(moe_dispatch="all_to_all"), dict(step_sync_channel="gloo")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(device="cpu", **bad)
+    with pytest.raises(ValueError, match="shm"):
+        EngineConfig(device="cpu", data_parallel_size=2, enable_expert_parallel=True, step_sync_channel="shm",
+                     num_local_ranks=1, worker_listen_address="127.0.0.1:29600", distributed_init_method="tcp://a:1",
+                     worker_authkey="k")
