@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from openinfer.distributed.collectives import ep_all_reduce
 from openinfer.distributed.eplb import (ExpertPlacement, LoadWindow, apply_moves, moe_lb, num_physical_experts,
                                         rank_loads, rebalance)
-from openinfer.distributed.collectives import ep_all_reduce
 from openinfer.distributed.expert_parallel import ExpertRouting
 from openinfer.distributed.parallel_state import ParallelContext
 

@@ -18,6 +18,8 @@ rows and EplbController sums the counts over the ranks after the step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -126,19 +128,12 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     return (torch.cat(outs) if len(outs) > 1 else outs[0])[:T]
 
 
+@dataclass(frozen=True)
 class MoeExchange:
     """A step's choice of MoE exchange (the runner picks it from agreed values, so every rank picks the same):
     `dispatch` "all_gather" or "all_to_all", `micro_batches` 1 or 2 (two-batch overlap)."""
-    __slots__ = ("dispatch", "micro_batches")
-
-    def __init__(self, dispatch: str = "all_gather", micro_batches: int = 1):
-        self.dispatch, self.micro_batches = dispatch, micro_batches
-
-    def __eq__(self, other) -> bool:
-        return (self.dispatch, self.micro_batches) == (other.dispatch, other.micro_batches)
-
-    def __repr__(self) -> str:
-        return f"MoeExchange({self.dispatch!r}, micro_batches={self.micro_batches})"
+    dispatch: str = "all_gather"
+    micro_batches: int = 1
 
 
 def step_exchange(dispatch: str, two_batch_overlap: bool, ep_size: int, rows_per_rank: int,

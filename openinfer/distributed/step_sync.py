@@ -23,8 +23,6 @@ import torch.distributed as dist
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.shm_agreement import ShmMaxAgreement
 
-CHANNELS = ("auto", "shm", "gloo")
-
 
 @dataclass
 class StepPlan:

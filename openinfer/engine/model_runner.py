@@ -24,8 +24,8 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
-from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.expert_parallel import step_exchange
+from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.cache_pool import CachePool
 from openinfer.engine.cuda_graphs import DecodeGraphs, pad_tables
