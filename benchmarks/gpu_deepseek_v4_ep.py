@@ -11,8 +11,13 @@ all requests of a concurrency level submitted at once): output tok/s per GPU, TT
 the experts the step's tokens touch among this GPU's, its requests' KV / measured copy bandwidth) and the
 roofline output rate (tokens per step / floor). Writes JSON to $OUT (or benchmarks/results/).
 
+The sweep runs once per MoE exchange variant (`--dispatch` x `--tbo`: all-gather or padded all-to-all, two-batch
+overlap off or on; one engine each), and reports per variant the host time each rank spent agreeing on the
+step's shape (`--step-sync-channel`: shm, the default on one host, or gloo) per step.
+
     python benchmarks/gpu_deepseek_v4_ep.py --tokenizer-json PATH [--gpus 2] [--layers 43]
         [--concurrency 1,8,32,128] [--input-len 8192] [--output-len 1024] [--eplb]
+        [--dispatch all_gather,all_to_all] [--tbo off,on] [--step-sync-channel shm]
 """
 
 from __future__ import annotations
@@ -126,6 +131,10 @@ def main() -> None:
     ap.add_argument("--eplb-interval", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--dispatch", default="all_gather,all_to_all", help="MoE exchanges to sweep (EngineConfig."
+                                                                       "moe_dispatch values)")
+    ap.add_argument("--tbo", default="off,on", help="two-batch overlap settings to sweep")
+    ap.add_argument("--step-sync-channel", default="auto", choices=["auto", "shm", "gloo"])
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,20 +160,38 @@ def main() -> None:
                         expert_share=1.0 / args.gpus)
     max_len = args.input_len + args.output_len + 128
     max_c = max(int(c) for c in args.concurrency.split(","))
+    result["sweep"] = []
+    for dispatch in args.dispatch.split(","):
+        for tbo in args.tbo.split(","):
+            if not run_variant(args, path, floor, max_len, max_c, dispatch, tbo == "on", result, save):
+                return
+
+
+def agreement_per_rank(llm: LLM) -> list[tuple[float, int]]:
+    return [(s.get("step_sync_s", 0.0), s.get("step_sync_rounds", 0)) for s in llm.engine.stats()["per_rank"]]
+
+
+def run_variant(args, path, floor, max_len, max_c, dispatch: str, tbo: bool, result, save) -> bool:
+    """One engine with this exchange; its sweep points appended to result["sweep"]. False on an error."""
     t0 = time.perf_counter()
     llm = LLM(str(path), load_format="dummy", data_parallel_size=args.gpus, enable_expert_parallel=True,
               enable_eplb=args.eplb, eplb_window_steps=args.eplb_interval,
               eplb_rebalance_interval_steps=args.eplb_interval, max_model_len=max_len,
-              max_num_seqs=max(1, max_c // args.gpus), max_num_batched_tokens=args.max_num_batched_tokens)
-    result["startup_s"] = time.perf_counter() - t0
+              max_num_seqs=max(1, max_c // args.gpus), max_num_batched_tokens=args.max_num_batched_tokens,
+              moe_dispatch=dispatch, two_batch_overlap=tbo, step_sync_channel=args.step_sync_channel)
+    variant = {"dispatch": dispatch, "two_batch_overlap": tbo, "step_sync_channel": args.step_sync_channel}
+    result.setdefault("startup_s", {})[f"{dispatch}/tbo={'on' if tbo else 'off'}"] = time.perf_counter() - t0
     mem = llm.engine.call_ranks("memory_stats")
     result["per_gpu"] = mem
-    print("startup", result["startup_s"], json.dumps(mem), flush=True)
+    print("startup", variant, result["startup_s"], json.dumps(mem), flush=True)
     save()
-    result["sweep"] = []
     try:
         for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-            row = sweep_point(llm, c, args.input_len, args.output_len, args.gpus, floor, seed=i)
+            before = agreement_per_rank(llm)
+            row = {**variant, **sweep_point(llm, c, args.input_len, args.output_len, args.gpus, floor, seed=i)}
+            after = agreement_per_rank(llm)
+            row["agreement_ms_per_step_per_rank"] = [1e3 * (a[0] - b[0]) / max(1, a[1] - b[1])
+                                                     for a, b in zip(after, before)]
             row["moe_lb_per_rank"] = [s.get("moe_lb") for s in llm.engine.stats()["per_rank"]]
             result["sweep"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "floor_detail"}), flush=True)
@@ -172,9 +199,11 @@ def main() -> None:
     except Exception:
         result["error"] = traceback.format_exc()
         print(result["error"], flush=True)
+        return False
     finally:
         llm.shutdown()
         save()
+    return True
 
 
 if __name__ == "__main__":

@@ -219,6 +219,17 @@ class EngineConfig:
                                          "divide by the EP size)")
     eplb_window_steps: int = _opt(1000, "EPLB: steps of load statistics (the spec's decode value)")
     eplb_rebalance_interval_steps: int = _opt(10000, "EPLB: steps between rebalances")
+    step_sync_channel: str = _opt(
+        "auto", "expert parallelism: how ranks agree on each step's shape: shm (shared memory, every rank on this "
+                "host), gloo (a host all-reduce over TCP) or auto (shm when every rank is local)",
+        choices=["auto", "shm", "gloo"])
+    moe_dispatch: str = _opt(
+        "auto", "expert parallelism: the MoE token exchange: all_gather (every rank sees every token; "
+                "reduce-scatter back), all_to_all (each token only to the ranks of its experts, fixed padded "
+                "capacity per destination) or auto (the engine picks per EP size and batch; docs/parallelism.md)",
+        choices=["auto", "all_gather", "all_to_all"])
+    two_batch_overlap: bool = _opt(False, "expert parallelism: split a step's rows into two micro-batches whose "
+                                          "MoE exchanges overlap the other's compute (outputs identical)")
     distributed_executor_backend: str = _opt(
         "mp", "how the ranks of a multi-rank engine start: mp (one process per rank on this host, plus `openinfer "
               "worker` ranks on other hosts) or ray (one Ray actor per rank, placed by placement groups on the Ray "
@@ -304,6 +315,17 @@ class EngineConfig:
                              "would need their own split)")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        for name, allowed in (("step_sync_channel", ("auto", "shm", "gloo")),
+                              ("moe_dispatch", ("auto", "all_gather", "all_to_all"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not self.enable_expert_parallel:
+            unused = [f"{name}={value!r}" for name, value, default in (
+                ("two_batch_overlap", self.two_batch_overlap, False), ("moe_dispatch", self.moe_dispatch, "auto"),
+                ("step_sync_channel", self.step_sync_channel, "auto")) if value != default]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} need enable_expert_parallel (they set the MoE exchanges and "
+                                 f"the step agreement of expert-parallel ranks)")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (EPLB places experts across EP ranks)")
         if self.num_redundant_experts and not self.enable_eplb:
@@ -388,6 +410,9 @@ class EngineConfig:
         elif self.worker_listen_address is not None:
             raise ValueError("worker_listen_address is only used with ranks on other hosts "
                              f"(num_local_ranks < world size {self.world_size})")
+        if self.step_sync_channel == "shm" and self.local_ranks < self.world_size:
+            raise ValueError("step_sync_channel='shm' needs every rank on this host (shared memory); with ranks on "
+                             "other hosts or under Ray use 'gloo' or 'auto'")
         if self.world_size > 1:
             if self.device.startswith("cuda") and self.local_ranks > torch.cuda.device_count():   # (none under Ray)
                 raise ValueError(f"{self.local_ranks} ranks on this host need as many GPUs; torch sees "
@@ -460,6 +485,13 @@ class EngineConfig:
         if self.uses_ray:
             return 0
         return self.world_size if self.num_local_ranks is None else self.num_local_ranks
+
+    @property
+    def resolved_step_sync_channel(self) -> str:
+        """`step_sync_channel`, with auto resolved: shared memory when the front end spawns every rank here."""
+        if self.step_sync_channel != "auto":
+            return self.step_sync_channel
+        return "shm" if self.local_ranks == self.world_size else "gloo"
 
     @property
     def resolved_worker_authkey(self) -> str | None:

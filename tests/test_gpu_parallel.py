@@ -115,4 +115,9 @@ def test_tp2_llama_follows_one_process(tmp_path):
     two.shutdown()
     gap = _max_gap(ref, got)
     print(f"TP2 vs one process: prompt logprob gap {gap:.4f} (one process, batch reordered: {noise:.4f})")
-    assert gap < max(0.05, 4 * noise)
+    # TP rounds each rank's partial sums of o_proj and down_proj to bf16 before the all-reduce adds them (one
+    # process rounds the fp32 accumulation once): on this model (weights x4) that alone moves prompt logprobs by
+    # 0.048 (HF, one process, the two GEMMs split as TP2 splits them), and TP2 on the CPU with gloo by 0.063 while
+    # its fp32 gap is 3e-6 (benchmarks/cpu_tp2_bf16_gap.py, 2026-12-02); measured 0.058 on 2 x H200. Noise, not a
+    # bug: the bound is 1.5x the largest measured
+    assert gap < max(0.1, 4 * noise)

@@ -26,20 +26,45 @@ def tp_all_gather(x: torch.Tensor, ctx: ParallelContext, dim: int = -1) -> torch
     return _all_gather(x, ctx.tp_size, ctx.tp_group, dim)
 
 
-def ep_all_gather(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """[T, ...] on each EP rank -> [ep_size * T, ...], rank-major (every rank passes the same T)."""
+def ep_all_gather(x: torch.Tensor, ctx: ParallelContext, async_op: bool = False):
+    """[T, ...] on each EP rank -> [ep_size * T, ...], rank-major (every rank passes the same T). `async_op`:
+    (output, work) with the collective in flight (work None for a group of one)."""
     if ctx.ep_size == 1:
-        return x
-    return _all_gather(x, ctx.ep_size, ctx.ep_group, 0)
+        return (x, None) if async_op else x
+    if not async_op:
+        return _all_gather(x, ctx.ep_size, ctx.ep_group, 0)
+    x = x.contiguous()
+    out = x.new_empty((ctx.ep_size * x.shape[0], *x.shape[1:]))
+    return out, _gather(out, x, group=ctx.ep_group, async_op=True)
 
 
-def ep_reduce_scatter(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """[ep_size * T, ...] partial sums on each EP rank -> this rank's [T, ...] slice of their sum."""
+def ep_reduce_scatter(x: torch.Tensor, ctx: ParallelContext, async_op: bool = False):
+    """[ep_size * T, ...] partial sums on each EP rank -> this rank's [T, ...] slice of their sum. `async_op`: as
+    `ep_all_gather`."""
     if ctx.ep_size == 1:
-        return x
+        return (x, None) if async_op else x
     out = x.new_empty((x.shape[0] // ctx.ep_size, *x.shape[1:]))
-    _reduce_scatter(out, x.contiguous(), group=ctx.ep_group)
-    return out
+    work = _reduce_scatter(out, x.contiguous(), group=ctx.ep_group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def ep_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Sum over the EP group, in place."""
+    if ctx.ep_size > 1:
+        dist.all_reduce(x, group=ctx.ep_group)
+    return x
+
+
+def ep_all_to_all(x: torch.Tensor, ctx: ParallelContext, async_op: bool = False):
+    """[ep_size * C, ...] on each EP rank, block d for rank d -> [ep_size * C, ...], block s from rank s (equal
+    blocks). `async_op`: (output, work) with the collective in flight; else the output."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if ctx.ep_size == 1:
+        out.copy_(x)
+        return (out, None) if async_op else out
+    work = dist.all_to_all_single(out, x, group=ctx.ep_group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _all_gather(x: torch.Tensor, n: int, group, dim: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from openinfer.distributed.collectives import ep_all_reduce
 from openinfer.distributed.eplb import (ExpertPlacement, LoadWindow, apply_moves, moe_lb, num_physical_experts,
                                         rank_loads, rebalance)
 from openinfer.distributed.expert_parallel import ExpertRouting
@@ -46,7 +47,11 @@ class EplbController:
         for i, m in enumerate(self.moes):
             m.routing.set_replicas(table[i].to(self.loads.device), count[i].to(self.loads.device))
 
-    def after_forward(self) -> None:
+    def after_forward(self, summed: bool = False) -> None:
+        """`summed`: the step's exchange was all-to-all, where each rank counted its own rows: sum the counts over
+        the ranks first (one small device all-reduce), so every rank records — and decides on — the same."""
+        if summed:
+            ep_all_reduce(self.loads, self.ctx)
         self.window.record(self.loads)
         self.loads.zero_()
         self.num_forwards += 1

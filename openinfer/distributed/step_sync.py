@@ -2,7 +2,8 @@
 
 Each EP rank schedules its own requests, yet MoE layers exchange tokens with every other rank, so all
 ranks must run a forward in the same steps with the same exchange sizes. Before each forward the ranks
-agree, in one all-reduce (MAX) of four host integers over the gloo group (no device sync):
+agree, in one all-reduce (MAX) of four host integers (no device sync) — through shared memory when every rank
+is on this host (`shm_agreement.py`: microseconds), else over the gloo group (a TCP round trip):
 - whether any rank has work (if none, nobody runs);
 - the rows each rank passes to the MoE exchange: the step's largest token count;
 - whether every rank can replay a decode CUDA graph, and then the largest decode batch, so all replay
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from openinfer.distributed.parallel_state import ParallelContext
+from openinfer.distributed.shm_agreement import ShmMaxAgreement
 
 
 @dataclass
@@ -30,21 +32,29 @@ class StepPlan:
 
 
 class StepSync:
-    def __init__(self, ctx: ParallelContext):
+    def __init__(self, ctx: ParallelContext, channel: str = "gloo"):
+        """`channel`: "shm" (every rank on this host) or "gloo"; collective (every rank builds it together)."""
+        if channel not in ("shm", "gloo"):
+            raise ValueError(f"step agreement channel must be 'shm' or 'gloo', got {channel!r}")
         self.ctx = ctx
+        self.channel = channel
         self._buf = torch.zeros(4, dtype=torch.long)
+        self._shm = ShmMaxAgreement(ctx.rank, ctx.world_size, 4, ctx.cpu_group) if channel == "shm" else None
         self.wait_s = 0.0        # host time spent agreeing (includes waiting for slower ranks)
+        self.rounds = 0
 
     def exchange(self, num_tokens: int, graph_batch: int | None) -> StepPlan:
         """`graph_batch`: this rank's decode batch if it could replay a graph (0 when idle), None if it must
         run eager (prefill rows, or a batch beyond the graphs)."""
-        b = self._buf
-        b[0] = int(num_tokens > 0)
-        b[1] = num_tokens
-        b[2] = int(graph_batch is None)
-        b[3] = graph_batch or 0
+        mine = (int(num_tokens > 0), num_tokens, int(graph_batch is None), graph_batch or 0)
         t = time.perf_counter()
-        dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        if self._shm is not None:
+            any_work, max_tokens, some_eager, batch = self._shm.all_reduce_max(mine)
+        else:
+            b = self._buf
+            b.copy_(torch.tensor(mine))
+            dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+            any_work, max_tokens, some_eager, batch = b.tolist()
         self.wait_s += time.perf_counter() - t
-        any_work, max_tokens, some_eager, batch = b.tolist()
+        self.rounds += 1
         return StepPlan(bool(any_work), max_tokens, 0 if some_eager else max(batch, 1))

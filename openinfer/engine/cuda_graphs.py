@@ -22,6 +22,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.device_io import h2d
+from openinfer.distributed.expert_parallel import step_exchange
 from openinfer.engine.cache_pool import CachePool
 from openinfer.layers.attention import AttentionMetadata
 
@@ -109,6 +110,15 @@ class DecodeGraphs:
         print(f"[openinfer] captured {len(todo)} CUDA graphs for decode (batch sizes {self.sizes}{contexts}) in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
+    def bucket_of(self, rows: int) -> int | None:
+        """The batch bucket a replay of `rows` rows uses (None: beyond the graphs)."""
+        return next((s for s in self.sizes if s >= rows), None)
+
+    def exchange_for(self, b: int):
+        """Expert parallelism: the MoE exchange bucket `b` is captured with (every rank picks the same)."""
+        return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap,
+                             self.config.world_size, b, "nccl")   # (EP: the EP group is the world; graphs: CUDA)
+
     def capture(self, b: int, context: int) -> None:
         """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without
         collectives (same shapes): a capture is one rank's affair, the others are not waiting for it."""
@@ -122,7 +132,8 @@ class DecodeGraphs:
                                      decode_state_slots=self.state_slots[:b] if pool.num_state_slots else None,
                                      decode_row_offsets=None if self.offsets is None else self.offsets[:b],
                                      moe_rows_per_rank=b if self.lockstep else None,
-                                     moe_valid_rows=self.valid if self.lockstep else None, moe_communicate=communicate)
+                                     moe_valid_rows=self.valid if self.lockstep else None, moe_communicate=communicate,
+                                     moe_exchange=self.exchange_for(b) if self.lockstep else None)
             if pool.num_window_blocks:
                 meta.layer_views = (dataclasses.replace(meta), dataclasses.replace(
                     meta, slot_mapping=self.wslots[:b], decode_block_tables=self.wtables[:b, :-(-context // bs)]))

@@ -25,6 +25,7 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
 from openinfer.distributed.context_parallel import ContextParallelStep
+from openinfer.distributed.expert_parallel import step_exchange
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
 from openinfer.engine.cache_pool import CachePool
@@ -94,7 +95,8 @@ class ModelRunner:
         # the prefix-KV store's side (the engine gives it the store's tiers)
         self.store = StoreIO(self.pool, config.kv_store_ttl_s)
         # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
-        self.step_sync = StepSync(self.parallel) if self.parallel.ep_size > 1 else None
+        self.step_sync = (StepSync(self.parallel, config.resolved_step_sync_channel) if self.parallel.ep_size > 1
+                          else None)
         self.eplb = None
         if self.step_sync is not None:
             from openinfer.distributed.eplb_controller import EplbController
@@ -258,9 +260,11 @@ class ModelRunner:
             images = ImageRows(h2d(torch.tensor(image_rows), dev), torch.cat(image_embeds))
         graphable = (cp is None and not prefills and images is None and graphs is not None
                      and len(ids) <= graphs.largest)
+        exchange = None
         if self.step_sync is not None:
             plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
             graphable = plan.graph_batch > 0
+            exchange = self._exchange(plan)
         captured = None
         if graphable:
             hidden, captured = graphs.replay(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
@@ -271,11 +275,11 @@ class ModelRunner:
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
                                          layer_views=views, offsets=decode_offsets, images=images,
-                                         context_parallel=cp)
+                                         context_parallel=cp, moe_exchange=exchange)
         if cp is not None:
             hidden = cp.gather(hidden)
         if self.eplb is not None:
-            self.eplb.after_forward()
+            self.eplb.after_forward(summed=exchange is not None and exchange.dispatch == "all_to_all")
         if capture:
             out.captured = self.model.captured if captured is None else captured
 
@@ -302,6 +306,7 @@ class ModelRunner:
         plan = self.step_sync.exchange(0, 0)
         if not plan.any_work:
             return
+        exchange = self._exchange(plan)
         if plan.graph_batch and self.decode_graphs is not None:
             self.decode_graphs.replay([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
                                       min_batch=plan.graph_batch)
@@ -309,8 +314,16 @@ class ModelRunner:
             self._eager_forward([0], torch.zeros(1, dtype=torch.long), torch.tensor([self.pool.scratch_slot]),
                                 [[self.num_blocks]], [1], [], None, [self.num_state_slots],
                                 moe_rows=plan.max_tokens, moe_valid=torch.zeros((), dtype=torch.long,
-                                                                                device=self.device))
-        self.eplb.after_forward()
+                                                                                device=self.device),
+                                moe_exchange=exchange)
+        self.eplb.after_forward(summed=exchange.dispatch == "all_to_all")
+
+    def _exchange(self, plan):
+        """The step's MoE exchange (all ranks pick alike: from agreed values); a graph replay's is its bucket's."""
+        if plan.graph_batch and self.decode_graphs is not None:
+            return self.decode_graphs.exchange_for(self.decode_graphs.bucket_of(plan.graph_batch))
+        return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap, self.parallel.ep_size,
+                             plan.max_tokens, self.parallel.backend)
 
     def _window_inputs(self, order, prefills: list[PrefillChunk]):
         """The windowed layers' inputs (kv_cache/window_group.py): slots, decode tables and prefill chunks from the
@@ -352,12 +365,12 @@ class ModelRunner:
                        decode_state_slots=None, moe_rows: int | None = None,
                        moe_valid: torch.Tensor | None = None, layer_views=None,
                        offsets: list[int] | None = None, images: ImageRows | None = None,
-                       context_parallel=None) -> torch.Tensor:
+                       context_parallel=None, moe_exchange=None) -> torch.Tensor:
         dev = self.device
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
                                  num_decode_tokens=len(decode_tables), prefills=prefills,
                                  moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid,
-                                 context_parallel=context_parallel)
+                                 context_parallel=context_parallel, moe_exchange=moe_exchange)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
             meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)

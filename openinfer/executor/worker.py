@@ -29,16 +29,18 @@ def rank_process_context():
     """The multiprocessing context the front end starts its ranks from: multiprocessing's fork server, which
     imports torch and the engine once (the first rank of the first engine) and then forks each rank from that
     state — a rank starts without paying the ~2-3 s torch import (docs/parallelism.md has the start-up times).
-    Forking it is safe: the server only imported modules (no CUDA context, no thread pool,
-    no user code: `__main__` is not preloaded, so a script without a main guard works too). Spawn where there
-    is no fork server (Windows). The server starts with the front end's environment of that moment and exits
-    with the front end."""
+    Forking it is safe: the server only imported modules (no CUDA context, no thread pool, no user code).
+    Ranks never run the front end's `__main__` (`rank_bootstrap`, preloaded here): a front end started from
+    standard input (`python -`), a notebook or a script without a main guard starts its ranks like any other.
+    Spawn where there is no fork server (Windows; there the main is re-run as multiprocessing does). The server
+    starts with the front end's environment of that moment and exits with the front end."""
     import multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "openinfer.engine.llm_engine", __name__])
+    ctx.set_forkserver_preload(["openinfer.executor.rank_bootstrap", "torch", "openinfer.engine.llm_engine",
+                                __name__])
     return ctx
 
 
@@ -208,6 +210,7 @@ def _serve(engine, ctx, conn) -> None:
             stats["worker_step_s"] = step_s
             if engine.runner.step_sync is not None:
                 stats["step_sync_s"] = engine.runner.step_sync.wait_s
+                stats["step_sync_rounds"] = engine.runner.step_sync.rounds
             conn.send(("ok", (outputs, engine.has_unfinished_requests(), stats)))
         elif kind == "touch":
             engine.touch_cache_pages()

@@ -76,6 +76,9 @@ class AttentionMetadata:
     moe_rows_per_rank: int | None = None
     moe_valid_rows: torch.Tensor | None = None
     moe_communicate: bool = True
+    # which exchange and whether two micro-batches overlap (distributed/expert_parallel.py: MoeExchange; None:
+    # all-gather, one batch), picked by the runner from agreed values, so alike on every rank
+    moe_exchange: object | None = None
     # models with a window group (kv_cache/window_group.py): the step as (full-attention layers, windowed
     # layers) see it: the windowed layers read the window group's tables and slots (and, in a step with bounded
     # replay, kv_cache/bounded_replay.py, other slot mappings and chunks starting later); None: one view

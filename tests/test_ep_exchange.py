@@ -1,0 +1,145 @@
+"""The MoE exchanges of expert parallelism (distributed/all_to_all.py, expert_parallel.py) and the step agreement
+(step_sync.py, shm_agreement.py), on CPU with gloo and real worker processes:
+- all-to-all dispatch/combine equals one process at world size 2 (DP2 + EP2) and 4 (EP4), through chunked
+  prefill, a prefix hit and async scheduling (tokens identical, logprobs within 1e-4 in fp32);
+- two-batch overlap on gives the outputs of off, bit for bit in fp32 (and the gloo agreement those of the
+  shared-memory one);
+- ranks whose plans differ (work on one rank only, the others idle, an abort on one rank) — every step agrees
+  afresh through shared memory, so there is no stale plan to fall back from;
+- the dispatch layout on its own: exact (capacity = rows), no row lost or duplicated, padding where no row is.
+The engines are shared by the module (start-up dominates on two cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openinfer import LLM, SamplingParams
+from openinfer.distributed.all_to_all import combine_layout, dispatch_layout, pick_dispatch
+from openinfer.distributed.expert_parallel import TBO_MIN_ROWS, split_rows
+from tests.test_deepseek_v4 import prompts_of
+
+MODEL = "deepseek-v4-tiny"
+# chunked prefill (48-token steps: the first steps' rows reach TBO_MIN_ROWS, so they run in two halves),
+# 16-token blocks (prefix hits on short prompts)
+OPTS = dict(device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=48, max_num_seqs=4,
+            num_kv_blocks=48)
+BASE = prompts_of(40, seed=5)[0]
+PROMPTS = prompts_of(5, 37, 33, seed=3) + [BASE + [5, 6, 7]]
+FOLLOW = [BASE + [9, 10, 11, 12]]           # hits the blocks BASE + .. left in the cache
+
+
+def generate(llm, prompts, max_tokens=6):
+    p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    return llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+
+
+def workload(llm):
+    return generate(llm, PROMPTS) + generate(llm, FOLLOW)
+
+
+def tokens_and_logprobs(outs):
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def assert_close(outs, refs, tol=1e-4):
+    for (t, lp), (rt, rlp) in zip(tokens_and_logprobs(outs), tokens_and_logprobs(refs)):
+        assert t == rt
+        assert max(abs(a - b) for a, b in zip(lp, rlp)) < tol
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(MODEL, **OPTS)
+    try:
+        yield workload(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ep2_a2a():
+    llm = LLM(MODEL, **OPTS, data_parallel_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all")
+    try:
+        yield llm, workload(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_all_to_all_at_world_size_2_equals_one_process(ep2_a2a, reference):
+    llm, outs = ep2_a2a
+    assert_close(outs, reference)
+    per_rank = llm.engine.stats()["per_rank"]
+    # every step agreed through shared memory (all ranks on this host), and its host time is reported
+    assert all(r["step_sync_rounds"] > 0 and r["step_sync_s"] >= 0 for r in per_rank)
+    # each rank counted its own rows' expert load; summed after every step, so EPLB sees the same on all ranks
+    loads = [r["moe_expert_load"] for r in per_rank]
+    assert loads[0] == loads[1] and sum(loads[0]) > 0
+
+
+def test_two_batch_overlap_is_bit_for_bit_the_one_batch_output(ep2_a2a):
+    """Also the simple agreement channel (a gloo all-reduce) against the fast one (shared memory, the fixture's):
+    the same plans, so the same bits."""
+    _, outs = ep2_a2a
+    llm = LLM(MODEL, **OPTS, data_parallel_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all",
+              two_batch_overlap=True, step_sync_channel="gloo")
+    try:
+        assert tokens_and_logprobs(workload(llm)) == tokens_and_logprobs(outs)
+    finally:
+        llm.shutdown()
+
+
+def test_all_to_all_with_overlap_at_world_size_4_equals_one_process(reference):
+    llm = LLM(MODEL, **OPTS, data_parallel_size=4, enable_expert_parallel=True, moe_dispatch="all_to_all",
+              two_batch_overlap=True, async_scheduling=True)
+    try:
+        assert_close(workload(llm), reference)
+        # ranks whose plans differ every step: work on one rank only (a lone request goes to one DP group),
+        # the others idle, and an abort on that rank mid-run
+        engine = llm.engine
+        lone = generate(llm, [PROMPTS[1]], max_tokens=4)
+        assert lone[0].outputs[0].token_ids == reference[1].outputs[0].token_ids[:4]
+        gone = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request(gone)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_close(generate(llm, [PROMPTS[0]]), [reference[0]])
+    finally:
+        llm.shutdown()
+
+
+def test_dispatch_layout_sends_each_row_once_to_each_rank_it_needs():
+    torch.manual_seed(0)
+    n, k, ep, spr, width = 7, 3, 4, 2, 5
+    phys = torch.randint(-1, ep * spr, (n, k))
+    phys[3] = -1                                       # a padding row: goes nowhere
+    rows = torch.arange(n * width, dtype=torch.uint8).view(n, width)
+    send, index = dispatch_layout(torch.cat([rows, torch.zeros(n, 8 * k, dtype=torch.uint8)], 1), phys, spr, ep, n)
+    assert send.shape == (ep * n, width + 8 * k) and index.shape == (ep, n)
+    for d in range(ep):
+        wanted = [i for i in range(n) if any(0 <= s // spr == d and s >= 0 for s in phys[i].tolist())]
+        assert index[d, :len(wanted)].tolist() == wanted and (index[d, len(wanted):] == n).all()
+    back = torch.ones(ep * n, 2)
+    summed = combine_layout(back, index, n)
+    assert summed[:, 0].tolist() == [float((index == i).sum()) for i in range(n)]
+    with pytest.raises(ValueError, match="drop"):
+        dispatch_layout(rows, phys, spr, ep, n - 1)
+
+
+def test_settings_are_checked_and_split_is_fixed():
+    assert pick_dispatch("auto", 2, 8, "gloo") == "all_gather" and pick_dispatch("auto", 4, 8, "gloo") == "all_to_all"
+    assert pick_dispatch("auto", 8, 8, "nccl") == "all_gather" and pick_dispatch("all_to_all", 2, 8, "nccl") == "all_to_all"
+    assert split_rows(TBO_MIN_ROWS + 1) == [(0, TBO_MIN_ROWS // 2 + 1), (TBO_MIN_ROWS // 2 + 1, TBO_MIN_ROWS // 2)]
+    assert split_rows(TBO_MIN_ROWS - 1) == [(0, TBO_MIN_ROWS - 1)]
+    from openinfer.config import EngineConfig
+    for bad in (dict(moe_dispatch="deepep"), dict(step_sync_channel="nccl"), dict(two_batch_overlap=True),
+                dict(moe_dispatch="all_to_all"), dict(step_sync_channel="gloo")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(device="cpu", **bad)
+    with pytest.raises(ValueError, match="shm"):
+        EngineConfig(device="cpu", data_parallel_size=2, enable_expert_parallel=True, step_sync_channel="shm",
+                     num_local_ranks=1, worker_listen_address="127.0.0.1:29600", distributed_init_method="tcp://a:1",
+                     worker_authkey="k")
