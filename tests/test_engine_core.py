@@ -138,10 +138,11 @@ def test_warm_up_leaves_no_trace(smollm_dir):
     from openinfer.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16,
-                          max_num_batched_tokens=64)
+                          max_num_batched_tokens=64, max_num_seqs=4)
     engine = LLMEngine(config)
     assert engine.warm_up() > 0
     st = engine.stats()
+    assert st["jit_compiles"] is None and st["graph_captures"] == 0        # CPU: no Triton, no graphs
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and not engine.has_unfinished_requests()
     assert (st["num_steps"], st["prompt_tokens_computed"], st["prefix_cache_queried_tokens"]) == (0, 0, 0)
     assert engine.kv_manager.pool.num_cached_blocks == 0

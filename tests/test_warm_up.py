@@ -1,5 +1,5 @@
 """Start-up warm-up (LLMEngine.warm_up, engine/compile_watch.py): its prompt lengths meet every kernel variant a
-step can, it leaves no trace, and the capture setting is checked. The GPU side (no compile and no capture under
+step can, and the capture setting is checked (that it leaves no trace: tests/test_engine_core.py). The GPU side (no compile and no capture under
 traffic after start-up) is tests/test_gpu.py::test_traffic_after_start_up_compiles_and_captures_nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from openinfer import LLM, EngineConfig, SamplingParams
+from openinfer import EngineConfig
 from openinfer.engine.llm_engine import warm_up_token_counts
 from openinfer.quantization.triton_kernels import fp8_config, grouped_config
 
@@ -32,18 +32,6 @@ def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
     seen = {variant(m) for m in counts}
     assert [m for m in range(1, budget + 1) if variant(m) not in seen] == []
     assert all(m <= 100 for m in warm_up_token_counts(budget, 100))     # short models: nothing past their length
-
-
-def test_warm_up_leaves_no_trace(smollm_dir):
-    llm = LLM(smollm_dir, device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
-    engine = llm.engine
-    engine.warm_up()
-    stats = engine.stats()
-    assert stats["num_steps"] == 0 and stats["prompt_tokens_computed"] == 0 and stats["num_running"] == 0
-    assert stats["prefix_cache_hit_tokens"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["jit_compiles"] is None and stats["graph_captures"] == 0        # CPU: no Triton, no graphs
-    out = llm.generate("hello", SamplingParams(max_tokens=2, temperature=0))[0]
-    assert out.num_cached_tokens == 0 and len(out.outputs[0].token_ids) == 2
 
 
 def test_cuda_graph_capture_setting_is_checked():

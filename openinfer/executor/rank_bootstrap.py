@@ -30,5 +30,5 @@ def prepare_without_main(data: dict, _prepare=_spawn.prepare) -> None:
     _prepare(data)
 
 
-if getattr(_spawn.prepare, "__name__", "") != prepare_without_main.__name__:
+if _spawn.prepare.__name__ != prepare_without_main.__name__:     # once, even if this module loads twice
     _spawn.prepare = prepare_without_main
