@@ -94,18 +94,17 @@ class DeepseekV41Config:
     dspark_n_activated_experts: int = 0
     dtype: str = "bf16"                  # "fp8": dense weights published FP8 (32x32 E8M0 blocks)
     expert_dtype: str | None = None      # "fp4": routed experts published MXFP4
-    # the vision tower (ViT + Aligner, models/deepseek_v41/vision.py); 0 layers: text only
+    # the vision tower (ViT + Aligner, models/deepseek_v41/vision.py), as the released config.json states it;
+    # 0 layers: text only, and then none of the rest is read. Its resize plan (min pixels, max tokens, aspect
+    # ratio) belongs to deepseek-recipe's preprocessing, which reads it from there.
     vision_n_layers: int = 0
-    vision_dim: int = 1024
-    vision_n_heads: int = 16
-    vision_inter_dim: int = 2816
-    vision_patch_size: int = 14
-    vision_rope_theta: float = 10000.0
-    vision_downsample_ratio: int = 3
-    vision_max_n_token: int = 1024
-    vision_min_pixels: int = 544 * 544
-    vision_max_wh_ratio: int | None = None
-    image_token_id: int = 129264         # every position of an image span carries it
+    vision_dim: int | None = None
+    vision_n_heads: int | None = None
+    vision_inter_dim: int | None = None          # the SwiGLU MLP's hidden width
+    vision_patch_size: int | None = None         # pixels per patch side
+    vision_rope_theta: float | None = None       # the 2D RoPE's base
+    vision_downsample_ratio: int | None = None   # the Aligner merges r x r patches into one LLM row
+    image_token_id: int | None = None            # every position of an image span carries it
     max_position_embeddings: int = 1 << 20
     model_type: str = "deepseek_v41"
 
@@ -250,6 +249,10 @@ class DeepseekV41Config:
         if self.head_dim % 32 or self.index_head_dim % 32 or self.rope_head_dim % 2:
             raise ValueError("head_dim and index_head_dim must be multiples of 32 (the caches' FP4/FP8 groups)")
         if self.vision_n_layers:
+            unset = [f.name for f in fields(self) if f.name.startswith(("vision_", "image_token_id"))
+                     and getattr(self, f.name) is None]
+            if unset:
+                raise ValueError(f"a DeepSeek-V4.1 config with vision_n_layers > 0 must set {unset}")
             if self.vision_dim % self.vision_n_heads or (self.vision_dim // self.vision_n_heads) % 4:
                 raise ValueError(f"vision_dim {self.vision_dim} must split into vision_n_heads {self.vision_n_heads} "
                                  f"heads whose width is a multiple of 4 (2D RoPE: a half per axis, rotated in pairs)")

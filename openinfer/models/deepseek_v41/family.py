@@ -48,14 +48,14 @@ DEEPSEEK_V41_TINY_CONFIG = dict(
     dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
     # a two-block vision tower with the release's patch size and 3x3 Aligner (docs/vision.md)
     vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
-    vision_downsample_ratio=3, image_token_id=129264)
+    vision_rope_theta=10000.0, vision_downsample_ratio=3, image_token_id=129264)
 
 
 class DeepseekV41Family(ModelFamily):
     name = "DeepSeek-V4.1"
     vocabulary = "deepseek-v4.1"
     tiny_models = {"deepseek-v41-tiny": TinyModel(DEEPSEEK_V41_TINY_CONFIG, "a tiny DeepSeek-V4.1 in DeepSeek's "
-                                                  "published formats", seed=0, version=2)}
+                                                  "published formats", seed=0, version=3)}
     quantization_hint = " (their published FP8/MXFP4 formats load as they are)"
     prefill_modes = ("exact", "yoco")
     context_parallel = True    # attention over the whole step on every CP rank, the rest split (model.py)
