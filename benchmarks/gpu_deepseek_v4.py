@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from deepseek_probe import InWindow, first_traffic, start_up  # noqa: E402
 from gpu_llama8b import ceilings, start_decoding  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
@@ -125,11 +126,12 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) ->
     eng = llm.engine
     start_decoding(eng, batch, ctx, steps + 10, warmup=4)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step = (time.perf_counter() - t0) / steps
+    with InWindow(eng) as window:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step = (time.perf_counter() - t0) / steps
     # where the time goes: GPU kernel time and kernel count per step (the rest is host work)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -142,8 +144,10 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) ->
     for rid in list(eng.requests):
         eng.abort_request(rid)
     fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)
+    layers = eng.runner.model.config.num_hidden_layers
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": fl, "ratio_to_floor": step * 1e3 / fl,
-            "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": len(kernels) / 3, "top_kernels": top, **detail}
+            "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": len(kernels) / 3,
+            "kernels_per_layer": len(kernels) / 3 / layers, **window.result, "top_kernels": top, **detail}
 
 
 def top_kernels(kernels, steps: int, n: int = 12) -> list:
@@ -251,6 +255,9 @@ def main() -> None:
     ap.add_argument("--skip-fidelity", action="store_true")
     ap.add_argument("--only-fidelity", action="store_true")
     ap.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (published FP8 + MXFP4), same run")
+    ap.add_argument("--max-model-len", type=int, default=16384,
+                    help="bounds the context buckets captured at start (the probe's longest request is 2,240 tokens)")
+    ap.add_argument("--skip-first-traffic", action="store_true")
     ap.add_argument("--part-out", default=None, help="internal: run one weights kind, write its results here")
     ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
@@ -275,6 +282,8 @@ def main() -> None:
             part = Path(tempfile.mkdtemp()) / "part.json"
             subprocess.run([sys.executable, __file__, "--tokenizer-json", args.tokenizer_json, "--layers",
                             str(args.layers), "--batches", args.batches, "--weights", weights, "--part-out", str(part),
+                            "--max-model-len", str(args.max_model_len),
+                            *(["--skip-first-traffic"] if args.skip_first_traffic else []),
                             "--ceilings-json", json.dumps(ceil)], check=False)
             res.setdefault("runs", {})[weights] = (json.loads(part.read_text()) if part.is_file()
                                                    else {"error": "the benchmark process failed; see its output"})
@@ -282,9 +291,16 @@ def main() -> None:
     for weights in kinds:
         over = {**layout(args.layers), **(PUBLISHED if weights == "fp8" else {})}
         d = model_dir(args.tokenizer_json, **over)
+        t0 = time.perf_counter()
         llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-                  max_num_batched_tokens=8192, enable_prefix_caching=False)
+                  max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len)
         run = res.setdefault("runs", {})[weights] = {}
+        # a fresh engine as `openinfer serve` starts it (graphs captured, warm-up), then its first users
+        run["start_up"] = start_up(llm, time.perf_counter() - t0)
+        print(weights, "start_up", json.dumps(run["start_up"]), flush=True)
+        if not args.skip_first_traffic:
+            run["first_traffic"] = first_traffic(llm.engine, FLASH_WIDTH["vocab_size"])
+            print(weights, "first_traffic", json.dumps(run["first_traffic"]), flush=True)
         run["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(llm.engine.runner.model).items()}
         run["kv_blocks"] = llm.engine.runner.num_blocks
         for name, fn in (("decode", lambda b: decode_steps(llm, b, 1024, ceil)),

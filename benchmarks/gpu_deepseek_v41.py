@@ -217,11 +217,14 @@ def decode(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 10) -> dict:
         return wrapper
     dg.replay, runner._eager_forward, dg.capture = (
         counted("graph", originals[0]), counted("eager", originals[1]), counted("captures", originals[2]))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step = (time.perf_counter() - t0) / steps
+    from deepseek_probe import InWindow
+
+    with InWindow(eng) as window:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step = (time.perf_counter() - t0) / steps
     dg.replay, runner._eager_forward, dg.capture = originals
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -234,7 +237,8 @@ def decode(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 10) -> dict:
     fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)
     return {"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": fl, "ratio_to_floor": step * 1e3 / fl,
             "gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 2,
-            "kernels_per_step": len(kernels) / 2, "top_kernels": top_kernels(kernels, 2),
+            "kernels_per_step": len(kernels) / 2, "kernels_per_layer": len(kernels) / 2 / eng.runner.model.config.n_layers,
+            **window.result, "top_kernels": top_kernels(kernels, 2),
             "setup_prefill_s": prefill_s, "timed_forwards": counts, **detail}
 
 
@@ -278,7 +282,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill-len", type=int, default=8192)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: fidelity,flash")
+    ap.add_argument("--max-model-len", type=int, default=16384, help="bounds the context buckets captured at start")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: fidelity,flash,prefill,first_traffic")
     args = ap.parse_args()
     global TINY
     TINY = args.tiny_dir or TINY
@@ -314,8 +319,16 @@ def main() -> None:
                               Path(args.released_config))
     t0 = time.perf_counter()
     llm = LLM(str(model_path), device="cuda", load_format="dummy", max_num_seqs=max(map(int, args.batches.split(","))),
-              max_num_batched_tokens=8192, enable_prefix_caching=False)
+              max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len)
     res["startup_s"] = time.perf_counter() - t0
+    from deepseek_probe import first_traffic, start_up
+
+    # a fresh engine as `openinfer serve` starts it (graphs captured, warm-up), then its first users
+    res["start_up"] = start_up(llm, res["startup_s"])
+    save()
+    if "first_traffic" not in skip:
+        res["first_traffic"] = first_traffic(llm.engine, llm.engine.runner.model.config.vocab_size)
+        save()
     model = llm.engine.runner.model
     res["weights_GB"] = {k: v / 1e9 for k, v in weight_bytes(model).items()}
     res["kv_blocks"] = llm.engine.runner.num_blocks
