@@ -3,8 +3,8 @@ the models' torch code they replace, on the same modules and inputs: `module.ops
 fused ops.
 
 Used by tests/test_fused_mhc_routing.py: in Triton's interpreter on the CPU (a subprocess with TRITON_INTERPRET=1,
-tiny widths; `python tests/fused_mhc_routing_cases.py` runs them and prints "all cases pass") and on CUDA at the
-published widths (the `-m gpu` tests call the same functions). Each check raises AssertionError naming what differs
+tiny widths; `python tests/fused_mhc_routing_cases.py [kernels|models]` runs them and prints "all cases pass") and
+on CUDA at the published widths (the `-m gpu` tests call the same functions). Each check raises AssertionError naming what differs
 and returns the largest errors it measured.
 
 What "equal" means here: float32 results within float32 rounding (the kernels sum in other orders); results in the
@@ -347,7 +347,8 @@ def check_moe(ops, device, dtype, T: int, v4_widths: dict, v41_widths: dict, int
     errs = {}
     cfg = v4_config(**v4_widths, moe_intermediate_size=inter)
     H, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-    ex = _GroupedExperts(cfg).to(device=device, dtype=dtype)
+    with torch.device(device):          # (built where it runs: a Flash-width stack is gigabytes)
+        ex = _GroupedExperts(cfg).to(dtype)
     ex.gate_up_proj.data = _randn(g, E, 2 * inter, H, device=device, dtype=dtype, scale=H ** -0.5)
     ex.down_proj.data = _randn(g, E, H, inter, device=device, dtype=dtype, scale=inter ** -0.5)
     x = _randn(g, T, H, device=device, dtype=dtype)
@@ -360,7 +361,8 @@ def check_moe(ops, device, dtype, T: int, v4_widths: dict, v41_widths: dict, int
         got = ex(x, picks, w)
     errs["v4_rel"] = _rel_close(got, ref, "V4 routed experts", dtype)
     cfg = v41_config(**v41_widths, moe_inter_dim=inter)
-    moe = MoE41(cfg, 0).to(device=device, dtype=dtype)
+    with torch.device(device):
+        moe = MoE41(cfg, 0).to(dtype)
     moe.experts.__class__ = _GroupedExperts
     D, E, k = cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts
     moe.experts.gate_up_proj.data = _randn(g, E, 2 * inter, D, device=device, dtype=dtype, scale=D ** -0.5)
@@ -386,38 +388,85 @@ def _rel_close(got, ref, name, dtype) -> float:
     return rel
 
 
+# ---- the models end to end ----------------------------------------------------------------------------
+FUSED_FIELDS = ("hc_pre", "hc_head", "hc_post", "route", "expert_order", "moe_combine")
+
+
+def check_tiny_models(ops) -> dict:
+    """deepseek-v4-tiny and deepseek-v41-tiny through the engine (CPU, float32, the torch attention) with the fused
+    mHC and routing ops in place of the models' torch code: the same greedy tokens, prompt and sampled logprobs
+    within float32 rounding, over a batched prefill and batched decode (the wiring: V4.1's lagged pre, V4's head)."""
+    from unittest import mock
+
+    from openinfer import LLM, SamplingParams
+    from openinfer.engine import llm_engine
+
+    make_kernels = llm_engine.make_kernels
+
+    def fused_kernels(config):
+        backend, base = make_kernels(config)
+        return backend, dataclasses.replace(base, **{f: getattr(ops, f) for f in FUSED_FIELDS})
+
+    prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((6, 3))]
+    sp = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=0, ignore_eos=True)
+    errs = {}
+    for model in ("deepseek-v4-tiny", "deepseek-v41-tiny"):
+        runs = []
+        for kernels in (make_kernels, fused_kernels):
+            with mock.patch.object(llm_engine, "make_kernels", kernels):
+                llm = LLM(model, device="cpu", dtype="float32")
+                runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
+                llm.shutdown()
+        worst = 0.0
+        for ref, got in zip(*runs):
+            assert got.outputs[0].token_ids == ref.outputs[0].token_ids, f"{model}: greedy tokens differ"
+            pairs = [(a[t].logprob, b[t].logprob) for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:])
+                     for t in b]
+            pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs)
+                      for t in b]
+            worst = max([worst] + [abs(a - b) for a, b in pairs])
+        assert worst < 1e-4, f"{model}: logprobs differ by {worst:.2e}"
+        errs[model] = worst
+    return errs
+
+
 # ---- the interpreter run --------------------------------------------------------------------------------
-def run_quick(device: str = "cpu") -> list[str]:
-    """Tiny widths for Triton's CPU interpreter; float32 and bf16 (where exact on the CPU)."""
-    ops = fused_ops()
-    fails = []
-    cases = [
-        # widths with partial K and hidden blocks, several hidden splits, and (2056) the split count capped
+def kernel_cases(ops, device: str) -> list:
+    """Tiny widths for Triton's CPU interpreter; float32, and bf16 where the CPU's torch rounds as CUDA's does.
+    Widths with partial K and hidden blocks, several hidden splits, and (2056) the K-split count capped."""
+    v4_route = dict(hidden_size=64, hc_mult=4, n_routed_experts=16, num_experts_per_tok=3)
+    v41_route = dict(dim=64, n_routed_experts=12, n_activated_experts=3)
+    v4_moe = dict(hidden_size=32, n_routed_experts=8, num_experts_per_tok=3)
+    v41_moe = dict(dim=32, n_routed_experts=8, n_activated_experts=3)
+    return [
         ("v4 mhc fp32", lambda: check_v4_mhc(ops, device, torch.float32, 5, 520)),
         ("v4 mhc bf16", lambda: check_v4_mhc(ops, device, torch.bfloat16, 1, 2056, seed=1)),
         ("v41 mhc fp32", lambda: check_v41_mhc(ops, device, torch.float32, 4, 64)),
         ("v41 mhc bf16", lambda: check_v41_mhc(ops, device, torch.bfloat16, 3, 72, seed=1)),
         ("route fp32", lambda: check_route(ops, device, torch.float32, 9, 24, 3)),
-        ("routers fp32", lambda: check_routers(ops, device, torch.float32, 6, dict(hidden_size=64, hc_mult=4,
-                                               n_routed_experts=16, num_experts_per_tok=3),
-                                               dict(dim=64, n_routed_experts=12, n_activated_experts=3))),
+        ("routers fp32", lambda: check_routers(ops, device, torch.float32, 6, v4_route, v41_route)),
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),
         ("expert order (torch sort past SORT_MAX_PICKS)", lambda: check_expert_order(ops, device, 1400, 6, 16)),
         ("moe combine fp32", lambda: check_moe_combine(ops, device, torch.float32, 11, 3, 40)),
         ("moe combine bf16", lambda: check_moe_combine(ops, device, torch.bfloat16, 5, 3, 40, seed=1)),
-        ("moe fp32", lambda: check_moe(ops, device, torch.float32, 9, dict(hidden_size=32, n_routed_experts=8,
-                                       num_experts_per_tok=3), dict(dim=32, n_routed_experts=8,
-                                                                    n_activated_experts=3), 16)),
+        ("moe fp32", lambda: check_moe(ops, device, torch.float32, 9, v4_moe, v41_moe, 16)),
     ]
+
+
+def run(which: str = "kernels") -> list[str]:
+    """`which`: "kernels" (each kernel against the torch path, module by module) or "models" (the tiny models
+    through the engine). Prints each case's measured errors; returns the failures."""
+    ops = fused_ops()
+    cases = kernel_cases(ops, "cpu") if which == "kernels" else [("tiny models", lambda: check_tiny_models(ops))]
+    fails = []
     for name, case in cases:
         try:
-            errs = case()
-            print(f"{name}: ok {errs}")
+            print(f"{name}: ok {case()}", flush=True)
         except AssertionError as e:
             fails.append(f"{name}: {e}")
     return fails
 
 
 if __name__ == "__main__":
-    fails = run_quick(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    fails = run(*sys.argv[1:2])
     print("\n".join(fails) or "all cases pass")

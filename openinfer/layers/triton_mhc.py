@@ -11,7 +11,7 @@ Sinkhorn weights, the collapse, and the merge. Here:
 - `hc_post` = one launch: post * sublayer output + comb^T @ streams.
 
 Float32 math throughout, as the references. Two roundings are offered for the merge: V4's torch path (transformers'
-semantics) computes it in the model dtype — post and comb cast to it, the two terms rounded, then their sum —, V4.1's
+semantics) computes it in the model dtype (post and comb cast to it, the two terms rounded, then their sum), V4.1's
 (DeepSeek's reference) in float32 with one rounding at the end; `rounded=True` reproduces the first exactly.
 Sums run in the references' orders where they have one (the merge's streams in stream order); elsewhere results
 agree within float32 rounding. Integer arguments that change with the batch are not specialized on (one compile
@@ -158,9 +158,16 @@ def _hc_post_kernel(out_ptr, stride_o, x_ptr, stride_xt, post_ptr, comb_ptr, y_p
     tl.store(y_ptr + t64 * (N * H) + k[:, None] * H + h[None, :], y, mask=hmask[None, :])
 
 
+def _check_streams(n: int) -> None:
+    if n & (n - 1):
+        raise ValueError(f"the fused mHC kernels need hc_mult a power of two (got {n}); run this model with "
+                         f"attention_backend='torch'")
+
+
 def _mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Kernel A over streams [T, n, H] and fn [mix, n*H]: (partials [S, T, MIXP], S)."""
     T, n, H = streams.shape
+    _check_streams(n)
     K, mix = n * H, fn.shape[0]
     mixp = max(16, triton.next_power_of_2(mix + 1))
     token_blocks = triton.cdiv(T, BLOCK_T)
@@ -233,6 +240,7 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     with one rounding (V4.1's)."""
     streams, out = streams.contiguous(), out.contiguous()
     T, n, H = streams.shape
+    _check_streams(n)
     y = torch.empty_like(streams)
     if T:
         _hc_post_kernel[(T, triton.cdiv(H, BLOCK_H))](out, out.stride(0), streams, streams.stride(0),

@@ -112,7 +112,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, route_sca
         logits = logits.contiguous()
     bias = bias if bias is not None else logits         # (unused pointers get any tensor of the same type)
     _route_kernel[(T,)](logits, logits.stride(0), bias, alt_bias if alt else bias,
-                        (alt_rows if alt else experts).view(torch.uint8), int(alt), table if hashed else experts,
+                        (alt_rows if alt else experts).view(torch.uint8), int(alt),
+                        table.contiguous() if hashed else experts,
                         token_ids if hashed else experts, experts, weights, E, route_scale, K=top_k,
                         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E), HASHED=hashed,
                         RENORM=renormalize, LIBDEVICE=logits.is_cuda, num_warps=2)
@@ -201,7 +202,8 @@ def moe_combine(y: torch.Tensor, inv: torch.Tensor, experts: torch.Tensor, weigh
     H = y.shape[1]
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     if T:
-        _moe_combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H))](
-            y, y.stride(0), inv, experts.contiguous(), weights if weights is not None else y, out, H, K=k,
-            BLOCK_H=COMBINE_BLOCK_H, WEIGHTED=weights is not None)
+        w = weights.contiguous() if weights is not None else y
+        _moe_combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H))](y, y.stride(0), inv, experts.contiguous(), w, out, H,
+                                                                  K=k, BLOCK_H=COMBINE_BLOCK_H,
+                                                                  WEIGHTED=weights is not None)
     return out
