@@ -8,7 +8,7 @@ Pieces (each with its model's module, `module.ops` switched):
  - mhc_post: V4 `merge` (bf16 term by term), V4.1 `Block.hc_post` (float32);
  - route: V4 `Router` learned and hashed (bf16 logits), V4.1 `Gate` (float32 logits), the logits GEMM included;
  - moe_glue: V4 `Experts._grouped` and V4.1 `MoE.routed` with the grouped GEMMs replaced by a read of a ready buffer:
-   the expert sort, the row gather, the activation, the weighting and the combine; and moe_bf16: V4's `_grouped`
+   the expert sort, the row gather, the activation with V4.1's weighting, and the combine; and moe_bf16: V4's `_grouped`
    with its real bf16 grouped GEMMs at Flash width (what the glue is next to).
 At b = 1, 32, 128 (decode rows) and 8192 (a prefill chunk), each reports:
  - gpu_us: median CUDA-event time per call over replays of a CUDA graph holding REPS calls (what a captured decode
@@ -46,7 +46,7 @@ from gpu_quant_kernels import graph_time  # noqa: E402  (median per call over re
 
 FUSED = TRITON_OPS
 UNFUSED = dataclasses.replace(TRITON_OPS, hc_pre=None, hc_head=None, hc_post=None, route=None, expert_order=None,
-                              moe_combine=None)
+                              moe_act=None, moe_combine=None)
 V4 = dict(hidden_size=4096, hc_mult=4, n_routed_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048,
           routed_scaling_factor=1.5)
 V41 = dict(dim=5120, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20, n_routed_experts=384,

@@ -334,6 +334,32 @@ def check_moe_combine(ops, device, dtype, T: int, k: int, H: int, seed: int = 0)
     return errs
 
 
+def check_moe_act(ops, device, dtype, N: int, inter: int, seed: int = 0) -> dict:
+    """`ops.moe_act` = the models' SwiGLU between the grouped GEMMs: V4's `Experts._act` (clamped, in the rows'
+    dtype), V4.1's `MoE._act` (float32, times the sorted rows' routing weights, once rounded; with and without the
+    clamp). Equal on CUDA (CUDA's own expf, as torch's silu); float32 within rounding elsewhere."""
+    g = _gen(seed, device)
+    gate_up = _randn(g, N, 2 * inter, device=device, dtype=dtype, scale=6.0)     # beyond the clamp at 10 too
+    weights = torch.rand(N, generator=g, device=device)
+    order = torch.randperm(N, generator=g, device=device)
+    cfg = v41_config(dim=32, n_routed_experts=8, n_activated_experts=3)
+    errs = {}
+    with torch.no_grad():
+        v4 = Experts(v4_config(hidden_size=32)).to(device)
+        moe = MoE41(cfg, 0).to(device)
+        cases = [("V4", ops.moe_act(gate_up, v4.limit, rounded=True), v4._act(gate_up))]
+        for limit in (moe.limit, 0.0):
+            moe.limit = limit
+            got = ops.moe_act(gate_up, limit if limit > 0 else None, weights, order)
+            cases.append((f"V4.1 limit {limit}", got, moe._act(gate_up, weights[order], dtype)))
+    for name, got, ref in cases:
+        if device != "cpu":
+            assert torch.equal(got, ref), f"moe_act ({name}): differs from the torch path"
+        errs[name] = _close(got.float(), ref.float(), f"moe_act ({name})", 1e-6,
+                            2e-6 if dtype == torch.float32 else 2 ** -7)
+    return errs
+
+
 class _GroupedExperts(Experts):
     """Test double: the grouped (expert-sorted) path on any device, as CUDA bf16 runs it."""
     grouped = True
@@ -389,7 +415,7 @@ def _rel_close(got, ref, name, dtype) -> float:
 
 
 # ---- the models end to end ----------------------------------------------------------------------------
-FUSED_FIELDS = ("hc_pre", "hc_head", "hc_post", "route", "expert_order", "moe_combine")
+FUSED_FIELDS = ("hc_pre", "hc_head", "hc_post", "route", "expert_order", "moe_act", "moe_combine")
 
 
 def check_tiny_models(ops) -> dict:
@@ -447,6 +473,7 @@ def kernel_cases(ops, device: str) -> list:
         ("routers fp32", lambda: check_routers(ops, device, torch.float32, 6, v4_route, v41_route)),
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),
         ("expert order (torch sort past SORT_MAX_PICKS)", lambda: check_expert_order(ops, device, 1400, 6, 16)),
+        ("moe act fp32", lambda: check_moe_act(ops, device, torch.float32, 7, 40)),
         ("moe combine fp32", lambda: check_moe_combine(ops, device, torch.float32, 11, 3, 40)),
         ("moe combine bf16", lambda: check_moe_combine(ops, device, torch.bfloat16, 5, 3, 40, seed=1)),
         ("moe fp32", lambda: check_moe(ops, device, torch.float32, 9, v4_moe, v41_moe, 16)),

@@ -76,23 +76,26 @@ def test_gpu_expert_order(T):
 @gpu
 @pytest.mark.parametrize("T", BATCHES)
 def test_gpu_moe_glue_at_flash_widths(T):
-    from tests.fused_mhc_routing_cases import check_moe, check_moe_combine
+    from tests.fused_mhc_routing_cases import check_moe, check_moe_act, check_moe_combine
+    print(check_moe_act(_ops(), "cuda", torch.bfloat16, 6 * T, 2048, seed=T))
     print(check_moe_combine(_ops(), "cuda", torch.bfloat16, T, 6, V4_FLASH["hidden_size"], seed=T))
     print(check_moe(_ops(), "cuda", torch.bfloat16, T, V4_FLASH, V41_FLASH, inter=128, seed=T))
 
 
-def _flash_step(ops, streams, fn, base, scale, logits, bias, table, ids, ys):
+def _flash_step(ops, streams, fn, base, scale, logits, bias, table, ids, gate_up, ys):
     """One V4-Flash-width pass through every fused kernel: mHC pre and post, learned and hashed routing, the
-    expert order and the combine."""
+    expert order, both activations and the combine."""
     pre, post, comb, x = ops.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     merged = ops.hc_post(x, streams, post, comb, True)
     _, _, _, lagged = ops.hc_pre(merged, fn, base, scale, 20, 1e-6, 1e-20, pre)
     head = ops.hc_head(streams, fn[:4], base[:4], scale[:1], 1e-6, 1e-6)
     experts, weights = ops.route(logits, bias, 6, 1.5, True)
     hashed, _ = ops.route(logits, None, 6, 1.5, True, table=table, token_ids=ids)
-    _, _, inv, offs = ops.expert_order(experts, 256)
+    order, _, inv, offs = ops.expert_order(experts, 256)
+    h4 = ops.moe_act(gate_up, 10.0, rounded=True)
+    h41 = ops.moe_act(gate_up, 10.0, weights.float().flatten(), order)
     out = ops.moe_combine(ys, inv, experts, weights, torch.bfloat16)
-    return merged, lagged, head, experts, weights, hashed, offs, out
+    return merged, lagged, head, experts, weights, hashed, offs, h4, h41, out
 
 
 def _flash_inputs(T, g):
@@ -104,6 +107,7 @@ def _flash_inputs(T, g):
                 logits=torch.randn(T, 256, generator=g, device=dev).bfloat16(), bias=torch.zeros(256, device=dev),
                 table=torch.randint(0, 256, (1000, 6), generator=g, device=dev),
                 ids=torch.randint(0, 1000, (T,), generator=g, device=dev),
+                gate_up=(torch.randn(T * 6, 4096, generator=g, device=dev) * 6).bfloat16(),
                 ys=torch.randn(T * 6, H, generator=g, device=dev).bfloat16())
 
 

@@ -86,7 +86,7 @@ class LayerOps:
     # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
     quantize_activations: bool = True
     # DeepSeek-V4/V4.1 fused mHC and MoE routing (layers/triton_mhc.py, layers/triton_moe_routing.py); None: the
-    # model's own torch code, which is their reference
+    # model's own torch code, which is their reference (the MoE glue: expert_order, moe_act, moe_combine together)
     hc_pre: Callable | None = None       # (streams, fn, base, scale, iters, eps, norm_eps, lagged=None)
     #                                      -> pre, post, comb, sublayer input
     hc_head: Callable | None = None      # (streams, fn, base, scale, eps, norm_eps) -> collapsed streams
@@ -94,6 +94,7 @@ class LayerOps:
     route: Callable | None = None        # (logits, bias, top_k, scale, renormalize, *, alt_bias, alt_rows, table,
     #                                      token_ids) -> experts, weights
     expert_order: Callable | None = None  # (experts, n) -> order, rows, inv, offs
+    moe_act: Callable | None = None       # (gate_up, limit, weights=None, order=None, rounded=False) -> h
     moe_combine: Callable | None = None   # (y, inv, experts, weights | None, dtype) -> per-token sums
 
 

@@ -16,6 +16,8 @@ kernels routing (softplus, sqrt, bias, top-k and its sort, gather, sum, divide, 
   offsets, in one launch: a pick's sorted position is the number of picks with a smaller (expert, index) key,
   counted by each program over all picks. No host sync; beyond `SORT_MAX_PICKS` picks (prefill chunks) the count
   grows quadratically and torch's argsort takes over (`layers/basic.py: sort_by_expert`, the same order).
+- `moe_act`: the clamped SwiGLU between the two grouped GEMMs, in V4's rounding (each op in the model dtype) or
+  V4.1's (float32, times each sorted row's routing weight, read through the order: no gathered copy).
 - `moe_combine`: expert outputs in sorted order -> per-token sums over the token's picks in pick order (weighted by
   the routing weights or not), float32 accumulation and one rounding: deterministic, where the torch path's
   index_add is atomic.
@@ -38,6 +40,7 @@ SORT_CHUNK = 64            # picks per program of `_expert_order_kernel` (and pe
 SORT_EXPERTS = 64          # experts per offsets program
 SORT_MAX_PICKS = 8192      # above: torch's sort (the kernel's count is quadratic in the picks)
 COMBINE_BLOCK_H = 1024
+ACT_BLOCK = 1024
 
 
 @triton.jit
@@ -173,6 +176,57 @@ def expert_order(experts: torch.Tensor, n: int):
     _expert_order_kernel[(chunks + triton.cdiv(n, SORT_EXPERTS),)](
         experts.contiguous(), order, rows, inv, offs, N, chunks, n, k, CH=SORT_CHUNK, EB=SORT_EXPERTS)
     return order, rows, inv, offs
+
+
+@triton.jit
+def _silu(x, LIBDEVICE: tl.constexpr):
+    """x / (1 + exp(-x)), as torch's silu computes it (CUDA's expf, an IEEE division)."""
+    if LIBDEVICE:
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    return tl.div_rn(x, 1.0 + e)
+
+
+@triton.jit
+def _moe_act_kernel(gu_ptr, stride_gu, w_ptr, order_ptr, h_ptr, I, limit, CLAMP: tl.constexpr,
+                    WEIGHTED: tl.constexpr, ROUNDED: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (sorted row r, column block): h = silu(min(gate, limit)) * clamp(up, -limit, limit) from the row's
+    [gate | up]; ROUNDED: each op rounded to h's dtype (a torch SwiGLU in that dtype), else float32 times the row's
+    routing weight w[order[r]] (WEIGHTED) and rounded once."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < I
+    DT = h_ptr.dtype.element_ty
+    gate = tl.load(gu_ptr + r * stride_gu + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + r * stride_gu + I + i, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if ROUNDED:
+        h = round_to(round_to(_silu(gate, LIBDEVICE), DT) * up, DT)
+    else:
+        h = _silu(gate, LIBDEVICE) * up
+        if WEIGHTED:
+            h = h * tl.load(w_ptr + tl.load(order_ptr + r)).to(tl.float32)
+        h = round_to(h, DT)
+    tl.store(h_ptr + r * I + i, h, mask=mask)
+
+
+def moe_act(gate_up: torch.Tensor, limit: float | None, weights: torch.Tensor | None = None,
+            order: torch.Tensor | None = None, rounded: bool = False) -> torch.Tensor:
+    """Sorted expert rows [N, 2I] ([gate | up]) -> [N, I] in their dtype: silu(gate) * up, gate clamped above at
+    `limit` and up to [-limit, limit] (None: no clamp). `rounded`: each op in the rows' dtype (V4's torch path);
+    else float32, times the routing weight `weights[order[r]]` of each row when given (V4.1's), rounded once."""
+    N, I = gate_up.shape[0], gate_up.shape[1] // 2
+    h = torch.empty(N, I, dtype=gate_up.dtype, device=gate_up.device)
+    if N:
+        weighted = weights is not None
+        _moe_act_kernel[(N, triton.cdiv(I, ACT_BLOCK))](
+            gate_up, gate_up.stride(0), weights.contiguous() if weighted else gate_up, order if weighted else gate_up,
+            h, I, 0.0 if limit is None else float(limit), CLAMP=limit is not None, WEIGHTED=weighted,
+            ROUNDED=rounded, LIBDEVICE=gate_up.is_cuda, BLOCK=ACT_BLOCK)
+    return h
 
 
 @triton.jit(do_not_specialize=["stride_y"])

@@ -253,4 +253,5 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm), hc_pre=triton_mhc.hc_pre,
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
-                      expert_order=triton_moe_routing.expert_order, moe_combine=triton_moe_routing.moe_combine)
+                      expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
+                      moe_combine=triton_moe_routing.moe_combine)

@@ -594,9 +594,9 @@ class Experts(nn.Module):
 
     def _grouped(self, x, experts, weights):
         n, k = self.gate_up_proj.shape[0], experts.shape[1]
-        if self.ops.moe_combine is not None:     # sorting and combining in one kernel each, float32 sums
+        if self.ops.moe_combine is not None:     # sorting, activation, combining: one kernel each
             _, rows, inv, offs = self.ops.expert_order(experts, n)
-            h = self._act(self.grouped_mm(x[rows], "gate_up_proj", offs))
+            h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs), self.limit, rounded=True)
             return self.ops.moe_combine(self.grouped_mm(h, "down_proj", offs), inv, experts, weights, x.dtype)
         order, offs = sort_by_expert(experts, n)     # other ranks' experts (-1) last, past the final offset
         h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs))

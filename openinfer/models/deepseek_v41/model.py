@@ -521,9 +521,10 @@ class MoE(nn.Module):
         ex = self.experts
         quantized = isinstance(ex, QuantizedExperts) and self.ops.quantize_activations
         xin = act_qdq(x) if quantized else x
-        if ex.grouped and self.ops.moe_combine is not None:   # sorting and combining in one kernel each
+        if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
             order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
-            h = self._act(ex.grouped_mm(xin[rows], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
+            h = self.ops.moe_act(ex.grouped_mm(xin[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
+                                 weights.flatten(), order)
             out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
             return self.ops.moe_combine(out, inv, experts, None, torch.float32)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
