@@ -58,6 +58,17 @@ def torch_hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tenso
     return pre, post, comb
 
 
+def sort_by_expert(experts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE picks [T, k] of n expert slots (-1: computed on another rank) -> (order [T*k]: the flat picks sorted
+    by expert, stable, the -1 picks last; offs [n] int32: cumulative picks per expert, the grouped GEMMs'
+    offsets). Device ops only: no host sync."""
+    flat = experts.flatten()
+    flat = torch.where(flat < 0, n, flat)
+    counts = torch.zeros(n + 1, dtype=torch.int32, device=flat.device)
+    offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)[:n]
+    return flat.argsort(stable=True), offs
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise/normalization kernels a model uses, chosen once at start-up (like the attention
@@ -74,6 +85,17 @@ class LayerOps:
     # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
     # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
     quantize_activations: bool = True
+    # DeepSeek-V4/V4.1 fused mHC and MoE routing (layers/triton_mhc.py, layers/triton_moe_routing.py); None: the
+    # model's own torch code, which is their reference (the MoE glue: expert_order, moe_act, moe_combine together)
+    hc_pre: Callable | None = None       # (streams, fn, base, scale, iters, eps, norm_eps, lagged=None)
+    #                                      -> pre, post, comb, sublayer input
+    hc_head: Callable | None = None      # (streams, fn, base, scale, eps, norm_eps) -> collapsed streams
+    hc_post: Callable | None = None      # (out, streams, post, comb, rounded) -> streams
+    route: Callable | None = None        # (logits, bias, top_k, scale, renormalize, *, alt_bias, alt_rows, table,
+    #                                      token_ids) -> experts, weights
+    expert_order: Callable | None = None  # (experts, n) -> order, rows, inv, offs
+    moe_act: Callable | None = None       # (gate_up, limit, weights=None, order=None, rounded=False) -> h
+    moe_combine: Callable | None = None   # (y, inv, experts, weights | None, dtype) -> per-token sums
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

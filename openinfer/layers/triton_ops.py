@@ -1,6 +1,8 @@
 """Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
-the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each replaces several small torch kernels (the decode step is launch-bound at small
-batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py)."""
+the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel).
+Each replaces several small torch kernels (the decode step is launch-bound at small batch); each is tested
+against the torch reference ops in `layers/basic.py` (tests/test_gpu.py). TRITON_OPS also carries the fused
+DeepSeek mHC (triton_mhc.py) and MoE routing (triton_moe_routing.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from openinfer.layers import triton_mhc, triton_moe_routing
 from openinfer.layers.basic import LayerOps
+from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.quantization import triton_kernels as quant_kernels
 
 
@@ -215,13 +219,7 @@ def _hc_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr
     tl.store(post_ptr + rows[:, None] * N + c[None, :], 2 * tl.sigmoid(post), mask=rmask[:, None])
     cc = tl.arange(0, N * N)
     w = tl.load(m + 2 * N + cc[None, :], mask=rmask[:, None], other=0.0) * s2 + tl.load(base_ptr + 2 * N + cc)[None, :]
-    w = tl.reshape(w, (BLOCK_T, N, N))
-    w = tl.exp(w - tl.max(w, axis=2)[:, :, None])
-    comb = w / tl.sum(w, axis=2)[:, :, None] + eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    comb = sinkhorn(tl.reshape(w, (BLOCK_T, N, N)), iters, eps, 2, 1)
     tl.store(comb_ptr + rows[:, None] * (N * N) + cc[None, :], tl.reshape(comb, (BLOCK_T, N * N)), mask=rmask[:, None])
 
 
@@ -253,4 +251,7 @@ def _bf16_io(kernel):
 
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
-                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm))
+                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm), hc_pre=triton_mhc.hc_pre,
+                      hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
+                      expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
+                      moe_combine=triton_moe_routing.moe_combine)

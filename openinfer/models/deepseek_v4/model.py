@@ -44,7 +44,7 @@ from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
-from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert
 from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -522,11 +522,13 @@ class SharedExpert(nn.Module):
 
 class Router(nn.Module):
     """sqrt(softplus) scores; experts from a frozen token->experts table (hash) or the top-k of scores plus
-    a correction bias (learned); the chosen scores, renormalized and scaled, weight the experts."""
+    a correction bias (learned); the chosen scores, renormalized and scaled, weight the experts. In the model
+    dtype, as transformers computes it; `ops.route` does all of it after the logits in one kernel."""
 
-    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.top_k, self.scaling, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
+        self.ops = ops
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
@@ -534,7 +536,13 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x, input_ids):
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        logits = F.linear(x, self.weight)
+        if self.ops.route is not None:
+            if self.hashed:
+                return self.ops.route(logits, None, self.top_k, self.scaling, True, table=self.tid2eid,
+                                      token_ids=input_ids)
+            return self.ops.route(logits, self.e_score_correction_bias, self.top_k, self.scaling, True)
+        scores = F.softplus(logits).sqrt()
         if self.hashed:
             experts = self.tid2eid[input_ids].long()
         else:
@@ -585,19 +593,16 @@ class Experts(nn.Module):
         return out
 
     def _grouped(self, x, experts, weights):
-        T, k = experts.shape
-        n = self.gate_up_proj.shape[0]
-        flat = experts.flatten()
-        skip = flat < 0                      # other ranks' experts: sorted last, past the final offset
-        flat = torch.where(skip, n, flat)
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
-        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)[:n]
-        rows = x[order // k]
-        h = self._act(self.grouped_mm(rows, "gate_up_proj", offs))
+        n, k = self.gate_up_proj.shape[0], experts.shape[1]
+        if self.ops.moe_combine is not None:     # sorting, activation, combining: one kernel each
+            _, rows, inv, offs = self.ops.expert_order(experts, n)
+            h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs), self.limit, rounded=True)
+            return self.ops.moe_combine(self.grouped_mm(h, "down_proj", offs), inv, experts, weights, x.dtype)
+        order, offs = sort_by_expert(experts, n)     # other ranks' experts (-1) last, past the final offset
+        h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs))
         y = self.grouped_mm(h, "down_proj", offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
-        y = torch.where(skip[order, None], 0, y)    # rows past the last offset hold whatever memory held
+        y = torch.where(experts.flatten()[order, None] < 0, 0, y)   # rows past the last offset hold anything
         return torch.zeros_like(x).index_add_(0, order // k, y)
 
 
@@ -645,7 +650,7 @@ class MoE(nn.Module):
                  parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
         super().__init__()
         self.parallel = parallel or ParallelContext.single()
-        self.gate = Router(cfg, hashed)
+        self.gate = Router(cfg, hashed, ops)
         slots = None
         if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
             slots, max_replicas = ep_layout
@@ -667,7 +672,8 @@ class MoE(nn.Module):
 class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection: from the n residual streams, weights to collapse them into
     the block input (pre), to spread the block output back (post), and an n x n stream mix projected onto
-    doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference."""
+    doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference; the merge
+    in the model dtype, as transformers computes it. `ops.hc_pre` / `ops.hc_post`: the same in 2 + 1 kernels."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
@@ -680,30 +686,37 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams):
         """streams [T, n, H] -> (post [T, n], comb [T, n, n], collapsed block input [T, H])."""
+        if self.ops.hc_pre is not None:
+            _, post, comb, collapsed = self.ops.hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps,
+                                                       self.norm_eps)
+            return post, comb, collapsed
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         pre, post, comb = self.ops.hc_weights(mixes, self.base, self.scale, self.n, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return post, comb, collapsed
 
-    @staticmethod
-    def merge(streams, out, post, comb):
+    def merge(self, streams, out, post, comb):
         """post * block output + comb^T @ streams (comb mixes over its first axis)."""
+        if self.ops.hc_post is not None:
+            return self.ops.hc_post(out, streams, post, comb, True)
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2),
                                                                                 streams)
 
 
 class HyperHead(nn.Module):
-    """The final collapse of the n streams into one hidden vector."""
+    """The final collapse of the n streams into one hidden vector (`ops.hc_head`: in two kernels)."""
 
-    def __init__(self, cfg: DeepseekV4Config):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.eps, self.norm_eps, self.ops = cfg.hc_eps, cfg.rms_norm_eps, ops
         self.hc_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
         self.hc_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams):
+        if self.ops.hc_head is not None:
+            return self.ops.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
@@ -728,9 +741,9 @@ class DeepseekV4DecoderLayer(nn.Module):
             attn = self.self_attn(self.input_layernorm(h), positions, rope, state, meta)
         else:   # context parallelism: the KV side over the whole step's rows, the queries over this rank's
             attn = self.self_attn(cp.gather(self.input_layernorm(h)), cp.positions, rope, state, cp.meta, cp)
-        streams = HyperConnection.merge(streams, attn, post, comb)
+        streams = self.attn_hc.merge(streams, attn, post, comb)
         post, comb, h = self.ffn_hc(streams)
-        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
+        return self.ffn_hc.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
 
 
 MTP_INPUT = "mtp_input"          # the key `captured` keeps the MTP heads' input under
@@ -749,7 +762,7 @@ class MTPLayer(nn.Module):
         self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layer = DeepseekV4DecoderLayer(cfg, SLIDING, "moe", ops, **moe_kwargs)
-        self.hc_head = HyperHead(cfg)
+        self.hc_head = HyperHead(cfg, ops)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -787,7 +800,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.expert_placement, moe_kwargs["ep_layout"] = layout
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, t, m, ops, **moe_kwargs)
                                     for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
-        self.hc_head = HyperHead(cfg)
+        self.hc_head = HyperHead(cfg, ops)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # logits shards all-gathered: every TP rank samples from the same full logits (nn.Linear without TP)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.parallel)

@@ -47,7 +47,7 @@ from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
-from openinfer.layers.basic import TORCH_OPS, LayerOps, torch_hc_weights
+from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
@@ -424,21 +424,28 @@ def spans_of(meta: AttentionMetadata) -> list[tuple[slice, object]]:
 # ---- MoE ----------------------------------------------------------------------------------------------
 class Gate(nn.Module):
     """sqrt(softplus) scores in float32; experts = top-k of scores + the selection bias; weights = the chosen
-    unbiased scores, renormalized, times route_scale."""
+    unbiased scores, renormalized, times route_scale. `ops.route` does all of it after the logits in one kernel."""
 
-    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, vision: bool = False):
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, vision: bool = False,
+                 ops: LayerOps = TORCH_OPS):
         """`vision`: a second selection bias, `bias_vl`, for tokens inside image spans."""
         super().__init__()
-        self.topk, self.route_scale = topk, route_scale
+        self.topk, self.route_scale, self.ops = topk, route_scale, ops
         self.weight = nn.Parameter(torch.zeros(n_experts, dim))
         self.bias = nn.Parameter(torch.zeros(n_experts))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts)) if vision else None
 
     def forward(self, x, image_mask: torch.Tensor | None = None):
         """`image_mask` [T] bool: rows inside an image span, which select experts with `bias_vl`."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        logits = _float32_linear(x, self.weight)
+        image_rows = image_mask is not None and self.bias_vl is not None
+        if self.ops.route is not None:
+            return self.ops.route(logits, self.bias, self.topk, self.route_scale, self.topk > 1,
+                                  alt_bias=self.bias_vl if image_rows else None,
+                                  alt_rows=image_mask if image_rows else None)
+        scores = F.softplus(logits).sqrt()
         bias = self.bias.float()
-        if image_mask is not None and self.bias_vl is not None:
+        if image_rows:
             bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
         experts = torch.topk(scores + bias, self.topk, dim=-1).indices
         weights = scores.gather(1, experts)
@@ -478,7 +485,7 @@ class MoE(nn.Module):
                  parallel: ParallelContext | None = None, ep_layout: tuple[int, int] | None = None):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer)
-        self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale, vision=cfg.vision_n_layers > 0)
+        self.gate = Gate(cfg.dim, n_experts, topk, cfg.route_scale, vision=cfg.vision_n_layers > 0, ops=ops)
         self.parallel = parallel or ParallelContext.single()
         slots = n_experts
         if ep_layout is not None:            # (slots per rank, most replicas one expert can have)
@@ -514,21 +521,20 @@ class MoE(nn.Module):
         ex = self.experts
         quantized = isinstance(ex, QuantizedExperts) and self.ops.quantize_activations
         xin = act_qdq(x) if quantized else x
+        if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
+            order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
+            h = self.ops.moe_act(ex.grouped_mm(xin[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
+                                 weights.flatten(), order)
+            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
+            return self.ops.moe_combine(out, inv, experts, None, torch.float32)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if ex.grouped:
-            T, k = experts.shape
-            n = ex.gate_up_proj.shape[0]
-            flat = experts.flatten()
-            skip = flat < 0                      # other ranks' experts: sorted last, past the final offset
-            flat = torch.where(skip, n, flat)
-            order = flat.argsort(stable=True)
-            counts = torch.zeros(n + 1, dtype=torch.int32, device=x.device)
-            offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(
-                0, dtype=torch.int32)[:n]
+            k = experts.shape[1]
+            order, offs = sort_by_expert(experts, ex.gate_up_proj.shape[0])   # other ranks' experts (-1) last
             h = self._act(ex.grouped_mm(xin[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
             out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs).float()
             # rows past the last offset hold whatever memory held
-            y.index_add_(0, order // k, torch.where(skip[order, None], 0.0, out))
+            y.index_add_(0, order // k, torch.where(experts.flatten()[order, None] < 0, 0.0, out))
         else:
             for e in experts.unique().tolist():
                 if e < 0:
@@ -595,6 +601,20 @@ class Block(nn.Module):
         return weights(m, getattr(self, f"hc_{kind}_base"), getattr(self, f"hc_{kind}_scale"), self.hc, self.iters,
                        self.hc_eps)
 
+    def hc_pre(self, streams, kind: str, lagged):
+        """Before a sublayer: (its pre, post, comb) from `streams`, and the streams collapsed by the previous
+        sublayer's pre, `lagged` (the sublayer's input); `ops.hc_pre`: in two kernels."""
+        if self.ops.hc_pre is not None:
+            return self.ops.hc_pre(streams, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                                   getattr(self, f"hc_{kind}_scale"), self.iters, self.hc_eps, self.eps, lagged)
+        return *self.mixes(streams, kind), self.collapse(streams, lagged)
+
+    def hc_post(self, out, streams, post, comb):
+        """After a sublayer: `expand` (`ops.hc_post`: in one kernel, float32 as here)."""
+        if self.ops.hc_post is not None:
+            return self.ops.hc_post(out, streams, post, comb, False)
+        return self.expand(out, streams, post, comb)
+
     @staticmethod
     def collapse(streams, pre):
         return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
@@ -610,18 +630,16 @@ class Block(nn.Module):
 
     def forward(self, streams, pre_mix, positions, ropes, state, meta, shared, close_groups: bool = True,
                 image_mask: torch.Tensor | None = None):
-        pre, post, comb = self.mixes(streams, "attn")
+        pre, post, comb, x = self.hc_pre(streams, "attn", pre_mix)
         cp = meta.context_parallel
         if cp is None:
-            h = self.attn(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, state, meta, shared,
-                          close_groups)
+            h = self.attn(self.attn_norm(x), positions, ropes, state, meta, shared, close_groups)
         else:   # context parallelism: the KV side over the whole step's rows, the queries over this rank's
-            h = self.attn(cp.gather(self.attn_norm(self.collapse(streams, pre_mix))), cp.positions, ropes, state,
-                          cp.meta, shared, close_groups, cp)
-        streams = self.expand(h, streams, post, comb)
-        ffn_pre, post, comb = self.mixes(streams, "ffn")
-        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)), meta, image_mask)
-        return self.expand(h, streams, post, comb), ffn_pre
+            h = self.attn(cp.gather(self.attn_norm(x)), cp.positions, ropes, state, cp.meta, shared, close_groups, cp)
+        streams = self.hc_post(h, streams, post, comb)
+        ffn_pre, post, comb, x = self.hc_pre(streams, "ffn", pre)
+        h = self.ffn(self.ffn_norm(x), meta, image_mask)
+        return self.hc_post(h, streams, post, comb), ffn_pre
 
 
 class DSparkStage(Block):
@@ -668,13 +686,12 @@ class DSparkStage(Block):
     def forward(self, streams, pre_mix, positions, ropes, ring: torch.Tensor, ring_valid: torch.Tensor, codec):
         """streams [B * n, hc, dim] (request-major: request b's block is rows b*n .. b*n+n-1), positions [B * n],
         ring [B, W, D] the requests' decoded context keys in slot order, ring_valid [B, W]."""
-        pre, post, comb = self.mixes(streams, "attn")
-        h = self._block_attention(self.attn_norm(self.collapse(streams, pre_mix)), positions, ropes, ring, ring_valid,
-                                  codec)
-        streams = self.expand(h, streams, post, comb)
-        ffn_pre, post, comb = self.mixes(streams, "ffn")
-        h = self.ffn(self.ffn_norm(self.collapse(streams, pre)))
-        return self.expand(h, streams, post, comb), ffn_pre
+        pre, post, comb, x = self.hc_pre(streams, "attn", pre_mix)
+        h = self._block_attention(self.attn_norm(x), positions, ropes, ring, ring_valid, codec)
+        streams = self.hc_post(h, streams, post, comb)
+        ffn_pre, post, comb, x = self.hc_pre(streams, "ffn", pre)
+        h = self.ffn(self.ffn_norm(x))
+        return self.hc_post(h, streams, post, comb), ffn_pre
 
     def _block_attention(self, x, positions, ropes, ring, ring_valid, codec):
         a = self.attn

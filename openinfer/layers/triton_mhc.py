@@ -1,0 +1,249 @@
+"""DeepSeek-V4/V4.1 manifold-constrained hyper-connections (mHC) in three Triton kernels per sublayer.
+
+The torch path (the models' `HyperConnection` / `Block` code, the reference and the CPU path) spends ~15 small
+kernels on each sublayer's mHC: casts, the unweighted RMS norm of the flattened streams, the mixes' linear, the
+Sinkhorn weights, the collapse, and the merge. Here:
+
+- `hc_pre` = two launches: `_hc_mix_partials_kernel` (the [T, n*H] x [n*H, (2+n)*n] product and the sum of squares,
+  split over K so a decode step's handful of rows still spreads the 1.5-2 MB of `fn` over every SM) and
+  `_hc_pre_kernel` (sum the splits, normalize, sigmoids, softmax and every Sinkhorn iteration, then the collapse of
+  the streams into the sublayer input: by this pre, or by the lagged pre V4.1 passes in);
+- `hc_post` = one launch: post * sublayer output + comb^T @ streams.
+
+Float32 math throughout, as the references. Two roundings are offered for the merge: V4's torch path (transformers'
+semantics) computes it in the model dtype (post and comb cast to it, the two terms rounded, then their sum), V4.1's
+(DeepSeek's reference) in float32 with one rounding at the end; `rounded=True` reproduces the first exactly.
+Sums run in the references' orders where they have one (the merge's streams in stream order); elsewhere results
+agree within float32 rounding. Integer arguments that change with the batch are not specialized on (one compile
+per model width, whatever the batch: openinfer/engine/compile_watch.py). Tests: tests/test_fused_mhc_routing.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openinfer.quantization.triton_kernels import num_sms
+
+BLOCK_T, BLOCK_K = 32, 64          # the mixes' product: tokens x K per tile
+MAX_SPLITS = 128                   # K splits of one token block (summed by `_hc_pre_kernel` in one load)
+BLOCK_H = 512                      # hidden columns per program of the collapse and the merge
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 `x` rounded to DTYPE's precision, kept float32: what a torch op in DTYPE leaves. bfloat16 by rounding
+    the bits to nearest even (a CUDA cast does the same; Triton's CPU interpreter would truncate); a store to a DTYPE
+    pointer of the result is then exact everywhere."""
+    if DTYPE == tl.float32:
+        return x
+    elif DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def sinkhorn(w, iters, eps, ROW: tl.constexpr, COL: tl.constexpr):
+    """The mHC comb from its logits `w` (rows along axis ROW, columns along COL): a row softmax, + eps, then
+    column / row normalizations, `iters` column normalizations in all (`torch_hc_weights`'s order)."""
+    w = tl.exp(w - tl.expand_dims(tl.max(w, axis=ROW), ROW))
+    comb = w / tl.expand_dims(tl.sum(w, axis=ROW), ROW) + eps
+    comb = comb / (tl.expand_dims(tl.sum(comb, axis=COL), COL) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.expand_dims(tl.sum(comb, axis=ROW), ROW) + eps)
+        comb = comb / (tl.expand_dims(tl.sum(comb, axis=COL), COL) + eps)
+    return comb
+
+
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps"])
+def _hc_mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_x, stride_ps,
+                            MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (token block, K split): x [T, K] (the flattened streams) times fn [MIX, K]^T over the split's K range,
+    float32 (IEEE products, not TF32), and the split's sum of squares in column MIX: part[split, t, :MIX + 1]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    cols = tl.arange(0, MIXP)
+    rmask = rows < T
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_T, MIXP), tl.float32)
+    squares = tl.zeros((BLOCK_T,), tl.float32)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_hi
+        x = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < MIX) & kmask[:, None], other=0.0)
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        squares += tl.sum(x * x, axis=1)
+    acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
+    tl.store(part_ptr + split * stride_ps + rows[:, None] * MIXP + cols[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit(do_not_specialize=["S", "stride_ps", "h_per_split"])
+def _hc_pre_kernel(part_ptr, S, stride_ps, x_ptr, stride_xt, lag_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                   y_ptr, stride_y, H, h_per_split, inv_k, iters, eps, norm_eps,
+                   N: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_H: tl.constexpr, HEAD: tl.constexpr, LAGGED: tl.constexpr):
+    """Program (token t, hidden split): the mixes of token t from the K splits' partials, normalized by the RMS of
+    the flattened streams; pre (+ post and the Sinkhorn comb unless HEAD, stored by split 0); then the split's
+    columns of sum_i w_i * streams[t, i] with w = pre, or the lagged pre given (LAGGED)."""
+    t = tl.program_id(0)
+    hsplit = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)[:, None]
+    part = part_ptr + s * stride_ps + t * MIXP
+    smask = s < S
+    c = tl.arange(0, N)
+    squares = tl.sum(tl.load(part + MIX, mask=smask, other=0.0), axis=0)                     # [1]
+    rs = 1.0 / tl.sqrt(squares * inv_k + norm_eps)
+    pre_w = tl.sum(tl.load(part + c[None, :], mask=smask, other=0.0), axis=0) * rs
+    pre = tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + c)) + eps
+    if not HEAD:
+        first = (c * 0 + hsplit) == 0                      # split 0 stores the weights
+        post_w = tl.sum(tl.load(part + N + c[None, :], mask=smask, other=0.0), axis=0) * rs
+        post = 2 * tl.sigmoid(post_w * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + c))
+        cc = tl.arange(0, N * N)
+        comb_w = tl.sum(tl.load(part + 2 * N + cc[None, :], mask=smask, other=0.0), axis=0) * rs
+        comb_w = comb_w * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cc)
+        comb = tl.reshape(sinkhorn(tl.reshape(comb_w, (N, N)), iters, eps, 1, 0), (N * N,))
+        tl.store(pre_ptr + t * N + c, pre, mask=first)
+        tl.store(post_ptr + t * N + c, post, mask=first)
+        tl.store(comb_ptr + t * (N * N) + cc, comb, mask=(cc * 0 + hsplit) == 0)
+    if LAGGED:
+        pre = tl.load(lag_ptr + t * N + c).to(tl.float32)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    y_row = y_ptr + t.to(tl.int64) * stride_y
+    h_lo = hsplit * h_per_split
+    h_hi = tl.minimum(h_lo + h_per_split, H)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hmask = h < h_hi
+        x = tl.load(x_row + c[:, None] * H + h[None, :], mask=hmask[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(y_row + h, round_to(y, y_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit
+def _hc_post_kernel(out_ptr, stride_o, x_ptr, stride_xt, post_ptr, comb_ptr, y_ptr, H,
+                    N: tl.constexpr, BLOCK_H: tl.constexpr, ROUNDED: tl.constexpr):
+    """Program (token t, hidden block): new streams[t, k] = post[k] * out[t] + sum_j comb[j, k] * streams[t, j]
+    (j in stream order). ROUNDED: post and comb in the streams' dtype and each term rounded to it, as a torch
+    merge in that dtype computes; else float32 with one rounding."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    k = tl.arange(0, N)
+    t64 = t.to(tl.int64)
+    o = tl.load(out_ptr + t64 * stride_o + h, mask=hmask, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + k).to(tl.float32)
+    if ROUNDED:
+        post = round_to(post, y_ptr.dtype.element_ty)
+    first = post[:, None] * o[None, :]
+    if ROUNDED:
+        first = round_to(first, y_ptr.dtype.element_ty)
+    mixed = tl.zeros((N, BLOCK_H), tl.float32)
+    for j in tl.static_range(N):
+        cj = tl.load(comb_ptr + t * (N * N) + j * N + k).to(tl.float32)
+        if ROUNDED:
+            cj = round_to(cj, y_ptr.dtype.element_ty)
+        sj = tl.load(x_ptr + t64 * stride_xt + j * H + h, mask=hmask, other=0.0).to(tl.float32)
+        mixed += cj[:, None] * sj[None, :]
+    if ROUNDED:
+        mixed = round_to(mixed, y_ptr.dtype.element_ty)
+    y = round_to(first + mixed, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t64 * (N * H) + k[:, None] * H + h[None, :], y, mask=hmask[None, :])
+
+
+def _check_streams(n: int) -> None:
+    if n & (n - 1):
+        raise ValueError(f"the fused mHC kernels need hc_mult a power of two (got {n}); run this model with "
+                         f"attention_backend='torch'")
+
+
+def _mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Kernel A over streams [T, n, H] and fn [mix, n*H]: (partials [S, T, MIXP], S)."""
+    T, n, H = streams.shape
+    _check_streams(n)
+    K, mix = n * H, fn.shape[0]
+    mixp = max(16, triton.next_power_of_2(mix + 1))
+    token_blocks = triton.cdiv(T, BLOCK_T)
+    k_blocks = triton.cdiv(K, BLOCK_K)
+    splits = max(1, min(MAX_SPLITS, k_blocks, 2 * num_sms(streams.device) // token_blocks))
+    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    part = torch.empty(splits, T, mixp, dtype=torch.float32, device=streams.device)
+    _hc_mix_partials_kernel[(token_blocks, splits)](streams, fn, part, T, K, k_per_split, streams.stride(0),
+                                                   part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=BLOCK_T,
+                                                   BLOCK_K=BLOCK_K)
+    return part, splits
+
+
+def _h_splits(T: int, H: int, device: torch.device) -> int:
+    """Hidden splits of the collapse: enough programs to fill the GPU at small T, one per token at large T (each
+    split recomputes the token's Sinkhorn weights)."""
+    blocks = triton.cdiv(H, BLOCK_H)
+    return max(1, min(blocks, triton.cdiv(2 * num_sms(device), T)))
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float, lagged: torch.Tensor | None = None):
+    """mHC before a sublayer: streams [T, n, H] -> (pre [T, n], post [T, n], comb [T, n, n] float32, the sublayer
+    input [T, H] in the streams' dtype) = the streams collapsed by `pre`, or by `lagged` [T, n] when given (V4.1
+    collapses a sublayer's streams by the previous sublayer's pre). fn [(2+n)*n, n*H], base [(2+n)*n], scale [3]."""
+    streams = streams.contiguous()
+    T, n, H = streams.shape
+    dev = streams.device
+    pre = torch.empty(T, n, dtype=torch.float32, device=dev)
+    post = torch.empty_like(pre)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    y = torch.empty(T, H, dtype=streams.dtype, device=dev)
+    if T == 0:
+        return pre, post, comb, y
+    part, splits = _mix_partials(streams, fn)
+    h_splits = _h_splits(T, H, dev)
+    h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_H) * BLOCK_H
+    lag = lagged.contiguous() if lagged is not None else pre
+    _hc_pre_kernel[(T, triton.cdiv(H, h_per_split))](
+        part, splits, part.stride(0), streams, streams.stride(0), lag, base, scale, pre, post, comb, y, y.stride(0),
+        H, h_per_split, 1.0 / (n * H), iters, eps, norm_eps, N=n, MIX=fn.shape[0], MIXP=part.shape[2],
+        BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_H, HEAD=False, LAGGED=lagged is not None)
+    return pre, post, comb, y
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """V4's final collapse (`HyperHead`): streams [T, n, H] -> [T, H], by pre = sigmoid(mixes * scale + base) + eps
+    with fn [n, n*H], base [n], scale [1]."""
+    streams = streams.contiguous()
+    T, n, H = streams.shape
+    y = torch.empty(T, H, dtype=streams.dtype, device=streams.device)
+    if T == 0:
+        return y
+    part, splits = _mix_partials(streams, fn)
+    h_splits = _h_splits(T, H, streams.device)
+    h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_H) * BLOCK_H
+    _hc_pre_kernel[(T, triton.cdiv(H, h_per_split))](
+        part, splits, part.stride(0), streams, streams.stride(0), y, base, scale, y, y, y, y, y.stride(0),
+        H, h_per_split, 1.0 / (n * H), 0, eps, norm_eps, N=n, MIX=n, MIXP=part.shape[2], BLOCK_S=MAX_SPLITS,
+        BLOCK_H=BLOCK_H, HEAD=True, LAGGED=False)
+    return y
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            rounded: bool) -> torch.Tensor:
+    """mHC after a sublayer: out [T, H], streams [T, n, H], post [T, n], comb [T, n, n] -> new streams [T, n, H] =
+    post * out + comb^T @ streams. `rounded`: in the streams' dtype term by term (V4's torch path), else float32
+    with one rounding (V4.1's)."""
+    streams, out = streams.contiguous(), out.contiguous()
+    T, n, H = streams.shape
+    _check_streams(n)
+    y = torch.empty_like(streams)
+    if T:
+        _hc_post_kernel[(T, triton.cdiv(H, BLOCK_H))](out, out.stride(0), streams, streams.stride(0),
+                                                     post.contiguous(), comb.contiguous(), y, H, N=n,
+                                                     BLOCK_H=BLOCK_H, ROUNDED=rounded)
+    return y
