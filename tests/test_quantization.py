@@ -160,6 +160,26 @@ def test_fp8_linear_equals_dequantized_fp32_and_measures_activation_rounding():
     torch.testing.assert_close(lin2.forward_groups(xg), dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows_per_group, block", [(32, 32), (16, 128), (8, 32), (48, 32), (96, 64)])
+def test_grouped_projection_reads_each_row_with_its_scale_tile(rows_per_group, block):
+    """`wo_a`'s groups need not own whole scale tiles: row r is scaled by tile r // block, as DeepSeek's and
+    transformers' dequantization read it, whether a group is whole tiles (32 of 32), inside one tile (16 of
+    128, 8 of 32) or spans two (48 of 32, 96 of 64). Random codes and scale bytes, so a row read with
+    another tile's scale is off by a power of two."""
+    g = torch.Generator().manual_seed(rows_per_group + block)
+    groups, k = 4, 96
+    lin = Fp8Linear(k, groups * rows_per_group, block)
+    codes = torch.randint(0, 256, (groups * rows_per_group, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0                                      # no NaNs
+    lin.weight.data = codes.view(torch.float8_e4m3fn)
+    lin.weight_scale.data = torch.randint(117, 137, lin.weight_scale.shape, generator=g,
+                                          dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.randn(5, groups, k, generator=g)
+    w = dequantize_fp8(lin.weight, lin.weight_scale, block).view(groups, rows_per_group, k)
+    dense = torch.einsum("tgi,gri->tgr", x, w)
+    torch.testing.assert_close(lin.forward_groups(x), dense, rtol=1e-6, atol=1e-6 * dense.abs().max().item())
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_grouped_gemm_equals_per_expert_dense(fmt):
     g = torch.Generator().manual_seed(3)
@@ -408,6 +428,37 @@ def test_more_bad_checkpoints_are_named(tmp_path, published):
     for path, match in cases:
         with pytest.raises(ValueError, match=match):
             engine_for(path)
+
+
+@pytest.mark.parametrize("block, o_lora_rank", [(128, 16), (32, 48)])
+def test_grouped_wo_a_narrower_than_a_scale_tile_equals_transformers(tmp_path, block, o_lora_rank):
+    """A V4 checkpoint whose `wo_a` groups are narrower than a scale tile (the tiny V4's 16-row groups under
+    V4's 128-row tiles; 48-row groups straddling 32-row tiles) loads, and its logits equal transformers' fp32
+    model on the dequantized copy within the published tests' bounds: 1e-5 weight-only (summation order),
+    1e-3 < relative error < 15% with DeepSeek's activation rounding."""
+    from transformers import AutoModelForCausalLM
+
+    quant = {**QUANT, "weight_block_size": [block, block]}
+    src = write_published(tmp_path / "ckpt", {**TINY_PUBLISHED, "o_lora_rank": o_lora_rank, "quantization_config": quant})
+    rows = DEEPSEEK_V4_TINY_CONFIG["o_groups"] * o_lora_rank
+    assert read_headers(src)["layers.0.attn.wo_a.scale"].shape[0] == -(-rows // block)
+    ref = AutoModelForCausalLM.from_pretrained(str(dequantized_copy(src, tmp_path / "dequantized")),
+                                               dtype=torch.float32).eval()
+    prompts = prompts_of(70, 33, seed=8)
+    for quantize_activations in (False, True):
+        results = run_recording(engine_for(src, quantize_activations=quantize_activations), prompts,
+                                SamplingParams(max_tokens=3, **GREEDY), budgets=(3, 40))
+        for prompt, (out, ours) in zip(prompts, results):
+            full = prompt + out.outputs[0].token_ids
+            with torch.no_grad():
+                r = ref(torch.tensor([full[:-1]]), use_cache=False).logits[0]
+            if quantize_activations:
+                rel = ((ours - r).norm() / r.norm()).item()
+                assert 1e-3 < rel < 0.15, rel
+            else:
+                assert reference_topk_is_unambiguous(ref, full[:-1])
+                err = (ours - r).abs().max().item()
+                assert err < 1e-5, err
 
 
 def test_ragged_fp8_tiles_load_and_equal_the_dequantized_weights(tmp_path):
