@@ -128,6 +128,29 @@ def test_fp8_and_mxfp4_gemms_equal_deepseek_kernels():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("act_block", [32, 128])
+def test_w4a8_expert_gemm_equals_deepseek_act_quant_then_fp4_gemm(act_block):
+    """`grouped_gemm_a8` on MXFP4 experts is DeepSeek's expert GEMM: `act_quant` per token in groups of the FP8
+    block (32 in V4.1, 128 in V4), then `fp4_gemm` with that activation block, per expert (summation order
+    apart). Row magnitudes change by powers of two along K, so each activation group has its own scale."""
+    k = deepseek_kernels()
+    g = torch.Generator().manual_seed(act_block)
+    packed, ps = quantize_mxfp4(torch.randn(3, 64, 256, generator=g) * 0.05)
+    counts = [4, 0, 6]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    spread = 2.0 ** torch.randint(-5, 6, (1, 8), generator=g).repeat_interleave(32, 1)
+    rows = (torch.randn(10, 256, generator=g) * spread).to(torch.bfloat16)
+    ours = reference.grouped_gemm_a8(rows.float(), offs, packed, ps, "mxfp4", act_block)
+    torch.set_default_dtype(torch.float32)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            a, a_s = k.act_quant(rows[start:start + c].contiguous(), act_block, "ue8m0")
+            theirs = k.fp4_gemm(a, a_s, packed[e].view(torch.float4_e2m1fn_x2), ps[e], act_block_size=act_block)
+            torch.testing.assert_close(ours[start:start + c], theirs, rtol=1e-5, atol=1e-6)
+        start += c
+
+
 def test_quantizers_keep_grid_values_exactly():
     g = torch.Generator().manual_seed(1)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

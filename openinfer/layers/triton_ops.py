@@ -10,6 +10,7 @@ import triton.language as tl
 
 from openinfer.layers.basic import LayerOps
 from openinfer.quantization import triton_kernels as quant_kernels
+from openinfer.quantization import triton_w4a8
 
 
 @triton.jit
@@ -253,4 +254,5 @@ def _bf16_io(kernel):
 
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
-                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm))
+                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),
+                      grouped_gemm_a8=_bf16_io(triton_w4a8.grouped_gemm_a8))
