@@ -449,14 +449,15 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
 # ---- FP8 block-scaled linear on bf16 tensor cores -----------------------------------------------------
 @triton.jit
 def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
-                          BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          BLOCK: tl.constexpr, GK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out = x @ (w * block scales)^T with the scales inside the operand: each weight tile [BLOCK_N, BLOCK_K]
     (E4M3) is dequantized to bf16 in registers (exact) and the K loop is one bf16 dot per step into an fp32
     accumulator, no rescale per K block. Why: with 32-wide blocks the W8A8 kernel rescales its accumulator every
     32 of K (fp32 ALU work as large as the MMA's); here there is none, at the bf16 MMA rate. x is bf16: the
-    activations already rounded to their FP8 values when the linear is W8A8. Tiles sweep the columns in
-    GROUP_M-row bands (weight tiles reused from L2), as `_fp8_gemm_kernel`."""
+    activations already rounded to their FP8 values when the linear is W8A8. A scale covers GK = min(BLOCK,
+    BLOCK_K) columns of a tile. Tiles sweep the columns in GROUP_M-row bands (weight tiles reused from L2), as
+    `_fp8_gemm_kernel`."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -473,7 +474,6 @@ def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, str
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     ws_rows = ws_ptr + (rn // BLOCK)[:, None] * stride_wsn
-    GK: tl.constexpr = BLOCK if BLOCK < BLOCK_K else BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -516,6 +516,7 @@ def fp8_bf16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     ws = scale.view(torch.uint8)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_bf16_gemm_kernel[grid](x, weight, ws, out, m, n, k, x.stride(0), weight.stride(0), ws.stride(0),
-                                out.stride(0), BLOCK=block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                out.stride(0), BLOCK=block, GK=min(block, cfg.block_k), BLOCK_M=cfg.block_m,
+                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
     return out
