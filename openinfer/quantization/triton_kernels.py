@@ -109,6 +109,17 @@ def quantize_dequantize_activations(x: torch.Tensor, block: int) -> torch.Tensor
 
 
 # ---- FP8 block-scaled linear (W8A8) -------------------------------------------------------------------
+@triton.jit
+def _swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid -> (row tile, column tile), GROUP_M row tiles sweeping the columns together so that their
+    weight tiles are reused from L2."""
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
 # SPLIT_K is a runtime argument: the split count follows the step's token count (fp8_config), and as a constexpr
 # each count would compile its own variant under traffic (engine/compile_watch.py)
 @triton.jit(do_not_specialize=["SPLIT_K", "stride_os"])
@@ -123,16 +134,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     quantized here (decode: saves a launch and a round trip; the tile is tiny); else a_ptr/as_ptr hold the
     FP8 activations and their scales. SPLIT_K > 1 writes fp32 partials [SPLIT_K, M, N] for
     `_sum_splits_kernel`."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles sweep the columns together so their weight tiles are reused from L2
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -458,15 +461,7 @@ def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, str
     activations already rounded to their FP8 values when the linear is W8A8. A scale covers GK = min(BLOCK,
     BLOCK_K) columns of a tile. Tiles sweep the columns in GROUP_M-row bands (weight tiles reused from L2), as
     `_fp8_gemm_kernel`."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
+    pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
