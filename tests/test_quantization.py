@@ -219,6 +219,20 @@ def test_grouped_gemm_equals_per_expert_dense(fmt):
         start += c
 
 
+def test_kernel_tables_cover_every_size_with_known_kernels():
+    """The per-size kernel tables (pasted from benchmarks/gpu_expert_gemm.py) start at 0, increase, and name
+    kernels the dispatchers know; a lookup takes the last entry at or below the size."""
+    from openinfer.quantization import kernel_choice
+
+    for table, names in ((kernel_choice.EXPERT_KERNEL_BY_ROWS, {"w4a16", "w4a8"}),
+                         (kernel_choice.FP8_FINE_BLOCK_BY_M, {"fp8", "bf16"})):
+        starts = [start for start, _ in table]
+        assert starts[0] == 0 and starts == sorted(set(starts)), table
+        assert {name for _, name in table} <= names, table
+    table = ((0, "a"), (64, "b"), (4096, "c"))
+    assert [kernel_choice.choose(table, m) for m in (0, 1, 63, 64, 4095, 4096, 1 << 20)] == list("aabbbcc")
+
+
 # ---- the published layout through the real engine ------------------------------------------------------
 def test_published_layout_is_what_deepseek_publishes(published):
     src, _ = published

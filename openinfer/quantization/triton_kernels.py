@@ -6,11 +6,14 @@
   act_scale * weight_scale and accumulated in fp32 (DeepSeek's promotion every block). Decode (M <= 64)
   quantizes the activation tile inside the GEMM (one launch) and splits K when the output tiles alone would
   leave most SMs idle; larger M quantizes once in a separate kernel, and with block 128 from a few
-  hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there.
+  hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there. Finer
+  blocks (V4.1's 32) can instead take `fp8_bf16_gemm` on activations rounded to their FP8 values
+  (`quantize_dequantize_activations`): weight tiles dequantized to bf16 inside a bf16 GEMM, no rescale per
+  block; which one runs at which M is `kernel_choice.py`'s table.
 - `grouped_gemm`: MoE experts with weight-only dequantization in registers (W4A16 for MXFP4, W8A16 for FP8):
   packed weights are decoded to bf16 next to the dot, never written back. The row tiles per expert depend
   on the routing, so the grid is a static upper bound and each program finds its (expert, rows) from `offs`
-  on the device: no host sync, CUDA-graph capturable.
+  on the device: no host sync, CUDA-graph capturable. (`triton_w4a8.py` holds the W4A8 expert GEMM.)
 
 Known limits: an E8M0 scale byte 0 (2^-127) reads as 0 (real checkpoints stay far from it);
 `grouped_gemm` leaves output rows past offs[-1] unwritten, as the reference does.
