@@ -221,6 +221,16 @@ class Saved:
         self.path.write_text(json.dumps(self.result, indent=1))
 
 
+def run_header(date: str) -> dict:
+    """What every result file starts with: device, torch and Triton versions, date, commit."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        rev = "unknown"
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date,
+                git=rev)
+
+
 def main():
     date = datetime.date.today().isoformat()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,15 +238,10 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--only", choices=["fp8", "grouped"], help="run one half")
     args = ap.parse_args()
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        rev = "unknown"
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date,
-                  git=rev)
+    result = run_header(date)
     result["copy_GBps"], result["read_GBps"] = ceiling, read = ceilings()
-    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {rev}  copy {ceiling:.0f} GB/s"
-          f"  read {read:.0f} GB/s")
+    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['git']}  copy "
+          f"{ceiling:.0f} GB/s  read {read:.0f} GB/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for part, fn in (("fp8_linear", bench_fp8), ("grouped_gemm", bench_grouped)):

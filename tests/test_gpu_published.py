@@ -23,8 +23,8 @@ def published_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("quantize_activations", [True, False])
 def test_published_v4_cuda_follows_cpu_reference(published_dir, quantize_activations):
-    """Same semantics on both sides (W8A8 or W8A16 dense, W4A16 experts): CUDA bf16 is no further from CPU
-    fp32 than our CPU bf16 is (the kernels add no error beyond bf16 rounding)."""
+    """Same semantics on both sides (W8A8 dense and W4A8 experts, or W8A16 and W4A16): CUDA bf16 is no further
+    from CPU fp32 than our CPU bf16 is (the kernels add no error beyond bf16 rounding)."""
     prompt = [(i * 7919) % 120000 + 100 for i in range(150)]
     opts = dict(quantize_activations=quantize_activations)
     ref = _prompt_logits(LLM(str(published_dir), device="cpu", dtype="float32", **opts), prompt)
@@ -35,6 +35,26 @@ def test_published_v4_cuda_follows_cpu_reference(published_dir, quantize_activat
     rel, baseline = _rel(got, ref), _rel(cpu_bf16, ref)
     print(f"published tiny V4 (act quant {quantize_activations}): CUDA bf16 vs CPU fp32 {rel:.4f}, "
           f"CPU bf16 vs CPU fp32 {baseline:.4f}")
+    assert not got.isnan().any()
+    assert rel < 1.5 * baseline
+
+
+@pytest.mark.parametrize("table, route", [("EXPERT_KERNEL_BY_ROWS", "w4a8"), ("EXPERT_KERNEL_BY_ROWS", "w4a16"),
+                                          ("FP8_FINE_BLOCK_BY_M", "bf16"), ("FP8_FINE_BLOCK_BY_M", "fp8")])
+def test_published_v4_every_kernel_route_follows_cpu_reference(published_dir, table, route, monkeypatch):
+    """Each route of the per-size kernel tables (quantization/kernel_choice.py) forced at every size: the W4A8
+    expert kernel or W4A16 on rounded rows; the 32 x 32 FP8 linears on the FP8 or the bf16 tensor cores. Each
+    is as close to the CPU fp32 reference as CPU bf16 is."""
+    from openinfer.quantization import kernel_choice
+
+    prompt = [(i * 7919) % 120000 + 100 for i in range(150)]
+    ref = _prompt_logits(LLM(str(published_dir), device="cpu", dtype="float32"), prompt)
+    cpu_bf16 = _prompt_logits(LLM(str(published_dir), device="cpu", dtype="bfloat16"), prompt)
+    gc.collect()
+    monkeypatch.setattr(kernel_choice, table, ((0, route),))
+    got = _prompt_logits(LLM(str(published_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3), prompt)
+    rel, baseline = _rel(got, ref), _rel(cpu_bf16, ref)
+    print(f"published tiny V4, {table} -> {route}: CUDA bf16 vs CPU fp32 {rel:.4f}, CPU bf16 vs CPU fp32 {baseline:.4f}")
     assert not got.isnan().any()
     assert rel < 1.5 * baseline
 

@@ -144,3 +144,154 @@ def test_cuda_graph_replay_equals_eager():
         eager_lin, eager_grp = step()
         assert torch.equal(y_lin, eager_lin)
         assert torch.equal(y_grp, eager_grp)
+
+
+# ---- W4A8 experts, the bf16-core FP8 linear, the per-M kernel choice -----------------------------------
+# routed experts (count, hidden, intermediate) and the activation group DeepSeek's inference quantizes them with
+# (its FP8 block): V4-Flash, and V4.1-Flash as /work/shared/reference/deepseek_v41/config.json gives it; top-6 both
+EXPERT_SHAPES = {"v4_flash": (256, 4096, 2048, 128), "v41_flash": (384, 5120, 2304, 32)}
+
+
+def _random_mxfp4(e, n, k, g):
+    """Random E2M1 codes with scales near the init std's (quantizing full-width experts from floats would
+    need far more memory than the codes)."""
+    w = torch.randint(0, 256, (e, n, k // 2), generator=g, device="cuda", dtype=torch.uint8)
+    s = torch.randint(118, 125, (e, n, k // 32), generator=g, device="cuda", dtype=torch.uint8)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def _top6_offs(tokens, experts, g):
+    idx = torch.rand(tokens, experts, generator=g, device="cuda").argsort(-1)[:, :6].flatten()
+    return torch.bincount(idx, minlength=experts).cumsum(0).to(torch.int32), idx.numel()
+
+
+def test_quantize_dequantize_activations_is_bit_exact():
+    g = _gen()
+    x = (torch.randn(37, 1000, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    x[0, :40] = 0
+    x[5] *= 1e4
+    for block in (32, 128):
+        want = formats.dequantize_activations(*formats.quantize_activations(x, block), block).to(torch.bfloat16)
+        assert torch.equal(tk.quantize_dequantize_activations(x, block), want)
+
+
+@pytest.mark.parametrize("act_block", [32, 128])
+@pytest.mark.parametrize("counts", [[0, 1, 0, 0], [1, 0, 3, 2], [40, 0, 129, 7], [300, 1, 0, 60], [0, 0, 0, 513]])
+def test_w4a8_grouped_gemm_matches_reference(counts, act_block):
+    """The W4A8 kernel (activation quantization kernel + FP8 GEMM) against the reference with the same
+    activation rounding (fp32 summation order and bf16 output apart), and against the dequantized fp32 product
+    without it within the documented W8A8 bound (E4M3's 3 mantissa bits: 2.3% measured for one FP8 linear)."""
+    from openinfer.quantization import triton_w4a8
+
+    g = _gen()
+    weight, scale = _experts("mxfp4", len(counts), 256, 512, 32, g)
+    m = sum(counts)
+    rows = torch.randn(m + 3, 512, generator=g, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(counts)
+    out = triton_w4a8.grouped_gemm_w4a8(rows, offs, weight, scale, act_block)
+    assert out.shape == (m + 3, 256) and out.dtype == torch.bfloat16
+    assert _rel(out[:m], reference.grouped_gemm_a8(rows, offs, weight, scale, "mxfp4", act_block)[:m]) < 1e-2
+    exact = reference.grouped_gemm(rows.float(), offs, weight, scale, "mxfp4", act_block)[:m]
+    assert 1e-3 < _rel(out[:m], exact) < 0.05
+
+
+@pytest.mark.parametrize("model", sorted(EXPERT_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 2048])
+def test_w4a8_at_full_width(model, tokens):
+    """Both expert GEMMs of V4-Flash (1 x 128 activation groups) and V4.1-Flash (1 x 32) at their real widths,
+    top-6 routing: the W4A8 kernel, the W4A16 kernel on rounded rows and the dispatcher against the reference."""
+    from openinfer.quantization import triton_w4a8
+
+    g = _gen()
+    e, h, i, act_block = EXPERT_SHAPES[model]
+    offs, m = _top6_offs(tokens, e, g)
+    for n, k in ((2 * i, h), (h, i)):                      # gate_up, down
+        weight, scale = _random_mxfp4(e, n, k, g)
+        rows = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = reference.grouped_gemm_a8(rows, offs, weight, scale, "mxfp4", act_block)
+        assert _rel(triton_w4a8.grouped_gemm_w4a8(rows, offs, weight, scale, act_block), ref) < 1e-2
+        w4a16 = tk.grouped_gemm(tk.quantize_dequantize_activations(rows, act_block), offs, weight, scale, "mxfp4",
+                                act_block)
+        assert _rel(w4a16, ref) < 1e-2
+        assert _rel(triton_w4a8.grouped_gemm_a8(rows, offs, weight, scale, "mxfp4", act_block), ref) < 1e-2
+        del weight, scale
+
+
+def test_w4a8_cuda_graph_replay_equals_eager():
+    """The W4A8 path captured once and replayed on new rows and a new routing (tiles found on the device)."""
+    from openinfer.quantization import triton_w4a8
+
+    g = _gen()
+    weight, scale = _experts("mxfp4", 8, 256, 1024, 32, g)
+    rows = torch.randn(24, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+    offs = _offs([3, 0, 5, 0, 0, 16, 0, 0])
+
+    def step():
+        return triton_w4a8.grouped_gemm_w4a8(rows, offs, weight, scale, 128)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    for counts in ([24, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 0, 3], [0, 0, 0, 0, 0, 0, 0, 24]):
+        rows.copy_(torch.randn(rows.shape, generator=g, device="cuda"))
+        offs.copy_(_offs(counts))
+        graph.replay()
+        assert torch.equal(y, step())
+
+
+V41_FP8_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+                  "shared_w13": (2304, 5120), "shared_w2": (5120, 2304), "index_wq_b": (4096, 1280)}   # (N, K)
+
+
+@pytest.mark.parametrize("name", sorted(V41_FP8_SHAPES))
+@pytest.mark.parametrize("m", [1, 77, 4096])
+def test_fp8_bf16_core_linear_matches_reference(name, m):
+    """V4.1's FP8 32 x 32 linears through the bf16-tensor-core kernel: W8A16 against the reference without
+    activation rounding, and with rounded activations (fp8_linear's bf16 route) against the W8A8 reference."""
+    g = _gen()
+    n, k = V41_FP8_SHAPES[name]
+    weight, scale = formats.quantize_fp8(torch.randn(n, k, generator=g, device="cuda") * 0.05, 32)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    cfg = tk.fp8_bf16_config(m, n, k, 32)
+    w8a16 = tk.fp8_bf16_gemm(x, weight, scale, 32, cfg)
+    assert _rel(w8a16, reference.fp8_linear(x, weight, scale, 32, quantize_input=False)) < 1e-2
+    w8a8 = tk.fp8_bf16_gemm(tk.quantize_dequantize_activations(x, 32), weight, scale, 32, cfg)
+    assert _rel(w8a8, reference.fp8_linear(x, weight, scale, 32)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 300, 3000])
+def test_fp8_linear_routes_agree(m, monkeypatch):
+    """fp8_linear's two routes for 32-wide blocks (the W8A8 FP8 kernel, the bf16-core kernel on rounded
+    activations) compute the same values: each table entry forced in turn, both against the reference."""
+    from openinfer.quantization import kernel_choice
+
+    g = _gen()
+    weight, scale = formats.quantize_fp8(torch.randn(2304, 5120, generator=g, device="cuda") * 0.05, 32)
+    x = torch.randn(m, 5120, generator=g, device="cuda", dtype=torch.bfloat16)
+    ref = reference.fp8_linear(x, weight, scale, 32)
+    for route in ("fp8", "bf16"):
+        monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, route),))
+        assert _rel(tk.fp8_linear(x, weight, scale, 32), ref) < 1e-2
+
+
+@pytest.mark.parametrize("rows_per_group, block", [(16, 128), (48, 32), (1024, 128)])
+def test_grouped_wo_a_with_narrow_groups_on_the_grouped_kernel(rows_per_group, block):
+    """`Fp8Linear.forward_groups` on the Triton ops with groups inside one scale tile, straddling two, or whole
+    tiles (V4-Flash's 1024-row groups), against the same layer on the reference ops."""
+    from openinfer.layers.basic import TORCH_OPS
+    from openinfer.layers.fp8_linear import Fp8Linear
+    from openinfer.layers.triton_ops import TRITON_OPS
+
+    g = _gen()
+    groups, k = 8, 512
+    lin = Fp8Linear(k, groups * rows_per_group, block).cuda()
+    lin.weight.data, lin.weight_scale.data = formats.quantize_fp8(
+        torch.randn(groups * rows_per_group, k, generator=g, device="cuda")
+        * torch.rand(groups * rows_per_group, 1, generator=g, device="cuda"), block)
+    x = torch.randn(33, groups, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    lin.ops = TORCH_OPS
+    ref = lin.forward_groups(x)
+    lin.ops = TRITON_OPS
+    assert _rel(lin.forward_groups(x), ref) < 1e-2

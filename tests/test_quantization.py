@@ -128,6 +128,29 @@ def test_fp8_and_mxfp4_gemms_equal_deepseek_kernels():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("act_block", [32, 128])
+def test_w4a8_expert_gemm_equals_deepseek_act_quant_then_fp4_gemm(act_block):
+    """`grouped_gemm_a8` on MXFP4 experts is DeepSeek's expert GEMM: `act_quant` per token in groups of the FP8
+    block (32 in V4.1, 128 in V4), then `fp4_gemm` with that activation block, per expert (summation order
+    apart). Row magnitudes change by powers of two along K, so each activation group has its own scale."""
+    k = deepseek_kernels()
+    g = torch.Generator().manual_seed(act_block)
+    packed, ps = quantize_mxfp4(torch.randn(3, 64, 256, generator=g) * 0.05)
+    counts = [4, 0, 6]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    spread = 2.0 ** torch.randint(-5, 6, (1, 8), generator=g).repeat_interleave(32, 1)
+    rows = (torch.randn(10, 256, generator=g) * spread).to(torch.bfloat16)
+    ours = reference.grouped_gemm_a8(rows.float(), offs, packed, ps, "mxfp4", act_block)
+    torch.set_default_dtype(torch.float32)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            a, a_s = k.act_quant(rows[start:start + c].contiguous(), act_block, "ue8m0")
+            theirs = k.fp4_gemm(a, a_s, packed[e].view(torch.float4_e2m1fn_x2), ps[e], act_block_size=act_block)
+            torch.testing.assert_close(ours[start:start + c], theirs, rtol=1e-5, atol=1e-6)
+        start += c
+
+
 def test_quantizers_keep_grid_values_exactly():
     g = torch.Generator().manual_seed(1)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -160,6 +183,26 @@ def test_fp8_linear_equals_dequantized_fp32_and_measures_activation_rounding():
     torch.testing.assert_close(lin2.forward_groups(xg), dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows_per_group, block", [(32, 32), (16, 128), (8, 32), (48, 32), (96, 64)])
+def test_grouped_projection_reads_each_row_with_its_scale_tile(rows_per_group, block):
+    """`wo_a`'s groups need not own whole scale tiles: row r is scaled by tile r // block, as DeepSeek's and
+    transformers' dequantization read it, whether a group is whole tiles (32 of 32), inside one tile (16 of
+    128, 8 of 32) or spans two (48 of 32, 96 of 64). Random codes and scale bytes, so a row read with
+    another tile's scale is off by a power of two."""
+    g = torch.Generator().manual_seed(rows_per_group + block)
+    groups, k = 4, 96
+    lin = Fp8Linear(k, groups * rows_per_group, block)
+    codes = torch.randint(0, 256, (groups * rows_per_group, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0                                      # no NaNs
+    lin.weight.data = codes.view(torch.float8_e4m3fn)
+    lin.weight_scale.data = torch.randint(117, 137, lin.weight_scale.shape, generator=g,
+                                          dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.randn(5, groups, k, generator=g)
+    w = dequantize_fp8(lin.weight, lin.weight_scale, block).view(groups, rows_per_group, k)
+    dense = torch.einsum("tgi,gri->tgr", x, w)
+    torch.testing.assert_close(lin.forward_groups(x), dense, rtol=1e-6, atol=1e-6 * dense.abs().max().item())
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_grouped_gemm_equals_per_expert_dense(fmt):
     g = torch.Generator().manual_seed(3)
@@ -174,6 +217,20 @@ def test_grouped_gemm_equals_per_expert_dense(fmt):
     for e, c in enumerate(counts):
         torch.testing.assert_close(out[start:start + c], rows[start:start + c] @ dense[e].T, rtol=1e-6, atol=1e-6)
         start += c
+
+
+def test_kernel_tables_cover_every_size_with_known_kernels():
+    """The per-size kernel tables (pasted from benchmarks/gpu_expert_gemm.py) start at 0, increase, and name
+    kernels the dispatchers know; a lookup takes the last entry at or below the size."""
+    from openinfer.quantization import kernel_choice
+
+    for table, names in ((kernel_choice.EXPERT_KERNEL_BY_ROWS, {"w4a16", "w4a8"}),
+                         (kernel_choice.FP8_FINE_BLOCK_BY_M, {"fp8", "bf16"})):
+        starts = [start for start, _ in table]
+        assert starts[0] == 0 and starts == sorted(set(starts)), table
+        assert {name for _, name in table} <= names, table
+    table = ((0, "a"), (64, "b"), (4096, "c"))
+    assert [kernel_choice.choose(table, m) for m in (0, 1, 63, 64, 4095, 4096, 1 << 20)] == list("aaabbcc")
 
 
 # ---- the published layout through the real engine ------------------------------------------------------
@@ -408,6 +465,37 @@ def test_more_bad_checkpoints_are_named(tmp_path, published):
     for path, match in cases:
         with pytest.raises(ValueError, match=match):
             engine_for(path)
+
+
+@pytest.mark.parametrize("block, o_lora_rank", [(128, 16), (32, 48)])
+def test_grouped_wo_a_narrower_than_a_scale_tile_equals_transformers(tmp_path, block, o_lora_rank):
+    """A V4 checkpoint whose `wo_a` groups are narrower than a scale tile (the tiny V4's 16-row groups under
+    V4's 128-row tiles; 48-row groups straddling 32-row tiles) loads, and its logits equal transformers' fp32
+    model on the dequantized copy within the published tests' bounds: 1e-5 weight-only (summation order),
+    1e-3 < relative error < 15% with DeepSeek's activation rounding."""
+    from transformers import AutoModelForCausalLM
+
+    quant = {**QUANT, "weight_block_size": [block, block]}
+    src = write_published(tmp_path / "ckpt", {**TINY_PUBLISHED, "o_lora_rank": o_lora_rank, "quantization_config": quant})
+    rows = DEEPSEEK_V4_TINY_CONFIG["o_groups"] * o_lora_rank
+    assert read_headers(src)["layers.0.attn.wo_a.scale"].shape[0] == -(-rows // block)
+    ref = AutoModelForCausalLM.from_pretrained(str(dequantized_copy(src, tmp_path / "dequantized")),
+                                               dtype=torch.float32).eval()
+    prompts = prompts_of(70, 33, seed=8)
+    for quantize_activations in (False, True):
+        results = run_recording(engine_for(src, quantize_activations=quantize_activations), prompts,
+                                SamplingParams(max_tokens=3, **GREEDY), budgets=(3, 40))
+        for prompt, (out, ours) in zip(prompts, results):
+            full = prompt + out.outputs[0].token_ids
+            with torch.no_grad():
+                r = ref(torch.tensor([full[:-1]]), use_cache=False).logits[0]
+            if quantize_activations:
+                rel = ((ours - r).norm() / r.norm()).item()
+                assert 1e-3 < rel < 0.15, rel
+            else:
+                assert reference_topk_is_unambiguous(ref, full[:-1])
+                err = (ours - r).abs().max().item()
+                assert err < 1e-5, err
 
 
 def test_ragged_fp8_tiles_load_and_equal_the_dequantized_weights(tmp_path):

@@ -82,8 +82,10 @@ class LayerOps:
     # (expert-sorted rows, offs, weight, scale, fmt, block) -> y
     fp8_linear: Callable = quant_reference.fp8_linear
     grouped_gemm: Callable = quant_reference.grouped_gemm
+    # the same grouped GEMM with the rows quantized to FP8 per token in groups of `block` first (W4A8 / W8A8)
+    grouped_gemm_a8: Callable = quant_reference.grouped_gemm_a8
     # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
-    # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
+    # does it itself; DeepSeek's routed experts read it to take `grouped_gemm_a8` or `grouped_gemm`
     quantize_activations: bool = True
     # DeepSeek-V4/V4.1 fused mHC and MoE routing (layers/triton_mhc.py, layers/triton_moe_routing.py); None: the
     # model's own torch code, which is their reference (the MoE glue: expert_order, moe_act, moe_combine together)

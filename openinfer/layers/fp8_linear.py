@@ -4,6 +4,8 @@ Triton on CUDA)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -43,15 +45,28 @@ class Fp8Linear(nn.Module):
 
     def forward_groups(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use (DeepSeek-V4's grouped output projection `wo_a`): x [T, g, K]; group i
-        multiplies by rows [i*N/g, (i+1)*N/g) of W, whose scale tiles it owns whole (`to_fp8_linear` checks
-        that when it builds a grouped one). One grouped GEMM with the groups as experts, weight-only: DeepSeek's inference code
-        dequantizes `wo_a` to bf16 and multiplies unquantized activations, and so does this."""
+        multiplies by rows [i*N/g, (i+1)*N/g) of W. One grouped GEMM, weight-only: DeepSeek's inference code
+        dequantizes `wo_a` to bf16 and multiplies unquantized activations, and so does this.
+
+        The GEMM's "experts" are row slices that each own their scale tiles whole: the groups themselves when
+        a group is whole `block`-row tiles; otherwise (groups narrower than a tile, as V4's layout allows and
+        transformers' dequantization reads: row r scaled by tile r // block) slices of gcd(N/g, block) rows,
+        each inside one tile, whose one scale row is that tile's. A group spanning two tiles is then several
+        slices over the same activations (their rows repeated); a group inside one tile is one slice."""
         T, g, k = x.shape
-        rows = x.transpose(0, 1).reshape(g * T, k)
-        offs = torch.arange(1, g + 1, dtype=torch.int32, device=x.device) * T
-        w = self.weight.view(g, -1, k)
-        s = self.weight_scale.view(g, -1, self.weight_scale.shape[-1])
-        return self.ops.grouped_gemm(rows, offs, w, s, "fp8", self.block).view(g, T, -1).transpose(0, 1)
+        rows_per_group = self.out_features // g
+        sub = rows_per_group if rows_per_group % self.block == 0 else math.gcd(rows_per_group, self.block)
+        parts = rows_per_group // sub
+        rows = x.transpose(0, 1)[:, None].expand(g, parts, T, k).reshape(g * parts * T, k)
+        offs = torch.arange(1, g * parts + 1, dtype=torch.int32, device=x.device) * T
+        w = self.weight.view(g * parts, sub, k)
+        s = self.weight_scale
+        if sub % self.block:        # slice j lies in tile j * sub // block: repeat each tile row per slice
+            b = s.view(torch.uint8)[:, None].expand(-1, self.block // sub, -1).reshape(-1, s.shape[-1])
+            s = b[:g * parts].view(s.dtype)
+        s = s.reshape(g * parts, -1, s.shape[-1])
+        y = self.ops.grouped_gemm(rows, offs, w, s, "fp8", self.block)
+        return y.view(g, parts, T, sub).permute(2, 0, 1, 3).reshape(T, g, rows_per_group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
@@ -61,8 +76,7 @@ def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1)
     """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time)."""
     if linear.bias is not None:
         raise ValueError("FP8 block-scaled linears have no bias")
-    if groups > 1 and (linear.out_features % groups or (linear.out_features // groups) % block):
-        raise ValueError(f"a grouped FP8 projection needs whole {block}-row scale tiles per group; "
-                         f"{linear.out_features} rows in {groups} groups")
+    if linear.out_features % groups:
+        raise ValueError(f"a grouped FP8 projection needs equal groups; {linear.out_features} rows in {groups} groups")
     with torch.device(linear.weight.device):
         return Fp8Linear(linear.in_features, linear.out_features, block, ops)

@@ -11,6 +11,8 @@ The two entry points have the signatures every backend implements (`LayerOps.fp8
   cumulative row counts (torch._grouped_mm's convention); expert e multiplies rows offs[e-1]:offs[e] by its
   weight [N, K] stored as `fmt` ("mxfp4": packed [E, N, K/2] + [E, N, K/32]; "fp8": [E, N, K] + block
   scales). Activations stay in their dtype (weight-only dequantization, W4A16 / W8A16).
+- `grouped_gemm_a8(rows, offs, weight, scale, fmt, block)`: the same with the rows first quantized to FP8 per
+  token in groups of `block` (W4A8 / W8A8: DeepSeek's `act_quant` before its `fp4_gemm`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
                                                  *_stored_values(weight[e], scale[e], fmt, block)).to(rows.dtype)
         start = end
     return out
+
+
+def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
+                    block: int) -> torch.Tensor:
+    a = dequantize_activations(*quantize_activations(rows.float(), block), block)
+    return grouped_gemm(a, offs, weight, scale, fmt, block).to(rows.dtype)
 
 
 def weight_only_fp8_linear(grouped_gemm):

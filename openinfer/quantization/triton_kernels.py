@@ -6,11 +6,14 @@
   act_scale * weight_scale and accumulated in fp32 (DeepSeek's promotion every block). Decode (M <= 64)
   quantizes the activation tile inside the GEMM (one launch) and splits K when the output tiles alone would
   leave most SMs idle; larger M quantizes once in a separate kernel, and with block 128 from a few
-  hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there.
+  hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there. Finer
+  blocks (V4.1's 32) can instead take `fp8_bf16_gemm` on activations rounded to their FP8 values
+  (`quantize_dequantize_activations`): weight tiles dequantized to bf16 inside a bf16 GEMM, no rescale per
+  block; which one runs at which M is `kernel_choice.py`'s table.
 - `grouped_gemm`: MoE experts with weight-only dequantization in registers (W4A16 for MXFP4, W8A16 for FP8):
   packed weights are decoded to bf16 next to the dot, never written back. The row tiles per expert depend
   on the routing, so the grid is a static upper bound and each program finds its (expert, rows) from `offs`
-  on the device: no host sync, CUDA-graph capturable.
+  on the device: no host sync, CUDA-graph capturable. (`triton_w4a8.py` holds the W4A8 expert GEMM.)
 
 Known limits: an E8M0 scale byte 0 (2^-127) reads as 0 (real checkpoints stay far from it);
 `grouped_gemm` leaves output rows past offs[-1] unwritten, as the reference does.
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openinfer.quantization import kernel_choice
 from openinfer.quantization.formats import FP8_MAX, MXFP4_GROUP
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -57,9 +61,10 @@ def _quantize_groups(x):
 # ---- activation quantization --------------------------------------------------------------------------
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                      BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """One program: ROWS tokens x one group of BLOCK channels; one read of x, fp8 values + fp32 scales out.
-    Rows M..M_OUT (padding) come out as zeros."""
+                      BLOCK: tl.constexpr, ROWS: tl.constexpr, DEQUANT: tl.constexpr):
+    """One program: ROWS tokens x one group of BLOCK channels; one read of x, fp8 values + fp32 scales out
+    (DEQUANT: the values times their scale in q's dtype instead, no scales). Rows M..M_OUT (padding) come
+    out as zeros."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * BLOCK + tl.arange(0, BLOCK)
@@ -67,8 +72,13 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, st
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
                 other=0.0).to(tl.float32)
     q, s = _quantize_groups(x)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=(rows < M_OUT)[:, None] & (cols < K)[None, :])
-    tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rows < M_OUT)
+    out_mask = (rows < M_OUT)[:, None] & (cols < K)[None, :]
+    if DEQUANT:
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :],
+                 (q.to(tl.float32) * s[:, None]).to(q_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=out_mask)
+        tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rows < M_OUT)
 
 
 def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool = False, rows: int | None = None):
@@ -84,11 +94,35 @@ def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool 
          else torch.empty(rows, groups, dtype=torch.float32, device=x.device))
     tile = max(1, 4096 // block)
     _act_quant_kernel[(triton.cdiv(rows, tile), groups)](x, q, s, m, rows, k, x.stride(0), q.stride(0), s.stride(0),
-                                                         s.stride(1), BLOCK=block, ROWS=tile)
+                                                         s.stride(1), BLOCK=block, ROWS=tile, DEQUANT=False)
     return q, s
 
 
+def quantize_dequantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] -> the values an FP8 GEMM multiplies, in x's dtype: `formats.dequantize_activations` of
+    `formats.quantize_activations` in one pass (exact in bf16: an E4M3 value times a power of two). Feeds
+    the weight-only kernels when the activations are to be rounded as DeepSeek's W8A8 / W4A8 GEMMs do."""
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x)
+    tile = max(1, 4096 // block)
+    _act_quant_kernel[(triton.cdiv(m, tile), triton.cdiv(k, block))](x, out, x, m, m, k, x.stride(0), out.stride(0),
+                                                                     0, 0, BLOCK=block, ROWS=tile, DEQUANT=True)
+    return out
+
+
 # ---- FP8 block-scaled linear (W8A8) -------------------------------------------------------------------
+@triton.jit
+def _swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid -> (row tile, column tile), GROUP_M row tiles sweeping the columns together so that their
+    weight tiles are reused from L2."""
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
 # SPLIT_K is a runtime argument: the split count follows the step's token count (fp8_config), and as a constexpr
 # each count would compile its own variant under traffic (engine/compile_watch.py)
 @triton.jit(do_not_specialize=["SPLIT_K", "stride_os"])
@@ -103,16 +137,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     quantized here (decode: saves a launch and a round trip; the tile is tiny); else a_ptr/as_ptr hold the
     FP8 activations and their scales. SPLIT_K > 1 writes fp32 partials [SPLIT_K, M, N] for
     `_sum_splits_kernel`."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles sweep the columns together so their weight tiles are reused from L2
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,11 +273,16 @@ def use_scaled_mm(m: int, n: int, k: int, block: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """x [M, K] bf16 @ FP8 block-scaled weight [N, K] -> [M, N] (reference.fp8_linear, quantize_input=True)."""
+    """x [M, K] bf16 @ FP8 block-scaled weight [N, K] -> [M, N] (reference.fp8_linear, quantize_input=True).
+    Blocks under 128 (V4.1's 32) take the FP8 kernel or the bf16 one on rounded activations, by M, as
+    `kernel_choice` measured (the same values up to fp32 summation order)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.is_cuda and use_scaled_mm(m, n, k, block):
         return scaled_mm_fp8(x, weight, scale)
+    if block < 128 and kernel_choice.fp8_fine_block_kernel(m) == "bf16":
+        return fp8_bf16_gemm(quantize_dequantize_activations(x, block), weight, scale, block,
+                             fp8_bf16_config(m, n, k, block))
     return fp8_gemm(x, weight, scale, block, fp8_config(m, n, k, block, num_sms(x.device)))
 
 
@@ -260,6 +291,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 def _e8m0_to_bf16(s):
     """E8M0 scale bytes -> bf16 2^(s-127), exactly (same exponent field; s=0 gives 0.0)."""
     return (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp8_tile_to_bf16(vals, scale):
+    """E4M3 weight tile [R, G * GK] and bf16 scales [R, G, 1] (one per GK columns) -> bf16 [R, G * GK]:
+    an E4M3 value times a power of two is exact in bf16."""
+    R: tl.constexpr = vals.shape[0]
+    G: tl.constexpr = scale.shape[1]
+    return tl.reshape(tl.reshape(vals.to(tl.bfloat16), (R, G, vals.shape[1] // G)) * scale, (R, vals.shape[1]))
 
 
 @triton.jit
@@ -289,6 +329,25 @@ def _mxfp4_words_to_bf16(words, scale):
 
 
 @triton.jit
+def _expert_row_tile(offs_ptr, t, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile t of a grouped GEMM over expert-sorted rows (experts in order, ceil(count / BLOCK_M) tiles
+    each) -> (expert, rows [BLOCK_M], row mask, total tiles; t >= total: past the last real tile). Per-expert
+    tile counts from `offs` (cumulative row counts), then a prefix sum, all in registers: no host sync."""
+    idx = tl.arange(0, E_PAD)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    counts = ends - starts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    before = tl.cumsum(tiles, 0) <= t                      # experts wholly before tile t
+    e = tl.sum(before.to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(before, tiles, 0), 0)
+    row_start = tl.sum(tl.where(before, counts, 0), 0)
+    row_end = row_start + tl.sum(tl.where(idx == e, counts, 0), 0)
+    rm = row_start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, rm, rm < row_end, tl.sum(tiles, 0)
+
+
+@triton.jit
 def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
                          stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                          MXFP4: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP_K: tl.constexpr,
@@ -304,22 +363,9 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
     bf16 rows, fp32 accumulation (every product of the reference's float32 arithmetic is exact in it)."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # tile t -> (expert, rows): per-expert tile counts from offs, then a prefix sum, all in registers
-    idx = tl.arange(0, E_PAD)
-    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
-    starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
-    counts = ends - starts
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    if t >= tl.sum(tiles, 0):
+    e, rm, m_mask, total = _expert_row_tile(offs_ptr, t, E, E_PAD, BLOCK_M)
+    if t >= total:
         return
-    before = tl.cumsum(tiles, 0) <= t                      # experts wholly before tile t
-    e = tl.sum(before.to(tl.int32), 0)
-    first_tile = tl.sum(tl.where(before, tiles, 0), 0)
-    row_start = tl.sum(tl.where(before, counts, 0), 0)
-    row_end = row_start + tl.sum(tl.where(idx == e, counts, 0), 0)
-
-    rm = row_start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = rm < row_end
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
@@ -341,9 +387,8 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
             # the activations in the same order within each group of 8 (0 4 2 6 1 5 3 7: a bit reversal)
             x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)), (0, 1, 4, 3, 2)),
                            (BLOCK_M, BLOCK_K))
-        else:                                              # e4m3 values and their scale products are exact in bf16
-            vals = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
-            w = tl.reshape(tl.reshape(vals.to(tl.bfloat16), (BLOCK_N, GROUPS, GROUP_K)) * scale, (BLOCK_N, BLOCK_K))
+        else:
+            w = _fp8_tile_to_bf16(tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0), scale)
         acc += tl.dot(x, tl.trans(w))
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -405,3 +450,71 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
     m, k = rows.shape
     e, n = weight.shape[:2]
     return grouped_gemm_with(rows, offs, weight, scale, fmt, block, grouped_config(m, n, k, e, fmt, block))
+
+
+# ---- FP8 block-scaled linear on bf16 tensor cores -----------------------------------------------------
+@triton.jit
+def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
+                          BLOCK: tl.constexpr, GK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out = x @ (w * block scales)^T with the scales inside the operand: each weight tile [BLOCK_N, BLOCK_K]
+    (E4M3) is dequantized to bf16 in registers (exact) and the K loop is one bf16 dot per step into an fp32
+    accumulator, no rescale per K block. Why: with 32-wide blocks the W8A8 kernel rescales its accumulator every
+    32 of K (fp32 ALU work as large as the MMA's); here there is none, at the bf16 MMA rate. x is bf16: the
+    activations already rounded to their FP8 values when the linear is W8A8. A scale covers GK = min(BLOCK,
+    BLOCK_K) columns of a tile. Tiles sweep the columns in GROUP_M-row bands (weight tiles reused from L2), as
+    `_fp8_gemm_kernel`."""
+    pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    ws_rows = ws_ptr + (rn // BLOCK)[:, None] * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kg = k0 + tl.arange(0, BLOCK_K // GK) * GK
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        vals = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        scale = _e8m0_to_bf16(tl.load(ws_rows + (kg // BLOCK)[None, :], mask=n_mask[:, None] & (kg < K)[None, :],
+                                      other=0))
+        acc += tl.dot(x, tl.trans(_fp8_tile_to_bf16(vals, scale[:, :, None])))
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class Fp8Bf16Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def fp8_bf16_config(m: int, n: int, k: int, block: int) -> Fp8Bf16Config:
+    """128 x 256 x 64 tiles with eight warps at large M (a bf16 GEMM's Hopper shape; the weight tile's dequant
+    is shared by 128 rows), 64-row tiles below 128 tokens."""
+    if m <= 64:
+        return Fp8Bf16Config(max(16, triton.next_power_of_2(m)), 128, 128, 4, 4)
+    return Fp8Bf16Config(128, 256, 64, 8, 3)
+
+
+def fp8_bf16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
+                  cfg: Fp8Bf16Config) -> torch.Tensor:
+    """x [M, K] bf16 @ (FP8 weight [N, K] with block x block E8M0 scales)^T -> [M, N] on bf16 tensor cores:
+    `reference.fp8_linear(x, ..., quantize_input=False)` (W8A16; feed it `quantize_dequantize_activations(x)`
+    for the W8A8 values)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = scale.view(torch.uint8)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp8_bf16_gemm_kernel[grid](x, weight, ws, out, m, n, k, x.stride(0), weight.stride(0), ws.stride(0),
+                                out.stride(0), BLOCK=block, GK=min(block, cfg.block_k), BLOCK_M=cfg.block_m,
+                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
+    return out

@@ -50,6 +50,7 @@ from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedd
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
+from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
 
 # ---- small ops ----------------------------------------------------------------------------------------
@@ -609,7 +610,9 @@ class Experts(nn.Module):
 class QuantizedExperts(Experts):
     """Routed experts kept as published (MXFP4, or block FP8 in older conversions): `<name>` holds the
     stored values and `<name>_scale` the E8M0 scales; GEMMs go through `LayerOps.grouped_gemm` (weights
-    dequantized in registers on CUDA), the CPU loop dequantizes one expert at a time (the reference)."""
+    dequantized in registers on CUDA), the CPU loop dequantizes one expert at a time (the reference). With
+    `LayerOps.quantize_activations` the rows are first rounded to FP8 per token in groups of the checkpoint's
+    block (`grouped_gemm_a8`), as DeepSeek's inference feeds its `fp4_gemm` (W4A8)."""
 
     def __init__(self, cfg: DeepseekV4Config, fmt: str, block: int, ops: LayerOps = TORCH_OPS,
                  num_slots: int | None = None, inter: int | None = None):
@@ -629,11 +632,12 @@ class QuantizedExperts(Experts):
     def expert_linear(self, x, name: str, e: int):
         offs = torch.full((1,), x.shape[0], dtype=torch.int32)
         w, s = getattr(self, name), getattr(self, name + "_scale")
-        return reference_grouped_gemm(x, offs, w[e:e + 1], s[e:e + 1], self.fmt, self.block)
+        gemm = reference_grouped_gemm_a8 if self.ops.quantize_activations else reference_grouped_gemm
+        return gemm(x, offs, w[e:e + 1], s[e:e + 1], self.fmt, self.block)
 
     def grouped_mm(self, rows, name: str, offs):
-        return self.ops.grouped_gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt,
-                                     self.block)
+        gemm = self.ops.grouped_gemm_a8 if self.ops.quantize_activations else self.ops.grouped_gemm
+        return gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt, self.block)
 
 
 class MoE(nn.Module):

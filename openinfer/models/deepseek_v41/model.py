@@ -57,17 +57,7 @@ from openinfer.models.deepseek_v41.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LI
                                                   image_token_types, token_grid)
 from openinfer.models.interface import ImageRows, ModelTraits
 from openinfer.multimodal import ImageSpan
-from openinfer.quantization.formats import dequantize_activations, quantize_activations
 from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
-
-ACT_BLOCK = 32          # FP8 activation group of V4.1's quantized GEMMs (= its weight block)
-
-
-def act_qdq(x: torch.Tensor) -> torch.Tensor:
-    """Activations as an FP8 GEMM sees them (`act_quant`, per-32 power-of-two scales), in x's dtype."""
-    shape = x.shape
-    q, s = quantize_activations(x.reshape(-1, shape[-1]), ACT_BLOCK)
-    return dequantize_activations(q, s, ACT_BLOCK).to(x.dtype).view(shape)
 
 
 # ---- the compressor -----------------------------------------------------------------------------------
@@ -518,21 +508,19 @@ class MoE(nn.Module):
     def routed(self, x, experts, weights) -> torch.Tensor:
         """float32 [T, dim]: the routed experts' weighted sum for rows x [T, dim]; experts [T, k] slot ids of this
         layer's stack (-1: computed on another rank), weights [T, k] float32."""
-        ex = self.experts
-        quantized = isinstance(ex, QuantizedExperts) and self.ops.quantize_activations
-        xin = act_qdq(x) if quantized else x
+        ex = self.experts          # quantized experts round their rows to FP8 themselves (LayerOps.quantize_activations)
         if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
             order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
-            h = self.ops.moe_act(ex.grouped_mm(xin[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
+            h = self.ops.moe_act(ex.grouped_mm(x[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
                                  weights.flatten(), order)
-            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs)
+            out = ex.grouped_mm(h, "down_proj", offs)
             return self.ops.moe_combine(out, inv, experts, None, torch.float32)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if ex.grouped:
             k = experts.shape[1]
             order, offs = sort_by_expert(experts, ex.gate_up_proj.shape[0])   # other ranks' experts (-1) last
-            h = self._act(ex.grouped_mm(xin[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
-            out = ex.grouped_mm(act_qdq(h) if quantized else h, "down_proj", offs).float()
+            h = self._act(ex.grouped_mm(x[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
+            out = ex.grouped_mm(h, "down_proj", offs).float()
             # rows past the last offset hold whatever memory held
             y.index_add_(0, order // k, torch.where(experts.flatten()[order, None] < 0, 0.0, out))
         else:
@@ -540,8 +528,8 @@ class MoE(nn.Module):
                 if e < 0:
                     continue
                 tok, j = torch.where(experts == e)
-                h = self._act(ex.expert_linear(xin[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
-                y.index_add_(0, tok, ex.expert_linear(act_qdq(h) if quantized else h, "down_proj", e).float())
+                h = self._act(ex.expert_linear(x[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
+                y.index_add_(0, tok, ex.expert_linear(h, "down_proj", e).float())
         return y
 
 

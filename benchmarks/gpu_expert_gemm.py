@@ -1,0 +1,299 @@
+"""DeepSeek's quantized GEMMs at prefill sizes on one GPU, against bf16, in one run (issue 35, items 2-3):
+
+ - the ceilings first: a bf16 and an FP8 (tensorwise torch._scaled_mm) 8192^3 matrix product;
+ - the routed-expert grouped GEMM, MXFP4 weights, top-6 routing of T tokens (T = 1 .. 32K: decode to prefill;
+   rows M = 6T), both projections (gate_up N = 2I, K = H; down N = H, K = I) of V4-Flash (256 experts, H 4096,
+   I 2048, activations 1 x 128) and V4.1-Flash (384 experts, H 5120, I 2304, activations 1 x 32): the two routes
+   `LayerOps.grouped_gemm_a8` chooses between ("w4a16": rows rounded to FP8 values by one kernel, then the
+   weight-only W4A16 kernel; "w4a8": the activation quantization kernel, then the FP8 tensor-core GEMM), the
+   W4A16 kernel alone, and bf16 torch._grouped_mm on the dequantized experts;
+ - V4.1's FP8 linears with 32 x 32 blocks at its shapes, M = 1 .. 16K: the two routes of `fp8_linear` ("fp8":
+   the W8A8 Triton kernel; "bf16": activations rounded by one kernel, then weight tiles dequantized to bf16
+   inside a bf16 GEMM), the bf16-core kernel alone (W8A16), and bf16 F.linear on the dequantized weight.
+Throughput is TFLOP/s dense-equivalent (2 M N K over the time). Every time is the median of CUDA-event-timed
+replays of a CUDA graph holding one call per input copy, with enough copies (weights, routings) that the weights
+read exceed the L2 (benchmarks/gpu_quant_kernels.py's method). Last, the tables for
+openinfer/quantization/kernel_choice.py that these times give (`recommended_tables` in the JSON): from which
+row count each faster route wins at every larger measured size, summed over the shapes of a layer.
+
+    python benchmarks/gpu_expert_gemm.py [--out PATH] [--only experts|fp8] [--sweep] [--max-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu_quant_kernels import Saved, copies_for, graph_time, run_header, try_time  # noqa: E402
+from openinfer.quantization import formats, kernel_choice  # noqa: E402
+from openinfer.quantization import triton_kernels as tk  # noqa: E402
+from openinfer.quantization import triton_w4a8  # noqa: E402
+
+# (experts, hidden, moe intermediate, activation group = the checkpoint's FP8 block); top-6 in both
+EXPERT_MODELS = {"v4_flash": (256, 4096, 2048, 128), "v41_flash": (384, 5120, 2304, 32)}
+TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+TOP_K = 6
+# V4.1-Flash's FP8 linears (N, K), from /work/shared/reference/deepseek_v41/config.json: wq_a dim -> q_lora_rank,
+# wq_b q_lora_rank -> heads x head_dim, wkv dim -> head_dim, wo_b o_groups x o_lora_rank -> dim, the shared expert,
+# the indexer's wq_b q_lora_rank -> index heads x index head_dim
+V41_FP8_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+                  "shared_w1": (2304, 5120), "shared_w2": (5120, 2304), "index_wq_b": (4096, 1280)}
+FP8_MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+SWEEP_TOKENS = {128, 4096}
+SWEEP_MS = {1024, 4096}
+
+
+def ceilings() -> dict:
+    """TFLOP/s of an 8192^3 bf16 matrix product and of the same in FP8 (tensorwise scales): the matrix units'
+    measured rates on this device."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = {"bf16_mm_TFLOPs": 2 * n ** 3 / graph_time([lambda: a @ b.t()]) / 1e12}
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = try_time([lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)])
+    out["fp8_scaled_mm_TFLOPs"] = 2 * n ** 3 / t / 1e12 if isinstance(t, float) else t
+    return out
+
+
+def tflops(flops: float, t) -> float | str:
+    return flops / t / 1e12 if isinstance(t, float) else t
+
+
+# ---- routed experts -----------------------------------------------------------------------------------
+def top6(tokens: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """offs [E] int32 of a random top-6 routing of `tokens` (distinct experts per token)."""
+    idx = torch.rand(tokens, experts, generator=gen, device="cuda").argsort(-1)[:, :TOP_K].flatten()
+    return torch.bincount(idx, minlength=experts).cumsum(0).to(torch.int32)
+
+
+def random_mxfp4(e: int, n: int, k: int, gen: torch.Generator):
+    """Random E2M1 codes, scales near a 0.02-std init (quantizing hundreds of full-width experts from floats
+    would take far more memory), and the bf16 dequantized copy for the bf16 peer."""
+    w = torch.randint(0, 256, (e, n, k // 2), generator=gen, device="cuda", dtype=torch.uint8)
+    s = torch.randint(118, 125, (e, n, k // 32), generator=gen, device="cuda", dtype=torch.uint8)
+    s = s.view(torch.float8_e8m0fnu)
+    dense = torch.empty(e, n, k, dtype=torch.bfloat16, device="cuda")
+    for i in range(e):
+        dense[i] = formats.dequantize_mxfp4(w[i], s[i])
+    return w, s, dense
+
+
+def expert_variants(w, s, dense, act_block):
+    """name -> call(rows, offs): the routes and peers timed for the expert GEMM."""
+    dt = dense.transpose(1, 2)
+    return {
+        "w4a8": lambda x, o: triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block),
+        "w4a16": lambda x, o: tk.grouped_gemm(tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4",
+                                              act_block),
+        "w4a16_kernel_only": lambda x, o: tk.grouped_gemm(x, o, w, s, "mxfp4", act_block),
+        "bf16_grouped_mm": lambda x, o: torch._grouped_mm(x, dt, offs=o),
+    }
+
+
+def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model in models:
+        e, h, inter, act_block = EXPERT_MODELS[model]
+        for proj, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
+            w, s, dense = random_mxfp4(e, n, k, gen)
+            per_expert = n * k // 2 + n * k // 32
+            variants = expert_variants(w, s, dense, act_block)
+            for tokens in [t for t in TOKENS if t <= max_tokens]:
+                m = tokens * TOP_K
+                copies = copies_for(per_expert * min(e, m))
+                offs = [top6(tokens, e, gen) for _ in range(copies)]
+                xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in offs]
+                flops = 2 * m * n * k
+                row = dict(op="expert_gemm", model=model, proj=proj, N=n, K=k, experts=e, act_block=act_block,
+                           tokens=tokens, M=m, w4a8_config=triton_w4a8.w4a8_config(m, n, e, act_block).__dict__,
+                           w4a16_config=tk.grouped_config(m, n, k, e, "mxfp4", act_block).__dict__,
+                           route_now=kernel_choice.expert_kernel(m))
+                for name, fn in variants.items():
+                    t = try_time([lambda x=x, o=o, fn=fn: fn(x, o) for x, o in zip(xs, offs)])
+                    row[name + "_us"] = t * 1e6 if isinstance(t, float) else t
+                    row[name + "_TFLOPs"] = tflops(flops, t)
+                if sweep and tokens in SWEEP_TOKENS:
+                    row["w4a8_sweep"] = sweep_w4a8(xs, offs, w, s, act_block, m, n, e)
+                rows_out.append(row)
+                print(f"{model:9s} {proj:7s} T={tokens:6d} M={m:6d}: " + "  ".join(
+                    f"{v} {fmt_tf(row[v + '_TFLOPs'])}" for v in variants) + f"  (table: {row['route_now']})")
+                del xs, offs
+            del w, s, dense, variants
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def sweep_w4a8(xs, offs, w, s, act_block, m, n, e) -> dict:
+    out = {}
+    base = triton_w4a8.w4a8_config(m, n, e, act_block)
+    block_ks = (128,) if act_block == 128 else (64, 128)
+    for bm in sorted({base.block_m, 64, 128}):
+        for bn in (64, 128, 256):
+            for bk in block_ks:
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        cfg = triton_w4a8.W4A8Config(bm, bn, bk, warps, stages)
+                        t = try_time([lambda x=x, o=o: triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block, cfg)
+                                      for x, o in zip(xs, offs)])
+                        out[f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}"] = t * 1e6 if isinstance(t, float) else t
+    best = min((v, c) for c, v in out.items() if isinstance(v, float))
+    print(f"    w4a8 sweep best {best[1]}: {best[0]:.1f} us")
+    return out
+
+
+# ---- V4.1's FP8 32 x 32 linears -----------------------------------------------------------------------
+def fp8_variants(w, s, dense):
+    def fp8_route(x):
+        m, k = x.shape
+        return tk.fp8_gemm(x, w, s, 32, tk.fp8_config(m, w.shape[0], k, 32, tk.num_sms(x.device)))
+
+    def bf16_route(x):
+        m, k = x.shape
+        return tk.fp8_bf16_gemm(tk.quantize_dequantize_activations(x, 32), w, s, 32,
+                                tk.fp8_bf16_config(m, w.shape[0], k, 32))
+
+    def bf16_core_only(x):
+        m, k = x.shape
+        return tk.fp8_bf16_gemm(x, w, s, 32, tk.fp8_bf16_config(m, w.shape[0], k, 32))
+
+    return {"fp8": fp8_route, "bf16": bf16_route, "bf16_core_kernel_only": bf16_core_only,
+            "bf16_linear": lambda x: F.linear(x, dense)}
+
+
+def bench_fp8(max_m: int, sweep: bool, rows_out) -> None:
+    for name, (n, k) in V41_FP8_SHAPES.items():
+        w, s = formats.quantize_fp8(torch.randn(n, k, device="cuda") * 0.05, 32)
+        dense = formats.dequantize_fp8(w, s, 32).to(torch.bfloat16)
+        copies = [(w.clone(), s.clone(), dense.clone()) for _ in range(copies_for(w.numel() + s.numel()))]
+        per_copy = [fp8_variants(*c) for c in copies]
+        for m in [m for m in FP8_MS if m <= max_m]:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in copies]
+            flops = 2 * m * n * k
+            row = dict(op="fp8_linear_b32", shape=name, N=n, K=k, M=m, route_now=kernel_choice.fp8_fine_block_kernel(m),
+                       fp8_config=tk.fp8_config(m, n, k, 32, tk.num_sms(torch.device("cuda"))).__dict__,
+                       bf16_config=tk.fp8_bf16_config(m, n, k, 32).__dict__)
+            for variant in per_copy[0]:
+                t = try_time([lambda x=x, f=variants[variant]: f(x) for x, variants in zip(xs, per_copy)])
+                row[variant + "_us"] = t * 1e6 if isinstance(t, float) else t
+                row[variant + "_TFLOPs"] = tflops(flops, t)
+            if sweep and m in SWEEP_MS:
+                row["bf16_sweep"] = sweep_fp8_bf16(xs, copies, m, n, k)
+            rows_out.append(row)
+            print(f"fp8 b32 {name:10s} N={n:6d} K={k:5d} M={m:6d}: " + "  ".join(
+                f"{v} {fmt_tf(row[v + '_TFLOPs'])}" for v in per_copy[0])
+                + f"  (table: {row['route_now']})")
+        del copies, per_copy, dense
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def sweep_fp8_bf16(xs, copies, m, n, k) -> dict:
+    out = {}
+    for bm in (64, 128):
+        for bn in (128, 256):
+            for bk in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        cfg = tk.Fp8Bf16Config(bm, bn, bk, warps, stages)
+                        t = try_time([lambda x=x, c=c: tk.fp8_bf16_gemm(tk.quantize_dequantize_activations(x, 32),
+                                                                        c[0], c[1], 32, cfg)
+                                      for x, c in zip(xs, copies)])
+                        out[f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}"] = t * 1e6 if isinstance(t, float) else t
+    best = min((v, c) for c, v in out.items() if isinstance(v, float))
+    print(f"    bf16-core sweep best {best[1]}: {best[0]:.1f} us")
+    return out
+
+
+# ---- the tables for kernel_choice.py ------------------------------------------------------------------
+def fmt_tf(v) -> str:
+    return f"{v:6.1f}" if isinstance(v, float) else f"n/a ({str(v)[:60]})"
+
+
+def threshold_table(sizes: dict[int, dict[str, float]], slow: str, fast: str) -> tuple[tuple[int, str], ...]:
+    """sizes: size -> {route: seconds summed over a layer's shapes}. `fast` from the smallest measured size at
+    and above which it wins at every measured size; `slow` below."""
+    start = None
+    for size in sorted(sizes, reverse=True):
+        if sizes[size].get(fast, float("inf")) < sizes[size].get(slow, float("inf")):
+            start = size
+        else:
+            break
+    if start is None:
+        return ((0, slow),)
+    return ((0, fast),) if start == min(sizes) else ((0, slow), (start, fast))
+
+
+def recommended_tables(result: dict) -> dict:
+    out = {}
+    for model in EXPERT_MODELS:
+        sizes: dict[int, dict[str, float]] = {}
+        for r in result.get("experts", []):
+            if r["model"] == model:
+                for route in ("w4a16", "w4a8"):
+                    t = r.get(route + "_us")
+                    d = sizes.setdefault(r["M"], {})
+                    d[route] = d.get(route, 0.0) + t if isinstance(t, float) else float("inf")
+        if sizes:
+            out[f"EXPERT_KERNEL_BY_ROWS ({model})"] = threshold_table(sizes, "w4a16", "w4a8")
+    sizes = {}
+    for r in result.get("fp8", []):
+        for route in ("fp8", "bf16"):
+            t = r.get(route + "_us")
+            d = sizes.setdefault(r["M"], {})
+            d[route] = d.get(route, 0.0) + t if isinstance(t, float) else float("inf")
+    if sizes:
+        out["FP8_FINE_BLOCK_BY_M"] = threshold_table(sizes, "fp8", "bf16")
+    return out
+
+
+def main():
+    date = datetime.date.today().isoformat()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=f"benchmarks/results/gpu_expert_gemm_{date}.json")
+    ap.add_argument("--only", choices=["experts", "fp8"], help="run one half")
+    ap.add_argument("--models", default=",".join(EXPERT_MODELS), help="expert shapes: v4_flash, v41_flash")
+    ap.add_argument("--max-tokens", type=int, default=max(TOKENS), help="largest T for the experts")
+    ap.add_argument("--max-m", type=int, default=max(FP8_MS), help="largest M for the FP8 linears")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    args = ap.parse_args()
+    result = run_header(date)
+    result["tables_in_code"] = {"EXPERT_KERNEL_BY_ROWS": kernel_choice.EXPERT_KERNEL_BY_ROWS,
+                                "FP8_FINE_BLOCK_BY_M": kernel_choice.FP8_FINE_BLOCK_BY_M}
+    result.update(ceilings())
+    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['git']}  bf16 mm "
+          f"{fmt_tf(result['bf16_mm_TFLOPs'])} TFLOP/s  fp8 mm {fmt_tf(result['fp8_scaled_mm_TFLOPs'])} TFLOP/s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts = (("experts", lambda rows: bench_experts(args.models.split(","), args.max_tokens, args.sweep, rows)),
+             ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows)))
+    for part, fn in parts:
+        if args.only and part != args.only:
+            continue
+        result[part] = rows = []
+        try:
+            fn(Saved(rows, out, result))
+        except Exception:
+            result[part + "_error"] = traceback.format_exc()
+            print(result[part + "_error"])
+        out.write_text(json.dumps(result, indent=1))
+    result["recommended_tables"] = recommended_tables(result)
+    out.write_text(json.dumps(result, indent=1))
+    print("tables for openinfer/quantization/kernel_choice.py from this run:")
+    for name, table in result["recommended_tables"].items():
+        print(f"  {name} = {table!r}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

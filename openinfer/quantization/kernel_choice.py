@@ -1,0 +1,37 @@
+"""Which kernel runs a quantized GEMM of a given size where two kernels compute the same values at different
+speeds: the one place these choices live, as data. Each table is (from this many rows, kernel) pairs in
+increasing order; the last entry at or below the row count applies.
+
+The thresholds come from `benchmarks/gpu_expert_gemm.py`, which times every candidate per size and prints the
+table its measurements give (`recommended_tables` in its JSON). Not measured yet: until that run's tables are
+put here, each table keeps the kernel that ran before the alternative existed at every size (the W4A16 kernel,
+the W8A8 FP8 kernel), so an unmeasured route never slows a model down; tests force each route
+(tests/test_gpu_quant.py, tests/test_gpu_published.py).
+"""
+
+from __future__ import annotations
+
+# MXFP4 routed experts with FP8-rounded activations (LayerOps.grouped_gemm_a8), by routed rows (tokens x top-k):
+# "w4a16" = round the rows, then the weight-only W4A16 kernel; "w4a8" = the FP8 tensor-core kernel
+EXPERT_KERNEL_BY_ROWS: tuple[tuple[int, str], ...] = ((0, "w4a16"),)
+# FP8 linears with blocks under 128 (V4.1's 32 x 32; cuBLAS' blockwise scaling takes only 128), by tokens: "fp8" =
+# the W8A8 Triton kernel (a rescale per block of K); "bf16" = weight tiles dequantized to bf16 inside a bf16 GEMM,
+# on activations rounded as W8A8 rounds them
+FP8_FINE_BLOCK_BY_M: tuple[tuple[int, str], ...] = ((0, "fp8"),)
+
+
+def choose(table: tuple[tuple[int, str], ...], m: int) -> str:
+    """The kernel `table` names for `m` rows."""
+    kernel = table[0][1]
+    for start, name in table:
+        if m >= start:
+            kernel = name
+    return kernel
+
+
+def expert_kernel(rows: int) -> str:
+    return choose(EXPERT_KERNEL_BY_ROWS, rows)
+
+
+def fp8_fine_block_kernel(m: int) -> str:
+    return choose(FP8_FINE_BLOCK_BY_M, m)

@@ -1,0 +1,75 @@
+"""The W4A8 grouped GEMM (openinfer/quantization/triton_w4a8.py) against `reference.grouped_gemm_a8` on random
+small shapes: 1 x 32 and 1 x 128 activation groups, ragged routing with empty experts, K not a multiple of the
+activation group or of the tile, weight groups whose scales differ by many binades.
+
+Used by tests/test_quant_kernels_interpreted.py (Triton's interpreter on the CPU, a subprocess with
+TRITON_INTERPRET=1); tests/test_gpu_quant.py holds the kernels to the same references on CUDA at full width.
+What the interpreter cannot check, the GPU tests do: its float -> FP8 casts do not round to nearest even (so
+here the GEMM gets rows quantized by `formats.quantize_activations`, through its `grouped_gemm_w4a8_quantized`
+entry, not by the activation kernel), and it computes bf16 arithmetic on the raw uint16 bits (so the
+weight-only kernels, which scale bf16 weight tiles, run on the GPU only). Run directly it prints one line per
+case.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+from openinfer.quantization import formats, reference
+from openinfer.quantization import triton_w4a8
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _routing(rng: random.Random, experts: int, rows: int) -> tuple[list[int], torch.Tensor]:
+    """Random expert counts summing to `rows`, some experts empty; (counts, offs)."""
+    cuts = sorted(rng.randint(0, rows) for _ in range(experts - 1))
+    counts = [b - a for a, b in zip([0] + cuts, cuts + [rows])]
+    return counts, torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _experts(g: torch.Generator, e: int, n: int, k: int):
+    w = torch.randn(e, n, k, generator=g) * 0.05
+    w[:, :, :32] *= 2.0 ** 12                                # groups whose scales differ by 12 binades
+    return formats.quantize_mxfp4(w)
+
+
+def w4a8_case(rng: random.Random, act_block: int) -> float:
+    """The W4A8 GEMM on FP8 rows (quantized by the reference) vs reference.grouped_gemm_a8, fp32 out: only the
+    summation order differs, so 1e-5 holds it; rows past offs[-1] are not the GEMM's."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    e, n, k = rng.choice([(3, 48, 256), (4, 80, 64), (2, 16, 160)])
+    m = rng.randint(1, 40)
+    counts, offs = _routing(rng, e, m)
+    weight, scale = _experts(g, e, n, k)
+    spread = 2.0 ** torch.randint(-6, 7, (1, k // 32), generator=g).repeat_interleave(32, 1)   # per 32 of K
+    rows = (torch.randn(m + 2, k, generator=g) * spread * rng.choice([0.01, 1.0, 30.0])).to(torch.bfloat16)
+    rows[0, : min(k, act_block)] = 0                          # an all-zero group: the amax floor
+    a, a_scale = formats.quantize_activations(rows, act_block)
+    block_k = rng.choice([act_block] if act_block != 32 else [32, 64, 128])
+    cfg = triton_w4a8.W4A8Config(rng.choice([16, 32]), rng.choice([16, 32, 64]), block_k, 4, 1)
+    out = triton_w4a8.grouped_gemm_w4a8_quantized(a, a_scale, offs, weight, scale, act_block, torch.float32, cfg)
+    ref = reference.grouped_gemm_a8(rows.float(), offs, weight, scale, "mxfp4", act_block)
+    assert out.shape == (m + 2, n)
+    rel = _rel(out[:m], ref[:m])
+    assert rel < 1e-5, (rel, counts, cfg)
+    return rel
+
+
+def run(seed: int = 0, quick: bool = False) -> None:
+    rng = random.Random(seed)
+    reps = 3 if quick else 10
+    cases = [("w4a8 act 1x32", lambda: w4a8_case(rng, 32)), ("w4a8 act 1x128", lambda: w4a8_case(rng, 128))]
+    for name, case in cases:
+        for _ in range(reps):
+            print(f"{name}: rel {case():.2e}")
+    print("all cases pass")
+
+
+if __name__ == "__main__":
+    run(quick="--quick" in sys.argv)
