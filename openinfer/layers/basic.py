@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers.sparse_attention import sparse_decode_attention
 from openinfer.quantization import reference as quant_reference
 
 
@@ -74,6 +75,9 @@ class LayerOps:
     # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
     # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
     quantize_activations: bool = True
+    # DeepSeek-V4/V4.1 decode rows: sparse attention over the window ring and the compressed cache, read in place
+    # (layers/sparse_attention.py's contract; one fused launch per layer on CUDA, triton_sparse_decode.py)
+    sparse_decode_attention: Callable = sparse_decode_attention
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)
