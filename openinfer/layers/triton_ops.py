@@ -1,6 +1,8 @@
 """Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
-the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each replaces several small torch kernels (the decode step is launch-bound at small
-batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py)."""
+the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each
+replaces several small torch kernels (the decode step is launch-bound at small batch); each is tested against the
+torch reference ops in `layers/basic.py` (tests/test_gpu.py). `TRITON_OPS` gathers them with the quantized GEMMs
+and DeepSeek's fused decode attention (triton_sparse_decode.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import triton
 import triton.language as tl
 
 from openinfer.layers.basic import LayerOps
+from openinfer.layers.triton_sparse_decode import sparse_decode_attention
 from openinfer.quantization import triton_kernels as quant_kernels
 
 
@@ -253,4 +256,5 @@ def _bf16_io(kernel):
 
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
-                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm))
+                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),
+                      sparse_decode_attention=sparse_decode_attention)
