@@ -120,12 +120,15 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
     if softmax not in SOFTMAXES:
         raise ValueError(f"softmax must be one of {SOFTMAXES}, got {softmax!r}")
     kpos = window_positions(positions, window)
-    wkeys = _decode_rows(ring[slots[:, None], kpos % ring.shape[1]], ring_codec, q.dtype)
     wvalid = kpos >= 0
+    # invalid keys are zeroed, not only masked: rows before the sequence start and unpicked rows may hold anything
+    wkeys = _decode_rows(ring[slots[:, None], kpos % ring.shape[1]], ring_codec, q.dtype)
+    wkeys = torch.where(wvalid[..., None], wkeys, 0)
     ckeys = cvalid = None
     if cache is not None:
-        ckeys = _decode_rows(cache.view(-1, cache.shape[-1])[rows], cache_codec, q.dtype)
         cvalid = torch.ones_like(rows, dtype=torch.bool) if valid is None else valid
+        ckeys = _decode_rows(cache.view(-1, cache.shape[-1])[rows], cache_codec, q.dtype)
+        ckeys = torch.where(cvalid[..., None], ckeys, 0)
     if softmax == V4_SOFTMAX:
         groups = [(wkeys, wvalid, None)] + ([] if ckeys is None else [(ckeys, cvalid, None)])
         res = attend_v4(q, groups, sinks, scale)
