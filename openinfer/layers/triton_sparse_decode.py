@@ -124,8 +124,8 @@ def _sparse_decode_kernel(
     stride_ring_slot, stride_ring_row, stride_cache, stride_rows, stride_valid,
     H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WIN_FMT: tl.constexpr, WIN_GROUP: tl.constexpr, COMP_FMT: tl.constexpr, COMP_GROUP: tl.constexpr,
-    HAS_COMP: tl.constexpr, HAS_VALID: tl.constexpr, V41: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_COMP: tl.constexpr, HAS_VALID: tl.constexpr, V41: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     hb = tl.program_id(0)                           # head block: fastest, so a row's programs share its tiles in L2
     b = tl.program_id(1)
@@ -167,7 +167,8 @@ def _sparse_decode_kernel(
             row = tl.load(rows_ptr + b * stride_rows + j, mask=ok, other=0).to(tl.int64)
             k = _load_keys(cache_ptr, row * stride_cache, ok, d, D, COMP_FMT, COMP_GROUP, dtype)
             acc, m_i, l_i = _attend_tile(q, k, ok, acc, m_i, l_i, qk_scale, PRECISION, UPCAST)
-    if SPLIT:                                       # partials [B, H, splits, ...]; the sink is the combine's
+    # a runtime branch, not a variant: whether a step splits depends on its batch and context
+    if n_splits > 1:                                # partials [B, H, splits, ...]; the sink is the combine's
         part = (b * H + heads) * n_splits + split
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=h_ok)
@@ -281,7 +282,7 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ring.stride(0), ring.stride(1), cache.stride(0), rows.stride(0), valid_arg.stride(0),
         H=H, D=D, D_PAD=d_pad, WIN_FMT=win_fmt, WIN_GROUP=win_group, COMP_FMT=comp_fmt, COMP_GROUP=comp_group,
-        HAS_COMP=has_comp, HAS_VALID=has_valid, V41=v41, SPLIT=splits > 1, PRECISION=precision,
+        HAS_COMP=has_comp, HAS_VALID=has_valid, V41=v41, PRECISION=precision,
         UPCAST=q.device.type != "cuda", **launch)
     if splits > 1:
         _combine_kernel[(B, H)](part_acc, part_ml, sinks, out, splits, out.stride(0), out.stride(1), H=H, D=D,
