@@ -166,6 +166,7 @@ def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24)
     chooses: (tokens per request, logits per request and step, calls of `op` — under CUDA graphs, captures)."""
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
+    from tests.conftest import record_step_logits
 
     calls = [0]
     make = llm_engine.make_kernels
@@ -184,16 +185,7 @@ def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24)
                   **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
     finally:
         llm_engine.make_kernels = make
-    logits: dict[str, list[torch.Tensor]] = {}
-    execute = llm.engine.runner.execute
-
-    def recording(sched, *rest):
-        out = execute(sched, *rest)
-        for rid, i in out.sample_index.items():
-            logits.setdefault(rid, []).append(out.logits[i].float().cpu())
-        return out
-
-    llm.engine.runner.execute = recording
+    logits = record_step_logits(llm)
     prompts = [[(i * 7919 + k) % 120000 + 100 for i in range(n)] for k, n in enumerate((20, 130, 300))]
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

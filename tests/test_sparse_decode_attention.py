@@ -27,22 +27,23 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_kernel_equals_reference_in_interpreter():
+def _in_interpreter(mode: str) -> None:
+    """tests/sparse_decode_cases.py in a subprocess with TRITON_INTERPRET=1 (`--quick`: kernel cases; `--engine`)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests" / "sparse_decode_cases.py"), "cpu",
-                        "--quick"], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests" / "sparse_decode_cases.py"), "cpu", mode],
+                       env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "all cases pass" in r.stdout
+
+
+def test_kernel_equals_reference_in_interpreter():
+    _in_interpreter("--quick")
 
 
 def test_engine_with_the_kernel_equals_engine_with_reference_in_interpreter():
     """The tiny V4 and V4.1 models decoding (float32) with the kernel in Triton's interpreter as their sparse decode
     attention follow the same engine with the torch reference: relative logit error < 1e-5 at every step."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests" / "sparse_decode_cases.py"), "cpu",
-                        "--engine"], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "all cases pass" in r.stdout
+    _in_interpreter("--engine")
 
 
 def test_reference_rejects_an_unknown_softmax():
