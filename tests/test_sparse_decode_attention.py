@@ -100,8 +100,9 @@ def test_graph_replay_follows_new_positions_and_picks(softmax, quantized):
 @pytest.mark.gpu
 @needs_cuda
 def test_context_sizes_compile_no_new_variant():
-    """K (compressed rows per query) grows with the context: once a shape's variant is compiled, other K (and the
-    row tensors' strides with them) reuse it — a new context bucket is no compile under traffic."""
+    """K (compressed rows per query) grows with the context and the batch varies: once a layer's variant is
+    compiled, other K (and the row tensors' strides with them) and batches, split over the keys or not, reuse it —
+    a new batch or context bucket is no compile under traffic."""
     from openinfer.engine.compile_watch import install_triton_compile_counter, recent_triton_compiles, triton_compiles
     from openinfer.layers.triton_sparse_decode import sparse_decode_attention as fused
 
@@ -110,8 +111,8 @@ def test_context_sizes_compile_no_new_variant():
         softmax = "v41" if quantized else "v4"
         fused(**_full_width_case(2, 64, softmax, quantized))           # both kernels compiled (split launch)
         before = triton_compiles()
-        for topk in (96, 512, 1000, 4096):
-            fused(**_full_width_case(2, topk, softmax, quantized))
+        for batch, topk in ((2, 96), (2, 512), (2, 1000), (2, 4096), (128, 512), (1, 8)):   # b=128: unsplit
+            fused(**_full_width_case(batch, topk, softmax, quantized))
         torch.cuda.synchronize()
         new = triton_compiles() - before
         assert new == 0, recent_triton_compiles(new)

@@ -266,11 +266,9 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
     launch.update(tuning or {})
     splits = launch.pop("splits")
     d_pad = max(16, triton.next_power_of_2(D))
-    if splits > 1:
-        part_acc = torch.empty(B * H * splits, d_pad, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(B * H * splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out
+    # (unsplit: float32 stand-ins, so both launches share one signature, hence one compiled variant)
+    part_acc = torch.empty(B * H * splits if splits > 1 else 1, d_pad, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(B * H * splits if splits > 1 else 1, 2, dtype=torch.float32, device=q.device)
     has_valid = has_comp and valid is not None
     valid_arg = valid if has_valid else rows
     v41 = softmax == V41_SOFTMAX
