@@ -84,3 +84,19 @@ def record_drafter_extends(drafter) -> dict[int, list[int]]:
 
     drafter.extend = logging_extend
     return extended
+
+
+def record_step_logits(llm) -> dict[str, list]:
+    """Wrap the engine runner's `execute` to record, per request, the logits of its sampled row at every step
+    (float32, on the CPU)."""
+    logits: dict[str, list] = {}
+    execute = llm.engine.runner.execute
+
+    def recording(sched, *rest):
+        out = execute(sched, *rest)
+        for rid, i in out.sample_index.items():
+            logits.setdefault(rid, []).append(out.logits[i].float().cpu())
+        return out
+
+    llm.engine.runner.execute = recording
+    return logits

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from openinfer import LLM, SamplingParams  # noqa: E402
 from openinfer.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from openinfer.layers.triton_attention import paged_decode_attention  # noqa: E402
-from tests.conftest import record_drafter_extends  # noqa: E402
+from tests.conftest import record_drafter_extends, record_step_logits  # noqa: E402
 
 
 def _rel(a, b):
@@ -420,20 +420,11 @@ def test_v4_cuda_graph_decode_equals_eager(staggered):
     for eager in (False, True):
         llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=8,
                   gpu_memory_utilization=0.3)
-        logits: dict[str, list[torch.Tensor]] = {}
-        execute = llm.engine.runner.execute
-
-        def recording(sched, *rest):
-            out = execute(sched, *rest)
-            for rid, i in out.sample_index.items():
-                logits.setdefault(rid, []).append(out.logits[i].float().cpu())
-            return out
-
-        llm.engine.runner.execute = recording
+        logits = record_step_logits(llm)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
         assert (llm.engine.runner.decode_graphs is not None and bool(llm.engine.runner.decode_graphs.graphs)) != eager
         runs[eager] = ([o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs])
-        del llm, recording, execute
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
     (tok_g, lg_g), (tok_e, lg_e) = runs[False], runs[True]

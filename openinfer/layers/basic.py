@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers.sparse_attention import sparse_decode_attention
 from openinfer.quantization import reference as quant_reference
 
 
@@ -98,6 +99,9 @@ class LayerOps:
     expert_order: Callable | None = None  # (experts, n) -> order, rows, inv, offs
     moe_act: Callable | None = None       # (gate_up, limit, weights=None, order=None, rounded=False) -> h
     moe_combine: Callable | None = None   # (y, inv, experts, weights | None, dtype) -> per-token sums
+    # DeepSeek-V4/V4.1 decode rows: sparse attention over the window ring and the compressed cache, read in place
+    # (layers/sparse_attention.py's contract; one fused launch per layer on CUDA, triton_sparse_decode.py)
+    sparse_decode_attention: Callable = sparse_decode_attention
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

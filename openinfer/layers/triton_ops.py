@@ -1,8 +1,9 @@
 """Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
-the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel).
-Each replaces several small torch kernels (the decode step is launch-bound at small batch); each is tested
-against the torch reference ops in `layers/basic.py` (tests/test_gpu.py). TRITON_OPS also carries the fused
-DeepSeek mHC (triton_mhc.py) and MoE routing (triton_moe_routing.py)."""
+the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each
+replaces several small torch kernels (the decode step is launch-bound at small batch); each is tested against the
+torch reference ops in `layers/basic.py` (tests/test_gpu.py). `TRITON_OPS` gathers them with the quantized GEMMs,
+DeepSeek's fused mHC (triton_mhc.py), MoE routing (triton_moe_routing.py) and decode attention
+(triton_sparse_decode.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import triton.language as tl
 from openinfer.layers import triton_mhc, triton_moe_routing
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.triton_mhc import sinkhorn
+from openinfer.layers.triton_sparse_decode import sparse_decode_attention
 from openinfer.quantization import triton_kernels as quant_kernels
 from openinfer.quantization import triton_w4a8
 
@@ -256,4 +258,5 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       grouped_gemm_a8=_bf16_io(triton_w4a8.grouped_gemm_a8), hc_pre=triton_mhc.hc_pre,
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
                       expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
-                      moe_combine=triton_moe_routing.moe_combine)
+                      moe_combine=triton_moe_routing.moe_combine,
+                      sparse_decode_attention=sparse_decode_attention)

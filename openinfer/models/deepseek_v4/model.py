@@ -45,6 +45,7 @@ from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert
+from openinfer.layers.sparse_attention import V4_SOFTMAX, attend_v4
 from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -346,11 +347,16 @@ class DeepseekV4Attention(nn.Module):
     o_b_proj, whose partial products are summed over the TP group (one all-reduce). q_a_proj, q_a_norm,
     kv_proj, kv_norm, the compressor and the indexer stay replicated: the single shared KV head and the
     compressed entries are the same for every head, so every rank computes them in full and the KV caches
-    (sliding window, compressed entries, indexer keys, compressor state) are replicated, not split."""
+    (sliding window, compressed entries, indexer keys, compressor state) are replicated, not split.
 
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, parallel: ParallelContext | None = None):
+    Decode rows attend through `ops.sparse_decode_attention` (keys read in place from the ring and the paged cache:
+    one fused launch on CUDA); prefill chunks through `attend_v4` over gathered keys."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, parallel: ParallelContext | None = None,
+                 ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.parallel = parallel or ParallelContext.single()
+        self.ops = ops
         tp = self.parallel.tp_size
         self.cfg, self.layer_type = cfg, layer_type
         self.num_heads, self.head_dim, self.window = cfg.num_attention_heads // tp, cfg.head_dim, cfg.sliding_window
@@ -397,65 +403,46 @@ class DeepseekV4Attention(nn.Module):
                 index_q = comp.indexer.queries(qx, q_residual, qcos, qsin)
         out = torch.empty_like(q)
         for sl, qsl, sel, p in query_spans(meta, cp, x.device):
-            groups = [self._window_keys(kv[sl], positions[sl], state["swa"], meta, p)]
+            crows = None if rows is None else rows[sl]
+            irows = None if index_rows is None else index_rows[sl]
+            iq = None if index_q is None else (index_q[0][qsl], index_q[1][qsl])
+            if p is None:               # decode rows: keys read in place, one fused launch on CUDA
+                self._decode(q[qsl], out[qsl], kv[sl], positions[sl], crows, irows, iq, rope, state, meta)
+                continue
+            groups = [self._window_keys(kv[sl], positions[sl], state["swa"], p)]
             q_pos = positions[sl] if sel is None else positions[sl][sel]
             if comp is not None:
-                groups.append(self._compressed_keys(
-                    positions[sl], rows[sl], None if index_rows is None else index_rows[sl],
-                    None if index_q is None else (index_q[0][qsl], index_q[1][qsl]), rope, state, meta, p, q_pos))
+                flat, picked, valid = self._compressed_entries(positions[sl], crows, irows, iq, rope, state, meta, p,
+                                                               q_pos)
+                groups.append((state["kv"].view(-1, self.head_dim)[flat], valid, picked))
             if sel is not None:         # this rank's queries of the chunk: their rows of the window mask
                 keys, mask, picks = groups[0]
                 groups[0] = (keys, mask[sel], picks)
             if q_pos.numel():
-                out[qsl] = self._attend(q[qsl], groups, banded=p is not None and sel is None)
+                out[qsl] = attend_v4(q[qsl], groups, self.sinks, self.scale, band=self.window if sel is None else None)
         o = apply_rope(out, qcos[:, None], -qsin[:, None]).reshape(T, self.o_groups,
                                                                    self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
-    def _attend(self, q, groups, banded: bool, query_block: int = 512):
-        """q [T, H, D] over key groups (keys, mask [T, L], picks): keys [T, L, D] per query, or [L, D] shared
-        by all (K = V), or with picks [T, k] the rows of keys each query takes. The softmax spans every group
-        and the sink. `banded`: group 0 is a chunk's window keys (W history rows then the chunk), so query i
-        only needs its columns [i, i + W]; queries go in blocks so memory stays linear in the chunk."""
-        out = torch.empty_like(q)
-        W = self.window
-        for i0 in range(0, q.shape[0], query_block):
-            i1 = min(i0 + query_block, q.shape[0])
-            qb = q[i0:i1]
-            logits, values = [], []
-            for gi, (keys, mask, picks) in enumerate(groups):
-                mask = mask[i0:i1]
-                if picks is not None:
-                    keys = keys[picks[i0:i1]]
-                elif keys.dim() == 3:
-                    keys = keys[i0:i1]
-                elif gi == 0 and banded:
-                    keys, mask = keys[i0:i1 + W], mask[:, i0:i1 + W]
-                eq = "thd,tld->thl" if keys.dim() == 3 else "thd,ld->thl"
-                lg = torch.einsum(eq, qb, keys).float() * self.scale
-                logits.append(lg.masked_fill(~mask[:, None, :], float("-inf")))
-                values.append(keys)
-            logits.append(self.sinks.float()[None, :, None].expand(i1 - i0, -1, 1))
-            probs = torch.cat(logits, dim=-1).softmax(dim=-1)
-            acc, col = 0, 0
-            for keys in values:
-                n = keys.shape[-2]
-                pr = probs[..., col:col + n].to(keys.dtype)
-                acc = acc + torch.einsum("thl,tld->thd" if keys.dim() == 3 else "thl,ld->thd", pr, keys)
-                col += n
-            out[i0:i1] = acc
-        return out
+    def _decode(self, q, out, kv, positions, rows, index_rows, index_q, rope, state, meta) -> None:
+        """Decode rows (one token each): store their window keys in the ring and close the compressed entries they
+        complete (picking the indexer's top-k on CSA layers), then attend over the ring's last W positions, the
+        entries and the sinks into `out`."""
+        ring, slots = state["swa"], meta.decode_state_slots
+        ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
+        comp = {}
+        if self.compressor is not None:
+            flat, picked, valid = self._compressed_entries(positions, rows, index_rows, index_q, rope, state, meta,
+                                                           None)
+            comp = dict(cache=state["kv"], rows=flat if picked is None else flat.gather(1, picked), valid=valid)
+        self.ops.sparse_decode_attention(q, sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX, ring=ring,
+                                         slots=slots, positions=positions, window=self.window, out=out, **comp)
 
-    def _window_keys(self, kv, positions, ring, meta, p):
-        """Sliding-window keys and mask; stores the new keys in the ring (after reading what a chunk needs)."""
-        W, dev, R = self.window, kv.device, ring.shape[1]               # R = W + rollback_rows
-        if p is None:                                                   # decode rows: [B, R, D] each
-            slots = meta.decode_state_slots
-            ring[slots, positions % R] = kv.to(ring.dtype)
-            # the position each row holds; a row a rejected draft wrote reads as R before it: out of the window
-            kpos = positions[:, None] - (positions[:, None] - torch.arange(R, device=dev)) % R
-            return ring[slots], (kpos >= 0) & (kpos > positions[:, None] - W), None
-        ring = ring[p.state_slot]                                       # one chunk: [1, W + n, D] shared
+    def _window_keys(self, kv, positions, ring, p):
+        """A chunk's sliding-window keys ([W + n, D]: W history rows, then the chunk's) and mask; stores the new keys
+        in the ring (after reading the history). R = W + rollback_rows."""
+        W, dev, R = self.window, kv.device, ring.shape[1]
+        ring = ring[p.state_slot]
         hist = torch.arange(p.context_len - p.query_len - W, p.context_len - p.query_len, device=dev)
         keys = torch.cat((ring[hist % R], kv.to(ring.dtype)))
         kpos = torch.cat((hist, positions))[None, :]
@@ -464,9 +451,13 @@ class DeepseekV4Attention(nn.Module):
         ring[positions[-keep:] % R] = kv[-keep:].to(ring.dtype)
         return keys, mask, None
 
-    def _compressed_keys(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None):
-        """`q_pos`: the positions of the queries that read the entries (context parallelism: this rank's rows of
-        the chunk); None: every row's."""
+    def _compressed_entries(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None):
+        """Close the windows the new rows complete (entries into the paged cache, and the indexer's keys on CSA
+        layers), then say which entries each query reads: (flat, picked, valid) — `flat` the rows of entries
+        0 .. n-1 in the cache viewed as rows ([T, n] for decode rows, [n] for a chunk); `picked` None (HCA: every
+        closed entry, `valid` [T, n]) or the indexer's top-k [T, k] into them (CSA, `valid` [T, k]). `q_pos`: the
+        positions of the queries that read the entries (context parallelism: this rank's rows of the chunk);
+        None: every row's."""
         comp, r = self.compressor, self.ratio
         cache = state["kv"]
         epb = cache.shape[1]
@@ -484,8 +475,7 @@ class DeepseekV4Attention(nn.Module):
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
         if self.layer_type == HCA:
-            entries = torch.arange(n, device=positions.device)
-            return cache.view(-1, self.head_dim)[flat], entries[None, :] < num_closed[:, None], None
+            return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
         indexer = comp.indexer
         if p is None:
             indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope)
@@ -493,9 +483,7 @@ class DeepseekV4Attention(nn.Module):
             indexer.close_chunk(state["index_rows"][p.state_slot], state["index"], index_rows, positions, rope, p)
         ikeys = state["index"].view(-1, indexer.dim)[flat]
         picked, valid = indexer.select(*index_q, ikeys if ikeys.dim() == 3 else ikeys[None], num_closed)
-        if p is None:
-            return cache.view(-1, self.head_dim)[flat.gather(1, picked)], valid, None
-        return cache.view(-1, self.head_dim)[flat], valid, picked
+        return flat, picked, valid
 
 
 def grouped_projection(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -731,7 +719,7 @@ class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, mlp_type: str, ops: LayerOps = TORCH_OPS,
                  **moe_kwargs):
         super().__init__()
-        self.self_attn = DeepseekV4Attention(cfg, layer_type, moe_kwargs.get("parallel"))
+        self.self_attn = DeepseekV4Attention(cfg, layer_type, moe_kwargs.get("parallel"), ops)
         self.mlp = MoE(cfg, mlp_type == "hash_moe", ops, **moe_kwargs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -50,6 +50,7 @@ from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
+from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -200,13 +201,15 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Shared-KV MQA (one K=V head) over the sliding window plus, on compressed layers, the index source's
     picked compressed entries, with a per-head sink logit; the output's RoPE slice is rotated back and a
-    grouped low-rank projection (`wo_a`, bf16 as published) follows."""
+    grouped low-rank projection (`wo_a`, bf16 as published) follows. Decode rows attend through
+    `ops.sparse_decode_attention` (keys read and decoded in place from the ring and the paged cache: one fused launch
+    on CUDA); prefill chunks through `attend_v41` over gathered keys."""
 
     quantized_caches = True     # window keys FP8, compressed entries and indexer keys/queries FP4 (DeepSeek's)
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.ops = cfg, layer, ops
         H, D = cfg.n_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.window, self.rd = H, D, cfg.window_size, cfg.rope_head_dim
         self.scale = D ** -0.5
@@ -245,20 +248,26 @@ class Attention(nn.Module):
         T = qr.shape[0]
         q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), qcos[:, None], qsin[:, None])
         kv_stored = state["codecs"]["swa"].encode(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
-        kv = state["codecs"]["swa"].decode(kv_stored, x.dtype)      # as every later step reads them
+        # as every later step reads them (prefill chunks; decode rows read the ring in place)
+        kv = state["codecs"]["swa"].decode(kv_stored, x.dtype) if meta.prefills else None
         rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
         iq = self.indexer.queries(qx, qr, qcos, qsin, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
+        codecs = state["codecs"]
         for span, (sl, qsl, sel, p) in enumerate(query_spans(meta, cp, x.device)):
-            sub = (lambda t: None if t is None else t[sl])
-            win = self._window(kv[sl], kv_stored[sl], positions[sl], state, meta, p)
+            crows, siq = (None if rows is None else rows[sl]), (None if iq is None else (iq[0][qsl], iq[1][qsl]))
+            if p is None:               # decode rows: keys read in place, one fused launch on CUDA
+                self._decode(q[qsl], out[qsl], kv_stored[sl], positions[sl], crows, siq, x[sl], rope, state, meta,
+                             shared, span, close_groups)
+                continue
+            win = self._window(kv[sl], kv_stored[sl], positions[sl], state, p)
             if sel is not None:         # this rank's queries of the chunk: their rows of the window's columns
                 win = (win[0], win[1][sel], win[2][sel])
             comp = None
             if self.ratio:
-                comp = self._compressed(positions[sl], sub(rows), None if iq is None else (iq[0][qsl], iq[1][qsl]),
-                                        x[sl], rope, state, meta, p, shared, span, close_groups,
-                                        None if sel is None else positions[sl][sel])
+                flat, picks, valid = self._compressed(positions[sl], crows, siq, x[sl], rope, state, meta, p, shared,
+                                                      span, close_groups, None if sel is None else positions[sl][sel])
+                comp = (codecs["ckv"].decode(cache_rows(state["ckv"])[flat], x.dtype), valid, picks)
             if q[qsl].shape[0]:
                 out[qsl] = self._attend(q[qsl], win, comp)
         o = apply_rope(out, qcos[:, None], -qsin[:, None]).view(T, self.cfg.o_groups,
@@ -266,19 +275,29 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
 
-    def _window(self, kv, kv_stored, positions, state, meta, p):
-        """The window keys each query attends to, in the reference's column order (so the softmax sums run as
-        its kernel's do): (keys, index, valid). Decode rows: keys [B, W, D] of positions P-W+1 .. P (invalid
-        below 0), index None. A chunk: keys [W + n, D] of positions start-W .. end-1 and index [n, Wc] into them,
-        Wc = min(context, W) columns from max(P-W+1, 0) (invalid past P). Stores the new keys in the ring (after
-        reading what a chunk needs)."""
+    def _decode(self, q, out, kv_stored, positions, rows, iq, x, rope, state, meta, shared: StepShared, span: int,
+                close_groups: bool) -> None:
+        """Decode rows (one token each): store their window keys in the ring and (compressed layers) close the
+        groups they complete and pick, then attend over the ring's last W positions, the picked entries and the
+        sinks into `out`."""
+        ring, slots, codecs = state["swa"], meta.decode_state_slots, state["codecs"]
+        ring[slots, positions % ring.shape[1]] = kv_stored
+        comp = {}
+        if self.ratio:
+            flat, picks, valid = self._compressed(positions, rows, iq, x, rope, state, meta, None, shared, span,
+                                                  close_groups)
+            comp = dict(cache=state["ckv"], rows=flat.gather(1, picks), valid=valid, cache_codec=codecs["ckv"])
+        self.ops.sparse_decode_attention(q, sinks=self.attn_sink, scale=self.scale, softmax=V41_SOFTMAX, ring=ring,
+                                         slots=slots, positions=positions, window=self.window,
+                                         ring_codec=codecs["swa"], out=out, **comp)
+
+    def _window(self, kv, kv_stored, positions, state, p):
+        """A chunk's window keys, in the reference's column order (so the softmax sums run as its kernel's do):
+        (keys [W + n, D] of positions start-W .. end-1, index [n, Wc] into them, valid), Wc = min(context, W)
+        columns from max(P-W+1, 0) (invalid past P). Stores the new keys in the ring (after reading the history);
+        R = W + rollback_rows."""
         W, dev, ring, codec = self.window, kv.device, state["swa"], state["codecs"]["swa"]
-        R = ring.shape[1]                                       # W + rollback_rows
-        if p is None:
-            slots = meta.decode_state_slots
-            ring[slots, positions % R] = kv_stored
-            kpos = positions[:, None] - W + 1 + torch.arange(W, device=dev)
-            return codec.decode(ring[slots[:, None], kpos % R], kv.dtype), None, kpos >= 0
+        R = ring.shape[1]
         ring = ring[p.state_slot]
         start = p.context_len - p.query_len
         hist = torch.arange(start - W, start, device=dev)
@@ -294,12 +313,13 @@ class Attention(nn.Module):
 
     def _compressed(self, positions, rows, iq, x, rope, state, meta, p, shared: StepShared, span: int,
                     close_groups: bool = True, q_pos=None):
-        """(keys, valid, picks) of the compressed entries this span's queries attend to: the KV source first
-        closes the groups its new tokens complete (entries + index keys into the paged caches), then the index
-        source scores (or the picks of the latest one are reused). `q_pos`: the queries' positions when they are
-        some of the span's rows (context parallelism), else None."""
+        """(flat, picks, valid): the compressed entries this span's queries attend to — `flat` the rows of entries
+        0 .. n-1 in the paged cache viewed as rows ([T, n] for decode rows, [n] for a chunk), `picks` [T, k] into
+        them. The KV source first closes the groups its new tokens complete (entries + index keys into the paged
+        caches), then the index source scores (or the picks of the latest one are reused). `q_pos`: the queries'
+        positions when they are some of the span's rows (context parallelism), else None."""
         r = self.ratio
-        ckv, cidx = cache_rows(state["ckv"]), state.get("cidx")
+        cidx = state.get("cidx")
         num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables = meta.decode_block_tables
@@ -315,9 +335,7 @@ class Attention(nn.Module):
             shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
                                              num_closed, shared, span)
         picks, valid = shared.picks[span]
-        if p is None:
-            return state["codecs"]["ckv"].decode(ckv[flat.gather(1, picks)], x.dtype), valid, None
-        return state["codecs"]["ckv"].decode(ckv[flat], x.dtype), valid, picks
+        return flat, picks, valid
 
     def _index(self, iq, keys, num_closed, shared: StepShared, span: int, budget: int = 1 << 26):
         """The indexer's picks for the span's queries, in query blocks whose scores hold about `budget` floats
@@ -375,34 +393,9 @@ class Attention(nn.Module):
             cache_rows(state["cidx"])[dst] = state["codecs"]["cidx"].encode(self.indexer.keys(latents, cos, sin))
         cache_rows(state["ckv"])[dst] = state["codecs"]["ckv"].encode(apply_rope(latents, cos, sin))
 
-    def _attend(self, q, win, comp, query_block: int = 256):
-        """Softmax over each query's window keys, its picked compressed entries and the sink, K = V, laid out as
-        the reference's sparse_attn (window columns, then the picks in position order; an invalid column gives
-        nothing). `win` from `_window`; `comp`: (keys, valid, picks): picked rows [T, k, D] (decode, picks None)
-        or all entries [N, D] with picks [T, k]. Probabilities are rounded to the value dtype before PV and the
-        max is the keys' only, as in the reference kernel; a row with no valid key gives zeros."""
-        out = torch.empty_like(q)
-        sink = self.attn_sink.float()[None, :, None]
-        wkeys, windex, wvalid = win
-        for i0 in range(0, q.shape[0], query_block):
-            i1 = min(i0 + query_block, q.shape[0])
-            keys = [wkeys[windex[i0:i1]] if windex is not None else wkeys[i0:i1]]
-            valid = [wvalid[i0:i1]]
-            if comp is not None:
-                ck, cvalid, picks = comp
-                keys.append(ck[picks[i0:i1]] if picks is not None else ck[i0:i1])
-                valid.append(cvalid[i0:i1])
-            kv = torch.cat(keys, dim=1).float()
-            ok = torch.cat(valid, dim=1)
-            kv = kv * ok[..., None]
-            s = torch.einsum("thd,tld->thl", q[i0:i1].float(), kv).mul(self.scale)
-            s = s.masked_fill(~ok[:, None, :], float("-inf"))
-            m = s.amax(-1, keepdim=True).clamp(min=-1e30)
-            e = torch.exp(s - m)
-            denom = e.sum(-1, keepdim=True) + torch.exp(sink - m)
-            pv = torch.einsum("thl,tld->thd", e.to(q.dtype).float(), kv)
-            out[i0:i1] = (pv / denom).to(q.dtype)
-        return out
+    def _attend(self, q, win, comp):
+        """`attend_v41` with this layer's sinks (the picks in position order: the reference's column order)."""
+        return attend_v41(q, win, comp, self.attn_sink, self.scale)
 
 
 def spans_of(meta: AttentionMetadata) -> list[tuple[slice, object]]:
@@ -570,7 +563,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer, self.ops = layer, ops
         self.hc, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, layer, ops)
         self.ffn = MoE(cfg, layer, ops, **moe_kwargs)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
