@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers.index_topk import torch_index_topk
 from openinfer.quantization import reference as quant_reference
 
 
@@ -74,6 +75,14 @@ class LayerOps:
     # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
     # does it itself; a model that quantizes activations around `grouped_gemm` (DeepSeek-V4.1's experts) reads it
     quantize_activations: bool = True
+    # DeepSeek's sparse decode (V4, V4.1): the indexer's top-k, (scores [T, N], k, limit [T] | None) -> (picks in
+    # position order, valid) (layers/index_topk.py); and fused decode-row kernels, None where the model runs its own
+    # torch code, their reference: the indexer's paged scores (layers/triton_indexer.index_scores) and V4's
+    # compressor steps, HCA's running state and CSA's ring (layers/triton_compressor.py)
+    index_topk: Callable = torch_index_topk
+    index_scores: Callable | None = None
+    v4_hca_decode: Callable | None = None
+    v4_csa_decode: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)
