@@ -1,6 +1,7 @@
 """Fused Triton kernels for the CUDA path: residual-add + RMSNorm, RMSNorm, rotary (in place), SiLU·mul, and
 the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each replaces several small torch kernels (the decode step is launch-bound at small
-batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py)."""
+batch); each is tested against the torch reference ops in `layers/basic.py` (tests/test_gpu.py). `TRITON_OPS`
+also carries DeepSeek's sparse decode kernels (triton_indexer.py, triton_compressor.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openinfer.layers import triton_compressor, triton_indexer
 from openinfer.layers.basic import LayerOps
 from openinfer.quantization import triton_kernels as quant_kernels
 
@@ -253,4 +255,6 @@ def _bf16_io(kernel):
 
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
-                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm))
+                      grouped_gemm=_bf16_io(quant_kernels.grouped_gemm), index_topk=triton_indexer.index_topk,
+                      index_scores=triton_indexer.index_scores, v4_hca_decode=triton_compressor.v4_hca_decode,
+                      v4_csa_decode=triton_compressor.v4_csa_decode)

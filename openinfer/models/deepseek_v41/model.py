@@ -50,6 +50,7 @@ from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
+from openinfer.layers.index_topk import torch_index_topk
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -132,21 +133,19 @@ class Compressor(nn.Module):
 
 # ---- the lightning indexer and the two-level top-k ----------------------------------------------------
 def select_candidate_blocks(scores: torch.Tensor, num_closed: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> torch.Tensor:
+                            block_size: int, topk=torch_index_topk) -> torch.Tensor:
     """Level one of the two-level top-k: scores [T, N] (unreachable entries -inf) -> bool [T, ceil(N /
-    block_size)], True for the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry).
-    The block holding a query's newest entry is always kept (partly filled, it could otherwise lose to older full
-    blocks)."""
+    block_size)], True for the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry;
+    ties to the earlier block; `topk`: `LayerOps.index_topk`). The block holding a query's newest entry is always
+    kept (partly filled, it could otherwise lose to older full blocks)."""
     T, N = scores.shape
     blocks = F.pad(scores, (0, -N % block_size), value=float("-inf")).view(T, -1, block_size).amax(-1)
     nb = blocks.shape[1]
     newest = ((num_closed - 1) // block_size)[:, None]
     blocks = blocks.masked_fill((torch.arange(nb, device=scores.device)[None, :] == newest) & (newest >= 0),
                                 float("inf"))
-    order = torch.sort(blocks, dim=-1, descending=True, stable=True)
-    k = min(topk_blocks, nb)
-    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, order.indices[:, :k],
-                                                               order.values[:, :k] > float("-inf"))
+    picks, valid = topk(blocks, topk_blocks)
+    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, picks, valid)
 
 
 class Indexer(nn.Module):
@@ -155,9 +154,11 @@ class Indexer(nn.Module):
     rounded to the model dtype where the reference's bf16 einsum rounds them, so its choice is ours on
     tie-free inputs. `owns_keys`: this source also makes the keys (from its compressor's latent)."""
 
-    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool):
+    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool, ops: LayerOps = TORCH_OPS):
+        """`ops`: the top-k (`index_topk`) and, for decode rows, the fused paged scores (`index_scores`)."""
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ops = ops
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
         if owns_keys:
@@ -185,11 +186,18 @@ class Indexer(nn.Module):
         return s.masked_fill(~closed, float("-inf"))
 
     def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top `index_topk` entries of scores [T, N] (ties: the earlier) -> (entries [T, k], valid [T, k])."""
-        k = min(self.topk, scores.shape[-1])
-        top = torch.sort(scores, dim=-1, descending=True, stable=True)
-        picks, order = top.indices[:, :k].sort(dim=-1)          # in position order, as the reference attends
-        return picks, top.values[:, :k].gather(-1, order) > float("-inf")
+        """Top `index_topk` entries of scores [T, N] (ties: the earlier) -> (entries [T, k] in position order, as
+        the reference attends, valid [T, k]: score above -inf)."""
+        return self.ops.index_topk(scores, self.topk)
+
+    def fused_scores(self, codec) -> dict | None:
+        """`ops.index_scores`' keyword arguments for index keys stored with `codec` (DeepSeek's FP4 rows, or
+        unquantized), None where it has no kernel for them (the torch path then runs)."""
+        if self.ops.index_scores is None:
+            return None
+        if isinstance(codec, Fp4BlockCodec) and (codec.group, codec.scale_fmt) == (32, "e8m0"):
+            return {"fp4": True, "round_products": True}
+        return {"fp4": False, "round_products": True} if isinstance(codec, IdentityCodec) else None
 
 
 class StepShared:
@@ -214,7 +222,7 @@ class Attention(nn.Module):
 
     quantized_caches = True     # window keys FP8, compressed entries and indexer keys/queries FP4 (DeepSeek's)
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         H, D = cfg.n_heads, cfg.head_dim
@@ -237,7 +245,7 @@ class Attention(nn.Module):
         if self.is_kv_source:
             self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps)
         if self.is_index_source:
-            self.indexer = Indexer(cfg, cfg.owns_index_keys(layer))
+            self.indexer = Indexer(cfg, cfg.owns_index_keys(layer), ops)
         # a CED decoder layer: under a YOCO prefill its window attention is truncated to the decoder's tokens
         self.is_decoder = cfg.yoco_split is not None and cfg.yoco_split <= layer < cfg.n_layers
 
@@ -322,8 +330,12 @@ class Attention(nn.Module):
         if self.is_kv_source and close_groups:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
-            shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
-                                             num_closed, shared, span)
+            fused = self.indexer.fused_scores(state["codecs"]["cidx"]) if p is None else None
+            if fused is not None:
+                shared.picks[span] = self._index_decode(iq, cidx, tables, n, num_closed, shared, span, fused)
+            else:
+                shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
+                                                 num_closed, shared, span)
         picks, valid = shared.picks[span]
         if p is None:
             return state["codecs"]["ckv"].decode(ckv[flat.gather(1, picks)], x.dtype), valid, None
@@ -346,7 +358,8 @@ class Attention(nn.Module):
             sl = slice(i0, min(i0 + step, T))
             scores = self.indexer.scores(q[sl], w[sl], keys if keys.dim() == 2 else keys[sl], num_closed[sl])
             if self.is_candidate_source:
-                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs))
+                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs,
+                                                      self.indexer.ops.index_topk))
             elif self.uses_candidates:
                 inside = shared.candidates[span][sl].repeat_interleave(bs, dim=-1)[:, :N]
                 scores = scores.masked_fill(~inside, float("-inf"))
@@ -356,6 +369,20 @@ class Attention(nn.Module):
         if self.is_candidate_source:
             shared.candidates[span] = torch.cat(blocks)
         return torch.cat(picks), torch.cat(valid)
+
+    def _index_decode(self, iq, cidx, tables, n, num_closed, shared: StepShared, span: int, fused: dict):
+        """`_index` for decode rows through `ops.index_scores`: the paged index keys read (and decoded) in place,
+        the candidate blocks masked in the same launch, no [T, heads, N] scores."""
+        bs, ops = self.cfg.candidate_block_size, self.indexer.ops
+        inside = shared.candidates[span] if self.uses_candidates else None
+        if inside is not None and inside.shape[1] * bs < n:
+            raise ValueError(f"the candidate blocks cover {inside.shape[1] * bs} entries, this layer scores {n}")
+        scores = ops.index_scores(*iq, cidx, tables, n, num_closed, 1.0, candidates=inside, candidate_block=max(bs, 1),
+                                  **fused)
+        if self.is_candidate_source:
+            shared.candidates[span] = select_candidate_blocks(scores, num_closed, self.cfg.candidate_topk_blocks, bs,
+                                                              ops.index_topk)
+        return self.indexer.pick(scores)
 
     def close_all(self, x, positions, ropes, state: dict, meta: AttentionMetadata) -> None:
         """Close this KV source's groups for every token of the step (YOCO: the decoder's global KV is a projection
@@ -576,7 +603,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer, self.ops = layer, ops
         self.hc, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, layer, ops)
         self.ffn = MoE(cfg, layer, ops, **moe_kwargs)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)

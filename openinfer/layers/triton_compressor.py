@@ -1,0 +1,198 @@
+"""Triton kernels of DeepSeek-V4's compressors for decode rows (one token per sequence): one launch per compressor
+and step does what `RunningCompressor.close_decode` (HCA) and `OverlappingCompressor.close_decode` (CSA and the
+lightning indexer's keys) do in some thirty torch kernels — fold the new row into the request's state, and for a
+row that closes its window pool the window, apply kv_norm's RMSNorm and the interleaved RoPE of the window's first
+position, and write the entry into the paged cache.
+
+One program per decode row, all channels in registers as even/odd halves (the RoPE pairs are adjacent channels).
+Rows that close no window write no entry: the torch path writes theirs to the scratch block, whose contents nothing
+reads as an entry. Positions, slots and block tables are device tensors and the table's width a runtime argument
+Triton does not specialize on: no host synchronization, no new variant per context bucket (CUDA-graph capturable).
+The models' torch code is the reference (tests/test_sparse_decode_indexer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dt):
+    """float32 x rounded to dt, as float32 (a product of two rounded values is exact in float32, so rounding it
+    again is the dt multiply torch does)."""
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _entry_store(x_e, x_o, i, dst, w_ptr, inv_freq_ptr, eps, pos, rope_scale, D: tl.constexpr,
+                 HALF: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """A pooled entry (channels 2i and 2i + 1, float32 holding the cache dtype's values) through kv_norm (RMSNorm in
+    float32, the float32 weight, one rounding) and the interleaved RoPE of position `pos` on the last 2 * ROPE_HALF
+    channels (cos/sin rounded to the cache dtype, as `InterleavedRope.cos_sin` gives them), stored at `dst`."""
+    dt = dst.dtype.element_ty
+    inv = 1.0 / tl.sqrt((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / D + eps)
+    y_e = _round(tl.load(w_ptr + 2 * i) * (x_e * inv), dt)
+    y_o = _round(tl.load(w_ptr + 2 * i + 1) * (x_o * inv), dt)
+    j = i - (HALF - ROPE_HALF)
+    rot = j >= 0
+    f = pos.to(tl.float32) * tl.load(inv_freq_ptr + j, mask=rot, other=0.0)
+    c = _round(tl.cos(f) * rope_scale, dt)
+    s = _round(tl.sin(f) * rope_scale, dt)
+    tl.store(dst + 2 * i, tl.where(rot, y_e * c - y_o * s, y_e).to(dt))
+    tl.store(dst + 2 * i + 1, tl.where(rot, y_o * c + y_e * s, y_o).to(dt))
+
+
+@triton.jit
+def _entry_row(cache_ptr, tables_ptr, b, stride_tb, window, epb, D: tl.constexpr):
+    page = tl.load(tables_ptr + b * stride_tb + window // epb).to(tl.int64)
+    return cache_ptr + (page * epb + window % epb) * D
+
+
+@triton.jit
+def _online_merge(pm, ps, pa, g, kv, fresh):
+    """`RunningCompressor._merge` of a running state (pm, ps, pa) with one row (max gate g, sum 1, sum kv); a fresh
+    window is the row itself."""
+    m = tl.maximum(pm, g)
+    safe = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    wa = tl.exp(pm - safe)
+    wb = tl.exp(g - safe)
+    return (tl.where(fresh, g, m), tl.where(fresh, 1.0, ps * wa + wb), tl.where(fresh, kv, pa * wa + kv * wb))
+
+
+@triton.jit(do_not_specialize=["stride_tb"])
+def _hca_decode_kernel(state_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_ptr, w_ptr, inv_freq_ptr, eps,
+                       rope_scale, ratio, L, epb, stride_ss, stride_sl, stride_sk, stride_rt, stride_tb,
+                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF)
+    row = rows_ptr + t * stride_rt                                      # [kv (D) | gate + position bias (D)]
+    st = state_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_ss     # [L, 3, D]: max gate, sum exp, sum exp * kv
+    fresh = p % ratio == 0
+    keep = i < tl.where(p % ratio != 0, HALF, 0)                        # the window opened before p
+    prev = st + ((p - 1 + L) % L) * stride_sl
+    m_e, s_e, a_e = _online_merge(tl.load(prev + 2 * i, mask=keep, other=float("-inf")),
+                                  tl.load(prev + stride_sk + 2 * i, mask=keep, other=0.0),
+                                  tl.load(prev + 2 * stride_sk + 2 * i, mask=keep, other=0.0),
+                                  tl.load(row + D + 2 * i), tl.load(row + 2 * i), fresh)
+    m_o, s_o, a_o = _online_merge(tl.load(prev + 2 * i + 1, mask=keep, other=float("-inf")),
+                                  tl.load(prev + stride_sk + 2 * i + 1, mask=keep, other=0.0),
+                                  tl.load(prev + 2 * stride_sk + 2 * i + 1, mask=keep, other=0.0),
+                                  tl.load(row + D + 2 * i + 1), tl.load(row + 2 * i + 1), fresh)
+    if (p + 1) % ratio == 0:
+        window = (p + 1) // ratio - 1
+        dt = cache_ptr.dtype.element_ty
+        _entry_store(_round(a_e / s_e, dt), _round(a_o / s_o, dt), i,
+                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, D), w_ptr, inv_freq_ptr, eps,
+                     window * ratio, rope_scale, D, HALF, ROPE_HALF)
+    # written last, after every thread's loads: with one state row (L = 1) it is the row read above
+    tl.debug_barrier()
+    cur = st + (p % L) * stride_sl
+    tl.store(cur + 2 * i, m_e)
+    tl.store(cur + 2 * i + 1, m_o)
+    tl.store(cur + stride_sk + 2 * i, s_e)
+    tl.store(cur + stride_sk + 2 * i + 1, s_o)
+    tl.store(cur + 2 * stride_sk + 2 * i, a_e)
+    tl.store(cur + 2 * stride_sk + 2 * i + 1, a_o)
+
+
+@triton.jit
+def _window_slot(ring, new_rows, t, p, back, window, j, ratio, R, stride_rr, stride_nt, i, D: tl.constexpr,
+                 HALF: tl.constexpr):
+    """Slot j of window `window`'s 2 * ratio pooled slots: (the row of its position q, where in that row its kv
+    series starts, the channels' load mask). j < ratio: position (window - 1) * ratio + j, the previous window's
+    first series (none for window 0); else window * ratio + j - ratio, the second series. The step's own rows
+    (positions p - back .. p) come from `new_rows`, where the launch writes them into the ring, older ones from
+    the ring."""
+    q = (window - 1) * ratio + j
+    row = tl.where(q >= p - back, new_rows + (t - (p - q)) * stride_nt, ring + ((q + R) % R) * stride_rr)
+    return row, (j >= ratio) * D, i < tl.where((j >= ratio) | (window > 0), HALF, 0)
+
+
+@triton.jit(do_not_specialize=["stride_tb"])
+def _csa_decode_kernel(ring_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_ptr, off_ptr, w_ptr, inv_freq_ptr,
+                       eps, rope_scale, ratio, R, epb, stride_rs, stride_rr, stride_nt, stride_tb,
+                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, HAS_OFFSETS: tl.constexpr):
+    t = tl.program_id(0)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    ring = ring_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_rs     # [R, 4D]: [kv (2D) | gate (2D)]
+    c4 = tl.arange(0, 4 * D)
+    tl.store(ring + (p % R) * stride_rr + c4, tl.load(rows_ptr + t * stride_nt + c4))
+    if (p + 1) % ratio == 0:
+        back = 0
+        if HAS_OFFSETS:
+            back = tl.load(off_ptr + t)
+        window = (p + 1) // ratio - 1
+        i = tl.arange(0, HALF)
+        # a softmax over the 2 * ratio slots per channel (max, then sum, then the weighted kv: the reference's
+        # order), the gate of slot j at 2D past its kv series
+        max_e = tl.full((HALF,), float("-inf"), tl.float32)
+        max_o = tl.full((HALF,), float("-inf"), tl.float32)
+        for j in range(0, 2 * ratio):
+            row, col, on = _window_slot(ring, rows_ptr, t, p, back, window, j, ratio, R, stride_rr, stride_nt, i, D,
+                                        HALF)
+            max_e = tl.maximum(max_e, tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")))
+            max_o = tl.maximum(max_o, tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")))
+        sum_e = tl.zeros((HALF,), tl.float32)
+        sum_o = tl.zeros((HALF,), tl.float32)
+        for j in range(0, 2 * ratio):
+            row, col, on = _window_slot(ring, rows_ptr, t, p, back, window, j, ratio, R, stride_rr, stride_nt, i, D,
+                                        HALF)
+            sum_e += tl.exp(tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")) - max_e)
+            sum_o += tl.exp(tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")) - max_o)
+        dt = cache_ptr.dtype.element_ty
+        acc_e = tl.zeros((HALF,), tl.float32)
+        acc_o = tl.zeros((HALF,), tl.float32)
+        for j in range(0, 2 * ratio):   # kv, probabilities and their products in the cache dtype, summed in float32
+            row, col, on = _window_slot(ring, rows_ptr, t, p, back, window, j, ratio, R, stride_rr, stride_nt, i, D,
+                                        HALF)
+            pr_e = tl.exp(tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")) - max_e) / sum_e
+            pr_o = tl.exp(tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")) - max_o) / sum_o
+            acc_e += _round(_round(tl.load(row + col + 2 * i, mask=on, other=0.0), dt) * _round(pr_e, dt), dt)
+            acc_o += _round(_round(tl.load(row + col + 2 * i + 1, mask=on, other=0.0), dt) * _round(pr_o, dt), dt)
+        _entry_store(_round(acc_e, dt), _round(acc_o, dt), i,
+                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, D), w_ptr, inv_freq_ptr, eps,
+                     window * ratio, rope_scale, D, HALF, ROPE_HALF)
+
+
+def _check(cache: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, inv_freq: torch.Tensor, row_width: int,
+           state_row: tuple) -> None:
+    """What the kernels assume: a power-of-two entry dim, a contiguous paged cache, float32 rows and state with
+    contiguous channels, at most dim/2 RoPE pairs."""
+    D = cache.shape[-1]
+    if (D & (D - 1) or D < 4 or not cache.is_contiguous() or inv_freq.numel() > D // 2
+            or rows.dtype != torch.float32 or rows.stride(-1) != 1 or rows.shape[-1] != row_width * D
+            or state.dtype != torch.float32 or state.stride(-1) != 1 or tuple(state.shape[2:]) != state_row):
+        raise ValueError(f"the fused compressor needs a power-of-two entry dim (got {D}), a contiguous cache, float32 "
+                         f"rows [T, {row_width} * dim] and state rows {state_row} with contiguous channels, and at "
+                         "most dim/2 RoPE pairs")
+
+
+def v4_hca_decode(state, cache, rows, positions, slots, tables, norm_weight, eps, inv_freq, rope_scale, ratio):
+    """`RunningCompressor.close_decode` for plain decode rows in one launch: state [S, L, 3, D] float32 (the running
+    state after position p at row p % L), cache [blocks, entries_per_block, D], rows [T, 2D] float32 (kv | gate),
+    positions/slots [T], tables [T, W]; kv_norm's weight [D] and eps, the compress RoPE's inv_freq [rd/2] and scale,
+    the window size `ratio`."""
+    T, D = rows.shape[0], cache.shape[-1]
+    _check(cache, rows, state, inv_freq, 2, (3, D))
+    if T:
+        _hca_decode_kernel[(T,)](state, cache, rows, positions, slots, tables, norm_weight, inv_freq, eps, rope_scale,
+                                 ratio, state.shape[1], cache.shape[1], state.stride(0), state.stride(1),
+                                 state.stride(2), rows.stride(0), tables.stride(0), D=D, HALF=D // 2,
+                                 ROPE_HALF=inv_freq.numel())
+
+
+def v4_csa_decode(ring, cache, rows, positions, slots, tables, offsets, norm_weight, eps, inv_freq, rope_scale, ratio):
+    """`OverlappingCompressor.close_decode` in one launch: ring [S, R, 4D] float32 (row p % R: position p's
+    [kv | gate]), cache [blocks, entries_per_block, D], rows [T, 4D] float32, positions/slots [T], tables [T, W];
+    `offsets` [T] (a verify step: row t's place among its request's rows this step, which are consecutive) or None;
+    kv_norm's weight [D] and eps, the compress RoPE's inv_freq [rd/2] and scale, the window size `ratio`."""
+    T, D = rows.shape[0], cache.shape[-1]
+    _check(cache, rows, ring, inv_freq, 4, (4 * D,))
+    if T:
+        _csa_decode_kernel[(T,)](ring, cache, rows, positions, slots, tables, positions if offsets is None else offsets,
+                                 norm_weight, inv_freq, eps, rope_scale, ratio, ring.shape[1], cache.shape[1],
+                                 ring.stride(0), ring.stride(1), rows.stride(0), tables.stride(0), D=D, HALF=D // 2,
+                                 ROPE_HALF=inv_freq.numel(), HAS_OFFSETS=offsets is not None)
