@@ -20,8 +20,13 @@ import triton.language as tl
 
 @triton.jit
 def _round(x, dt):
-    """float32 x rounded to dt, as float32 (a product of two rounded values is exact in float32, so rounding it
-    again is the dt multiply torch does)."""
+    """float32 x rounded to dt (to nearest, ties to even, as torch casts), kept in float32. A product of two rounded
+    values is exact in float32, so rounding it again is the dt multiply torch does. bf16 by its bits: the same
+    rounding as the GPU's conversion, and also in Triton's interpreter (whose conversion truncates)."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
     return x.to(dt).to(tl.float32)
 
 
@@ -40,8 +45,8 @@ def _entry_store(x_e, x_o, i, dst, w_ptr, inv_freq_ptr, eps, pos, rope_scale, D:
     f = pos.to(tl.float32) * tl.load(inv_freq_ptr + j, mask=rot, other=0.0)
     c = _round(tl.cos(f) * rope_scale, dt)
     s = _round(tl.sin(f) * rope_scale, dt)
-    tl.store(dst + 2 * i, tl.where(rot, y_e * c - y_o * s, y_e).to(dt))
-    tl.store(dst + 2 * i + 1, tl.where(rot, y_o * c + y_e * s, y_o).to(dt))
+    tl.store(dst + 2 * i, _round(tl.where(rot, y_e * c - y_o * s, y_e), dt).to(dt))
+    tl.store(dst + 2 * i + 1, _round(tl.where(rot, y_o * c + y_e * s, y_o), dt).to(dt))
 
 
 @triton.jit

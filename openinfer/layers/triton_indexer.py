@@ -55,7 +55,7 @@ def _index_topk_kernel(scores_ptr, limit_ptr, picks_ptr, valid_ptr, n, k, stride
     prefix = tl.zeros((), dtype=tl.uint32)
     rem = k                             # how many of the keys matching `prefix` so far are still to take
     for i in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * i
+        shift = 24 - 8 * i
         hist = tl.zeros((256,), dtype=tl.int32)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
