@@ -5,6 +5,7 @@ row that closes its window pool the window, apply kv_norm's RMSNorm and the inte
 position, and write the entry into the paged cache.
 
 One program per decode row, all channels in registers as even/odd halves (the RoPE pairs are adjacent channels).
+Divisions and the square root round as torch's do (IEEE); exp is the GPU's approximate one (a last-bit difference).
 Rows that close no window write no entry: the torch path writes theirs to the scratch block, whose contents nothing
 reads as an entry. Positions, slots and block tables are device tensors and the table's width a runtime argument
 Triton does not specialize on: no host synchronization, no new variant per context bucket (CUDA-graph capturable).
@@ -37,7 +38,7 @@ def _entry_store(x_e, x_o, i, dst, w_ptr, inv_freq_ptr, eps, pos, rope_scale, D:
     float32, the float32 weight, one rounding) and the interleaved RoPE of position `pos` on the last 2 * ROPE_HALF
     channels (cos/sin rounded to the cache dtype, as `InterleavedRope.cos_sin` gives them), stored at `dst`."""
     dt = dst.dtype.element_ty
-    inv = 1.0 / tl.sqrt((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / D + eps)
+    inv = tl.div_rn(1.0, tl.sqrt_rn((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / D + eps))
     y_e = _round(tl.load(w_ptr + 2 * i) * (x_e * inv), dt)
     y_o = _round(tl.load(w_ptr + 2 * i + 1) * (x_o * inv), dt)
     j = i - (HALF - ROPE_HALF)
@@ -89,7 +90,7 @@ def _hca_decode_kernel(state_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables
     if (p + 1) % ratio == 0:
         window = (p + 1) // ratio - 1
         dt = cache_ptr.dtype.element_ty
-        _entry_store(_round(a_e / s_e, dt), _round(a_o / s_o, dt), i,
+        _entry_store(_round(tl.div_rn(a_e, s_e), dt), _round(tl.div_rn(a_o, s_o), dt), i,
                      _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, D), w_ptr, inv_freq_ptr, eps,
                      window * ratio, rope_scale, D, HALF, ROPE_HALF)
     # written last, after every thread's loads: with one state row (L = 1) it is the row read above
@@ -153,8 +154,9 @@ def _csa_decode_kernel(ring_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_
         for j in range(0, 2 * ratio):   # kv, probabilities and their products in the cache dtype, summed in float32
             row, col, on = _window_slot(ring, rows_ptr, t, p, back, window, j, ratio, R, stride_rr, stride_nt, i, D,
                                         HALF)
-            pr_e = tl.exp(tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")) - max_e) / sum_e
-            pr_o = tl.exp(tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")) - max_o) / sum_o
+            pr_e = tl.div_rn(tl.exp(tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")) - max_e), sum_e)
+            pr_o = tl.div_rn(tl.exp(tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")) - max_o),
+                             sum_o)
             acc_e += _round(_round(tl.load(row + col + 2 * i, mask=on, other=0.0), dt) * _round(pr_e, dt), dt)
             acc_o += _round(_round(tl.load(row + col + 2 * i + 1, mask=on, other=0.0), dt) * _round(pr_o, dt), dt)
         _entry_store(_round(acc_e, dt), _round(acc_o, dt), i,
