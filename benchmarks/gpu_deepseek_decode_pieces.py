@@ -10,7 +10,10 @@ batch 1/32/128 over several contexts, in one run:
  - `v41_indexer`: V4.1's scores over FP4 index keys + pick: the torch path (gather, codec decode, einsum with the
    model dtype's roundings, top-k) against the fused scores (keys decoded in the kernel) + top-k;
  - `v4_hca_decode`, `v4_csa_decode`, `v4_csa_index_decode`: V4's compressor decode steps (state/ring update,
-   pooling, RMSNorm, RoPE, cache write) through `close_decode` with TORCH_OPS and with TRITON_OPS.
+   pooling, RMSNorm, RoPE, cache write) through `close_decode` with TORCH_OPS and with TRITON_OPS;
+ - `v41_close_groups_r2`, `v41_close_groups_r1`: V4.1's KV-source step for decode rows (`Attention._close_groups`:
+   group ring, pooling, norm, RoPE, FP4 entry, the index keys' projection, k_norm, RoPE, FP4 keys), ratio 2 and 1,
+   FP4 caches, torch against the two fused launches around the projection.
 
 Times are medians of CUDA-event-timed CUDA-graph replays (benchmarks/gpu_quant_kernels.graph_time: what a captured
 decode step pays, launch gaps included); kernels are the CUDA kernels one eager call launches (torch profiler).
@@ -175,10 +178,48 @@ def bench_compressor(g, b: int, ctx: int, kind: str) -> dict:
                     "fused": lambda: fused.close_decode(s2, c2, rows, pos, slots, tables, rope)})
 
 
+def bench_v41_close_groups(g, b: int, ctx: int, layer: int) -> dict:
+    from openinfer.layers.attention import AttentionMetadata
+    from openinfer.models.deepseek_v41.config import DeepseekV41Config
+    from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
+    from openinfer.models.deepseek_v41.model import Attention
+
+    cfg = DeepseekV41Config.from_dict({**DEEPSEEK_V41_TINY_CONFIG, "head_dim": HEAD_DIM, "rope_head_dim": ROPE_DIM,
+                                       "index_head_dim": INDEX_DIM, "index_n_heads": HEADS})
+    ref = Attention(cfg, layer, TORCH_OPS).to(DEV, torch.bfloat16)
+    fused = Attention(cfg, layer, TRITON_OPS).to(DEV, torch.bfloat16)
+    for m in (ref, fused):
+        m.compressor.norm.float()
+        m.indexer.k_norm.float()
+    r = cfg.ratio(layer)
+    rope = InterleavedRope({"rope_type": "default", "rope_theta": 160000.0}, ROPE_DIM, 1 << 20)
+    rope.reset(torch.device(DEV))
+    codecs = {"ckv": Fp4BlockCodec(16, "e4m3"), "cidx": Fp4BlockCodec(32, "e8m0")}
+    pos = ctx + torch.randint(0, r, (b,), device=DEV, generator=g)
+    ckv, tables = paged(g, b, ctx // r + 2, PAGE // r, codecs["ckv"].stored_dim(HEAD_DIM), torch.uint8,
+                        lambda shape: torch.zeros(shape, dtype=torch.uint8, device=DEV))
+    cidx = torch.zeros(*ckv.shape[:2], codecs["cidx"].stored_dim(INDEX_DIM), dtype=torch.uint8, device=DEV)
+    state = {"ckv": ckv, "cidx": cidx, "codecs": codecs}
+    if r > 1:
+        state["crows"] = torch.randn(b + 1, r, 2 * HEAD_DIM, device=DEV, generator=g)
+        rows = torch.randn(b, 2 * HEAD_DIM, device=DEV, generator=g)
+    else:
+        rows = torch.randn(b, HEAD_DIM, device=DEV, generator=g).bfloat16()
+    meta = AttentionMetadata(block_size=PAGE, slot_mapping=torch.zeros(b, dtype=torch.long, device=DEV),
+                             num_decode_tokens=b, decode_block_tables=tables,
+                             decode_state_slots=torch.randperm(b, device=DEV, generator=g))
+    s1 = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    s2 = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    return measure({"torch": lambda: ref._close_groups(pos, rows, rope, s1, meta, None, torch.bfloat16),
+                    "fused": lambda: fused._close_groups(pos, rows, rope, s2, meta, None, torch.bfloat16)})
+
+
 PIECES = {"topk": bench_topk, "v4_indexer": bench_v4_indexer, "v41_indexer": bench_v41_indexer,
           "v4_hca_decode": lambda g, b, c: bench_compressor(g, b, c, "hca"),
           "v4_csa_decode": lambda g, b, c: bench_compressor(g, b, c, "csa"),
-          "v4_csa_index_decode": lambda g, b, c: bench_compressor(g, b, c, "csa_index")}
+          "v4_csa_index_decode": lambda g, b, c: bench_compressor(g, b, c, "csa_index"),
+          "v41_close_groups_r2": lambda g, b, c: bench_v41_close_groups(g, b, c, 1),
+          "v41_close_groups_r1": lambda g, b, c: bench_v41_close_groups(g, b, c, 3)}
 
 
 def main():
@@ -189,10 +230,10 @@ def main():
     ap.add_argument("--only", choices=sorted(PIECES), nargs="+", help="run these pieces only")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    width = dict(index_heads=HEADS, index_head_dim=INDEX_DIM, index_topk=TOPK, head_dim=HEAD_DIM, rope_dim=ROPE_DIM,
+                 csa_ratio=CSA_RATIO, hca_ratio=HCA_RATIO)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date,
-                  commit=commit, width=dict(index_heads=HEADS, index_head_dim=INDEX_DIM, index_topk=TOPK, head_dim=HEAD_DIM,
-                                      rope_dim=ROPE_DIM, csa_ratio=CSA_RATIO, hca_ratio=HCA_RATIO),
-                  rows=[])
+                  commit=commit, width=width, rows=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device=DEV).manual_seed(0)

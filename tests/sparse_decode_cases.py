@@ -28,9 +28,13 @@ from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
 from openinfer.models.deepseek_v4.model import (Indexer, InterleavedRope, OverlappingCompressor, RunningCompressor,
                                                 entry_index)
+from openinfer.layers.attention import AttentionMetadata
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
+from openinfer.models.deepseek_v41.model import Attention as V41Attention
 from openinfer.models.deepseek_v41.model import Indexer as V41Indexer
 from openinfer.models.deepseek_v41.model import select_candidate_blocks
-from openinfer.quantization.kv_formats import Fp4BlockCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp4BlockCodec, IdentityCodec, fp4_block_qdq
 
 # full width: V4-Flash / V4.1-Flash (64 index heads of 128, top-512, head_dim 512 with 64 RoPE dims, ratios 4, 128)
 FULL = dict(heads=64, index_dim=128, topk=512, head_dim=512, rope_dim=64)
@@ -310,6 +314,82 @@ def check_v4_csa(device, g, dims: dict, dtype, batch: int, ratio: int, extra: in
     return worst
 
 
+def check_v41_compressor(device, g, dims: dict, dtype, batch: int, layer: int, extra: int, quantized: bool) -> float:
+    """V4.1's `Attention._close_groups` for decode rows with and without `ops.v41_compress_decode` /
+    `v41_index_keys_decode`: the group ring equal, the entries and index keys written equal (FP4 rows: the packed
+    bytes; unquantized: as `_compare_entries`), a verify step's rows included (`extra` rollback rows)."""
+    cfg = DeepseekV41Config.from_dict({**DEEPSEEK_V41_TINY_CONFIG, "head_dim": dims["head_dim"],
+                                       "rope_head_dim": dims["rope_dim"], "index_head_dim": dims["index_dim"],
+                                       "index_n_heads": dims["heads"]})
+    ref, fused = V41Attention(cfg, layer, TORCH_OPS), V41Attention(cfg, layer, fused_ops())
+    ref.compressor.norm.weight.data = torch.rand(cfg.head_dim, generator=g) + 0.5
+    ref.indexer.k_norm.weight.data = torch.rand(cfg.index_head_dim, generator=g) + 0.5
+    ref.indexer.wk.weight.data = torch.randn(cfg.index_head_dim, cfg.head_dim, generator=g) * cfg.head_dim ** -0.5
+    fused.load_state_dict(ref.state_dict())
+    for m in (ref, fused):
+        m.to(device, dtype)
+        m.compressor.norm.weight.data = m.compressor.norm.weight.float()
+        m.indexer.k_norm.weight.data = m.indexer.k_norm.weight.float()
+    yarn = {"rope_type": "yarn", "rope_theta": cfg.compress_rope_theta, "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.original_seq_len, "beta_fast": cfg.beta_fast,
+            "beta_slow": cfg.beta_slow, "attention_factor": 1.0}
+    rope = InterleavedRope(yarn, cfg.rope_head_dim, cfg.max_position_embeddings)
+    rope.reset(torch.device(device))
+    r, D, Di = cfg.ratio(layer), cfg.head_dim, cfg.index_head_dim
+    codecs = ({"ckv": Fp4BlockCodec(16, "e4m3"), "cidx": Fp4BlockCodec(32, "e8m0")} if quantized else
+              {"ckv": IdentityCodec(dtype), "cidx": IdentityCodec(dtype)})
+    worst = 0.0
+    for verify in (False, True):
+        reqs = max(batch // (1 + extra), 1) if verify else batch
+        rows_per = 1 + extra if verify else 1
+        start = (_decode_positions(g, max(r, 2), reqs) - (rows_per - 1)).clamp(min=0)
+        pos = (start[:, None] + torch.arange(rows_per)).flatten()
+        offsets = torch.arange(rows_per).repeat(reqs) if verify else None
+        slots = torch.randperm(reqs + 2, generator=g)[:reqs].repeat_interleave(rows_per)
+        T = len(pos)
+        ckv, tables = _entry_pages(g, pos, r, codecs["ckv"].stored_dim(D), torch.float32, "cpu")
+        cidx = torch.randn(ckv.shape[0], ckv.shape[1], codecs["cidx"].stored_dim(Di), generator=g)
+        if quantized:       # valid FP4 rows to start from
+            ckv = codecs["ckv"].encode(torch.randn(*ckv.shape[:2], D, generator=g))
+            cidx = codecs["cidx"].encode(torch.randn(*ckv.shape[:2], Di, generator=g))
+        state = {"ckv": ckv.to(dtype if not quantized else torch.uint8).to(device),
+                 "cidx": cidx.to(dtype if not quantized else torch.uint8).to(device), "codecs": codecs}
+        if r > 1:
+            state["crows"] = torch.randn(int(slots.max()) + 2, r + extra, 2 * D, generator=g).to(device)
+            rows = (torch.randn(T, 2 * D, generator=g) * 2).to(device)
+        else:
+            rows = torch.randn(T, D, generator=g).to(dtype).to(device)
+        meta = AttentionMetadata(block_size=128, slot_mapping=torch.zeros(T, dtype=torch.long, device=device),
+                                 num_decode_tokens=T, decode_block_tables=tables.to(device),
+                                 decode_state_slots=slots.to(device),
+                                 decode_row_offsets=None if offsets is None else offsets.to(device))
+        pos = pos.to(device)
+        s1 = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        s2 = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        ref._close_groups(pos, rows, rope, s1, meta, None, dtype)
+        assert fused._fused_close(s2), "the fused path does not take these caches"
+        fused._close_groups(pos, rows, rope, s2, meta, None, dtype)
+        if r > 1:
+            assert torch.equal(s1["crows"], s2["crows"]), "V4.1 group ring differs"
+        for kind in ("ckv", "cidx"):
+            if quantized:   # the packed rows the reference wrote: at least 99% of their bytes equal, the rest
+                #             (a pooled or normed value rounded the other way) decoding within the format's step
+                written = (s1[kind][:-1] != state[kind][:-1]).any(-1)
+                assert written.any()
+                a, b = s1[kind][:-1][written], s2[kind][:-1][written]
+                same = (a == b).float().mean().item()
+                assert same >= 0.99, f"V4.1 {kind}: only {same:.2%} of the packed bytes equal"
+                da, db = codecs[kind].decode(a, torch.float32), codecs[kind].decode(b, torch.float32)
+                err = ((da - db).abs().amax(-1) / da.abs().amax(-1)).max().item()
+                assert err <= 0.5, f"V4.1 {kind}: an FP4 entry differs by {err:.2f} of its largest value"
+                worst = max(worst, err)
+            else:
+                worst = max(worst, _compare_entries(s2[kind], s1[kind], state[kind], dtype, f"V4.1 {kind}"))
+    print(f"V4.1 compressor {dtype}: layer {layer} (ratio {r}) B={batch} D={D} quantized={quantized} "
+          f"rollback={extra}: worst {worst:.2e}")
+    return worst
+
+
 def run_all(device: str, quick: bool) -> None:
     g = torch.Generator().manual_seed(0)
     dims = QUICK if quick else FULL
@@ -333,6 +413,9 @@ def run_all(device: str, quick: bool) -> None:
             for extra in (0, 2):
                 for indexer in (False, True):
                     check_v4_csa(device, g, dims, dtype, batch, 4, extra, indexer)
+                for layer in (1, 3):            # the tiny schedule's ratio-2 and ratio-1 KV + index-key sources
+                    for quantized in (True, False):
+                        check_v41_compressor(device, g, dims, dtype, batch, layer, extra, quantized)
     print("all cases pass")
 
 

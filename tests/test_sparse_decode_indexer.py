@@ -146,11 +146,15 @@ def _decode_inputs(g, n: int, B: int = 8) -> dict:
                 hca_state=torch.stack((rnd(B + 1, 1, D), rnd(B + 1, 1, D).abs() + 1, rnd(B + 1, 1, D)), dim=2),
                 hca_rows=rnd(B, 2 * D), hca_cache=rnd(B * width + 1, 1, D).bfloat16(), hca_tables=pages(),
                 csa_ring=rnd(B + 1, 8, 4 * D), csa_rows=rnd(B, 4 * D), csa_cache=rnd(B * width + 1, epb, D).bfloat16(),
+                v41_ring=rnd(B + 1, 2, 2 * D), v41_rows=rnd(B, 2 * D), v41_keys=rnd(B, Di).bfloat16(),
+                v41_ckv=torch.zeros(B * width + 1, 2 * epb, D // 2 + D // 16, dtype=torch.uint8, device=dev),
+                v41_cidx=torch.zeros(B * width + 1, 2 * epb, Di // 2 + Di // 32, dtype=torch.uint8, device=dev),
                 pos=pos, slots=torch.randperm(B, device=dev, generator=g), n=n)
 
 
 def _decode_pieces(x: dict, out: dict) -> None:
-    """Indexer scores + top-k, and V4's HCA and CSA compressor steps (state, ring and caches written in place)."""
+    """Indexer scores + top-k, V4's HCA and CSA compressor steps and V4.1's KV-source step and index keys (state,
+    rings and caches written in place)."""
     from openinfer.layers import triton_compressor, triton_indexer
 
     inv_freq, D = torch.rand(32, device="cuda"), 512
@@ -162,6 +166,11 @@ def _decode_pieces(x: dict, out: dict) -> None:
                                     x["hca_tables"], weight, 1e-6, inv_freq, 1.0, 128)
     triton_compressor.v4_csa_decode(x["csa_ring"], x["csa_cache"], x["csa_rows"], x["pos"], x["slots"], x["tables"],
                                     None, weight, 1e-6, inv_freq, 1.0, 4)
+    out["latents"] = triton_compressor.v41_compress_decode(x["v41_ring"], x["v41_ckv"], x["v41_rows"], x["pos"],
+                                                           x["slots"], x["tables"], None, weight, 1e-6, inv_freq, 1.0,
+                                                           2, torch.bfloat16)
+    triton_compressor.v41_index_keys_decode(x["v41_cidx"], x["v41_keys"], x["pos"], x["tables"], weight[:128], 1e-6,
+                                            inv_freq, 1.0, 2)
 
 
 @gpu
@@ -197,7 +206,7 @@ def test_gpu_kernels_capture_in_a_graph_and_compile_once_across_contexts():
     eager = {}
     _decode_pieces(eager_in, eager)
     torch.cuda.synchronize()
-    for k in ("scores", "picks", "valid"):
+    for k in ("scores", "picks", "valid", "latents"):
         assert torch.equal(out[k], eager[k]), k
-    for k in ("hca_state", "hca_cache", "csa_ring", "csa_cache"):
+    for k in ("hca_state", "hca_cache", "csa_ring", "csa_cache", "v41_ring", "v41_ckv", "v41_cidx"):
         assert torch.equal(static[k], eager_in[k]), k

@@ -77,12 +77,14 @@ class LayerOps:
     quantize_activations: bool = True
     # DeepSeek's sparse decode (V4, V4.1): the indexer's top-k, (scores [T, N], k, limit [T] | None) -> (picks in
     # position order, valid) (layers/index_topk.py); and fused decode-row kernels, None where the model runs its own
-    # torch code, their reference: the indexer's paged scores (layers/triton_indexer.index_scores) and V4's
-    # compressor steps, HCA's running state and CSA's ring (layers/triton_compressor.py)
+    # torch code, their reference: the indexer's paged scores (layers/triton_indexer.index_scores), V4's compressor
+    # steps (HCA's running state, CSA's ring) and V4.1's KV-source step and index keys (layers/triton_compressor.py)
     index_topk: Callable = torch_index_topk
     index_scores: Callable | None = None
     v4_hca_decode: Callable | None = None
     v4_csa_decode: Callable | None = None
+    v41_compress_decode: Callable | None = None
+    v41_index_keys_decode: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

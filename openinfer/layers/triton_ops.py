@@ -257,4 +257,6 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm), index_topk=triton_indexer.index_topk,
                       index_scores=triton_indexer.index_scores, v4_hca_decode=triton_compressor.v4_hca_decode,
-                      v4_csa_decode=triton_compressor.v4_csa_decode)
+                      v4_csa_decode=triton_compressor.v4_csa_decode,
+                      v41_compress_decode=triton_compressor.v41_compress_decode,
+                      v41_index_keys_decode=triton_compressor.v41_index_keys_decode)

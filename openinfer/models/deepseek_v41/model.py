@@ -78,9 +78,10 @@ class Compressor(nn.Module):
     before RoPE (the indexer keys need them so). State (r > 1): the projected rows of the open group, [r, 2*D]
     float32 (kv | score), row p % R in a ring of R = r + rollback_rows rows."""
 
-    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, ops: LayerOps = TORCH_OPS):
+        """`ops`: the fused decode step (`v41_compress_decode`), where the runtime chose one."""
         super().__init__()
-        self.ratio, self.head_dim = ratio, head_dim
+        self.ratio, self.head_dim, self.ops = ratio, head_dim, ops
         self.wkv = nn.Linear(dim, head_dim, bias=False)
         if ratio > 1:
             self.wgate = nn.Linear(dim, head_dim, bias=False)
@@ -243,7 +244,7 @@ class Attention(nn.Module):
         self.is_candidate_source = backbone and layer == cfg.candidate_source_layer
         self.uses_candidates = backbone and cfg.uses_candidates(layer)
         if self.is_kv_source:
-            self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps)
+            self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps, ops)
         if self.is_index_source:
             self.indexer = Indexer(cfg, cfg.owns_index_keys(layer), ops)
         # a CED decoder layer: under a YOCO prefill its window attention is truncated to the decoder's tokens
@@ -394,6 +395,9 @@ class Attention(nn.Module):
     def _close_groups(self, positions, rows, rope, state, meta, p, dtype) -> None:
         comp, r = self.compressor, self.ratio
         epb = state["ckv"].shape[1]
+        if p is None and self._fused_close(state):
+            self._close_groups_fused(positions, rows, rope, state, meta, dtype)
+            return
         if p is None:
             latents, closes = comp.decode(rows, positions, state.get("crows"), meta.decode_state_slots, dtype)
             group = ((positions + 1) // r - 1).clamp(min=0)
@@ -411,6 +415,32 @@ class Attention(nn.Module):
         if "cidx" in state:
             cache_rows(state["cidx"])[dst] = state["codecs"]["cidx"].encode(self.indexer.keys(latents, cos, sin))
         cache_rows(state["ckv"])[dst] = state["codecs"]["ckv"].encode(apply_rope(latents, cos, sin))
+
+    def _fused_close(self, state) -> bool:
+        """Whether decode rows close their groups through `ops.v41_compress_decode` / `v41_index_keys_decode`: the
+        runtime chose them and the caches hold what their kernels write (DeepSeek's FP4 rows, or unquantized)."""
+        ops, codecs = self.compressor.ops, state["codecs"]
+
+        def writable(kind: str, group: int, scale_fmt: str) -> bool:
+            c = codecs[kind]
+            return isinstance(c, IdentityCodec) or (
+                isinstance(c, Fp4BlockCodec) and (c.group, c.scale_fmt) == (group, scale_fmt))
+
+        return (ops.v41_compress_decode is not None and ops.v41_index_keys_decode is not None
+                and writable("ckv", 16, "e4m3") and ("cidx" not in state or writable("cidx", 32, "e8m0")))
+
+    def _close_groups_fused(self, positions, rows, rope, state, meta, dtype) -> None:
+        """`_close_groups` for decode rows in two launches around the index keys' projection: the group step (ring,
+        pooling, norm, RoPE, the FP4 entry) and the index keys (k_norm, RoPE, FP4); rows that close no group write
+        nothing (the torch path writes them to the scratch block)."""
+        comp, ops, tables = self.compressor, self.compressor.ops, meta.decode_block_tables
+        latents = ops.v41_compress_decode(state.get("crows"), state["ckv"], rows, positions, meta.decode_state_slots,
+                                          tables, meta.decode_row_offsets, comp.norm.weight, comp.norm.eps,
+                                          rope.inv_freq, rope.scale, self.ratio, dtype)
+        if "cidx" in state:
+            ix = self.indexer
+            ops.v41_index_keys_decode(state["cidx"], ix.wk(latents), positions, tables, ix.k_norm.weight,
+                                      ix.k_norm.eps, rope.inv_freq, rope.scale, self.ratio)
 
     def _attend(self, q, win, comp, query_block: int = 256):
         """Softmax over each query's window keys, its picked compressed entries and the sink, K = V, laid out as
