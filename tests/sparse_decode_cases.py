@@ -12,8 +12,11 @@ they replace, on random inputs over shuffled paged caches:
   `ops.v4_hca_decode` / `v4_csa_decode`): the state and ring equal, the entries written equal to float32 rounding
   and in bf16 rounded where the reference rounds (`_compare_entries`), verify steps' rows included (CSA).
 
+- the tiny V4 and V4.1 models generating through the kernels as through the torch code (`check_engine`).
+
 Used by tests/test_sparse_decode_indexer.py: Triton's interpreter on the CPU (a subprocess with TRITON_INTERPRET=1,
-tiny shapes) and the GPU at full width. Run directly: `python tests/sparse_decode_cases.py cpu|cuda [--quick]`.
+tiny shapes) and the GPU at full width. Run directly: `python tests/sparse_decode_cases.py cpu|cuda [--quick]`, or
+`python tests/sparse_decode_cases.py --engine deepseek-v4-tiny deepseek-v41-tiny`.
 """
 
 from __future__ import annotations
@@ -390,6 +393,43 @@ def check_v41_compressor(device, g, dims: dict, dtype, batch: int, layer: int, e
     return worst
 
 
+def check_engine(name: str) -> None:
+    """The tiny model (`LLM(name)`, float32 on the CPU) generating greedily with the torch ops and with the sparse
+    decode kernels in their place (through `make_kernels`; Triton's interpreter): the same tokens, the same
+    cumulative log-probabilities to 1e-4. Decode steps cross compression windows and score more entries than
+    index_topk (and, V4.1, than its candidate blocks hold)."""
+    import dataclasses
+
+    from openinfer import LLM, SamplingParams
+    from openinfer.engine import llm_engine
+    from openinfer.layers import triton_compressor, triton_indexer
+
+    fused = dataclasses.replace(
+        TORCH_OPS, index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
+        v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
+        v41_compress_decode=triton_compressor.v41_compress_decode,
+        v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 120000, (n,), generator=g).tolist() for n in (9, 40)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=0)
+    make = llm_engine.make_kernels
+    runs = []
+    for ops in (None, fused):
+        if ops is not None:
+            llm_engine.make_kernels = lambda config: (make(config)[0], fused)
+        try:
+            llm = LLM(name, device="cpu")
+            runs.append([o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                            use_tqdm=False)])
+            llm.shutdown()
+        finally:
+            llm_engine.make_kernels = make
+    for want, got in zip(*runs):
+        assert got.token_ids == want.token_ids, f"{name}: tokens differ"
+        assert abs(got.cumulative_logprob - want.cumulative_logprob) <= 1e-4, f"{name}: log-probabilities differ"
+    print(f"{name}: {len(prompts)} requests x {params.max_tokens} tokens equal through the kernels")
+
+
 def run_all(device: str, quick: bool) -> None:
     g = torch.Generator().manual_seed(0)
     dims = QUICK if quick else FULL
@@ -420,4 +460,9 @@ def run_all(device: str, quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--quick" in sys.argv)
+    if "--engine" in sys.argv:
+        for model in sys.argv[sys.argv.index("--engine") + 1:]:
+            check_engine(model)
+        print("engine cases pass")
+    else:
+        run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--quick" in sys.argv)

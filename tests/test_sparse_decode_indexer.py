@@ -108,13 +108,22 @@ def test_v41_candidate_blocks_and_picks_equal_the_stable_sort():
     assert torch.equal(select_candidate_blocks(s, num_closed, 3, 4), want)
 
 
-def test_kernels_equal_the_torch_code_in_interpreter():
+def _interpret(*args: str, timeout: int) -> str:
+    """Run tests/sparse_decode_cases.py in Triton's interpreter (chosen when the kernels are defined: a subprocess)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sparse_decode_cases.py"), "cpu", "--quick"],
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sparse_decode_cases.py"), *args],
+                       env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "all cases pass" in r.stdout
+    return r.stdout
+
+
+def test_kernels_equal_the_torch_code_in_interpreter():
+    assert "all cases pass" in _interpret("cpu", "--quick", timeout=900)
+
+
+def test_tiny_models_generate_the_same_through_the_kernels_in_interpreter():
+    assert "engine cases pass" in _interpret("--engine", "deepseek-v4-tiny", "deepseek-v41-tiny", timeout=1800)
 
 
 # ---- GPU (`pytest -m gpu`, on the device) ------------------------------------------------------------------

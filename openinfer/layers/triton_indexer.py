@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from openinfer.quantization.triton_kv_formats import round_to
+
 
 @triton.jit
 def _order_key(x):
@@ -147,12 +149,12 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_p
         s = tl.dot(qh, tl.trans(keys), input_precision=PRECISION)              # [BLOCK_H, BLOCK_N] float32
         w = tl.load(w_ptr + b * stride_wb + hs, mask=hm, other=0.0).to(tl.float32)[:, None]
         if ROUND:       # V4.1: the dot and each weighted head rounded to the model dtype, as its bf16 einsum
-            s = s.to(dt).to(tl.float32)
-            acc += tl.sum((tl.maximum(s, 0.0) * scale * w).to(dt).to(tl.float32), 0)
+            s = round_to(s, dt)
+            acc += tl.sum(round_to(tl.maximum(s, 0.0) * scale * w, dt), 0)
         else:
             acc += tl.sum(tl.maximum(s, 0.0) * scale * w, 0)
     if ROUND:
-        acc = acc.to(dt).to(tl.float32)
+        acc = round_to(acc, dt)
     tl.store(out_ptr + b * stride_ob + e, tl.where(ok, acc, float("-inf")), mask=e < n)
 
 
