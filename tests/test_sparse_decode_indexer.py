@@ -158,7 +158,8 @@ def _decode_inputs(g, n: int, B: int = 8) -> dict:
                 v41_ring=rnd(B + 1, 2, 2 * D), v41_rows=rnd(B, 2 * D), v41_keys=rnd(B, Di).bfloat16(),
                 v41_ckv=torch.zeros(B * width + 1, 2 * epb, D // 2 + D // 16, dtype=torch.uint8, device=dev),
                 v41_cidx=torch.zeros(B * width + 1, 2 * epb, Di // 2 + Di // 32, dtype=torch.uint8, device=dev),
-                pos=pos, slots=torch.randperm(B, device=dev, generator=g), n=n)
+                pos=pos, slots=torch.randperm(B, device=dev, generator=g), n=n,
+                inv_freq=torch.rand(Di // 4, device=dev, generator=g), weight=rnd(D).abs() + 0.5)
 
 
 def _decode_pieces(x: dict, out: dict) -> None:
@@ -166,8 +167,7 @@ def _decode_pieces(x: dict, out: dict) -> None:
     rings and caches written in place)."""
     from openinfer.layers import triton_compressor, triton_indexer
 
-    inv_freq, D = torch.rand(32, device="cuda"), 512
-    weight = torch.ones(D, device="cuda")
+    inv_freq, weight = x["inv_freq"], x["weight"]
     out["scores"] = triton_indexer.index_scores(x["q"], x["w"], x["index"], x["tables"], x["n"], x["closed"],
                                                 128 ** -0.5)
     out["picks"], out["valid"] = triton_indexer.index_topk(out["scores"], 512, x["closed"])
