@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.layers.sparse_attention import sparse_decode_attention
+from openinfer.layers.index_topk import torch_index_topk
 from openinfer.quantization import reference as quant_reference
 
 
@@ -102,6 +103,16 @@ class LayerOps:
     # DeepSeek-V4/V4.1 decode rows: sparse attention over the window ring and the compressed cache, read in place
     # (layers/sparse_attention.py's contract; one fused launch per layer on CUDA, triton_sparse_decode.py)
     sparse_decode_attention: Callable = sparse_decode_attention
+    # DeepSeek's sparse decode (V4, V4.1): the indexer's top-k, (scores [T, N], k, limit [T] | None) -> (picks in
+    # position order, valid) (layers/index_topk.py); and fused decode-row kernels, None where the model runs its own
+    # torch code, their reference: the indexer's paged scores (layers/triton_indexer.index_scores), V4's compressor
+    # steps (HCA's running state, CSA's ring) and V4.1's KV-source step and index keys (layers/triton_compressor.py)
+    index_topk: Callable = torch_index_topk
+    index_scores: Callable | None = None
+    v4_hca_decode: Callable | None = None
+    v4_csa_decode: Callable | None = None
+    v41_compress_decode: Callable | None = None
+    v41_index_keys_decode: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

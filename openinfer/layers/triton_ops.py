@@ -2,8 +2,8 @@
 the paged KV write; DeepSeek-V4's mHC weights (sigmoids, softmax and all Sinkhorn iterations in one kernel). Each
 replaces several small torch kernels (the decode step is launch-bound at small batch); each is tested against the
 torch reference ops in `layers/basic.py` (tests/test_gpu.py). `TRITON_OPS` gathers them with the quantized GEMMs,
-DeepSeek's fused mHC (triton_mhc.py), MoE routing (triton_moe_routing.py) and decode attention
-(triton_sparse_decode.py)."""
+DeepSeek's fused mHC (triton_mhc.py), MoE routing (triton_moe_routing.py) decode attention
+(triton_sparse_decode.py) and sparse decode pieces (triton_indexer.py, triton_compressor.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.layers import triton_mhc, triton_moe_routing
+from openinfer.layers import triton_compressor, triton_indexer, triton_mhc, triton_moe_routing
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.layers.triton_sparse_decode import sparse_decode_attention
@@ -259,4 +259,8 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
                       expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
                       moe_combine=triton_moe_routing.moe_combine,
-                      sparse_decode_attention=sparse_decode_attention)
+                      sparse_decode_attention=sparse_decode_attention,
+                      index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
+                      v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
+                      v41_compress_decode=triton_compressor.v41_compress_decode,
+                      v41_index_keys_decode=triton_compressor.v41_index_keys_decode)

@@ -150,14 +150,15 @@ class Compressor(nn.Module):
 
     width_factor = 1
 
-    def __init__(self, hidden: int, dim: int, ratio: int, eps: float):
+    def __init__(self, hidden: int, dim: int, ratio: int, eps: float, ops: LayerOps = TORCH_OPS):
+        """`ops`: the fused decode step of the kind, where the runtime chose one (else the torch code below)."""
         super().__init__()
         width = self.width_factor * dim
         self.kv_proj = nn.Linear(hidden, width, bias=False)
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
-        self.dim, self.ratio, self.width = dim, ratio, width
+        self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias."""
@@ -231,8 +232,15 @@ class RunningCompressor(Compressor):
         `offsets` (a verify step's rows: row t at offset j holds position p, and rows t - 1 .. t - j the
         request's positions p - 1 .. p - j of this step): the state after p is the step's own rows of p's window
         reduced at once, merged into the state before the step's first row if the window opened earlier — as
-        `close_chunk` computes it; every read precedes every write, so the rows of one request need no order."""
+        `close_chunk` computes it; every read precedes every write, so the rows of one request need no order.
+
+        `ops.v4_hca_decode` (one launch) replaces plain decode rows' step; a verify step's rows stay here (a request's
+        rows of one step read a state another of its rows may overwrite in the same launch)."""
         r, d, L = self.ratio, self.dim, state.shape[1]
+        if offsets is None and self.ops.v4_hca_decode is not None:
+            self.ops.v4_hca_decode(state, cache, new_rows, positions, slots, tables, self.kv_norm.weight,
+                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r)
+            return
         if offsets is None:
             row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
             fresh = (positions % r == 0)[:, None, None]                     # a window opens: drop the old one
@@ -289,10 +297,18 @@ class OverlappingCompressor(Compressor):
         keep = min(len(new_rows), R)
         ring[positions[-keep:] % R] = new_rows[-keep:]
 
-    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope) -> None:
+    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope, offsets=None) -> None:
         """Decode rows (one token each): store the row; rows that end a window write its entry, the others
-        write to the runner's scratch block (the last one), so the batch needs no host-side branching."""
+        write to the runner's scratch block (the last one), so the batch needs no host-side branching.
+
+        `ops.v4_csa_decode` does it in one launch (a verify step's rows too: `offsets`, as RunningCompressor's, say
+        which of a window's rows are this step's, taken from `new_rows` rather than the ring they are written to in
+        the same launch); it writes no scratch entry."""
         r, R = self.ratio, ring.shape[1]
+        if self.ops.v4_csa_decode is not None:
+            self.ops.v4_csa_decode(ring, cache, new_rows, positions, slots, tables, offsets, self.kv_norm.weight,
+                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r)
+            return
         ring[slots, positions % R] = new_rows
         window = (positions + 1) // r - 1
         j = torch.arange(r, device=positions.device)
@@ -310,8 +326,8 @@ class Indexer(OverlappingCompressor):
     sum_h w_h * relu(q_h . k) / sqrt(d_I) that keep the top `index_topk` closed entries per query.
     Ties go to the earlier entry, so appending tokens never changes an earlier query's choice."""
 
-    def __init__(self, cfg: DeepseekV4Config, ratio: int):
-        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, cfg.rms_norm_eps)
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, ops: LayerOps = TORCH_OPS):
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, cfg.rms_norm_eps, ops)
         self.num_heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.dim, bias=False)
         self.scorer = nn.Module()
@@ -321,17 +337,28 @@ class Indexer(OverlappingCompressor):
         q = apply_rope(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim), cos[:, None], sin[:, None])
         return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
 
-    def select(self, q, weights, keys, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> (entries [T, k], valid [T, k])."""
+    def scores(self, q, weights, keys, num_closed) -> torch.Tensor:
+        """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> float32 [T, N], -inf past the closed
+        entries."""
         if keys.shape[0] == 1:     # a prefill chunk: every query scores the same keys, no per-query copy
             scores = torch.einsum("thd,nd->thn", q.float(), keys[0].float())
         else:
             scores = torch.einsum("thd,tnd->thn", q.float(), keys.float())
         scores = (F.relu(scores) * self.dim ** -0.5 * weights[..., None]).sum(1)          # [T, N]
         closed = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_closed[:, None]
-        scores = scores.masked_fill(~closed, float("-inf"))
-        picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :min(self.topk, scores.shape[-1])]
-        return picked, picked < num_closed[:, None]
+        return scores.masked_fill(~closed, float("-inf"))
+
+    def select(self, q, weights, keys, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (entries [T, k] in position order, valid [T, k]): the top k of `scores`, ties to the earlier."""
+        return self.ops.index_topk(self.scores(q, weights, keys, num_closed), self.topk, num_closed)
+
+    def select_decode(self, q, weights, cache, tables, flat, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select` for decode rows over the paged index cache: their entries' rows are `flat` [T, N] (the block
+        table `tables` walked); `ops.index_scores` reads them in place."""
+        if self.ops.index_scores is None:
+            return self.select(q, weights, cache.view(-1, self.dim)[flat], num_closed)
+        scores = self.ops.index_scores(q, weights, cache, tables, flat.shape[1], num_closed, self.dim ** -0.5)
+        return self.ops.index_topk(scores, self.topk, num_closed)
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -375,9 +402,9 @@ class DeepseekV4Attention(nn.Module):
         if layer_type != SLIDING:
             self.ratio = cfg.compress_rates[layer_type]
             kind = OverlappingCompressor if layer_type == CSA else RunningCompressor
-            self.compressor = kind(cfg.hidden_size, self.head_dim, self.ratio, cfg.rms_norm_eps)
+            self.compressor = kind(cfg.hidden_size, self.head_dim, self.ratio, cfg.rms_norm_eps, ops)
             if layer_type == CSA:
-                self.compressor.indexer = Indexer(cfg, self.ratio)
+                self.compressor.indexer = Indexer(cfg, self.ratio, ops)
 
     def forward(self, x, positions, rope: InterleavedRope, state: dict, meta: AttentionMetadata, cp=None):
         """`cp` (context parallelism, distributed/context_parallel.py: ContextParallelStep): `x`, `positions` and
@@ -464,10 +491,7 @@ class DeepseekV4Attention(nn.Module):
         num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
-            if self.layer_type == HCA:      # (a recurrence over positions: a verify step's rows need their offsets)
-                comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
-            else:
-                comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope)
+            comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
             n = max(meta.max_decode_context_len // r, 1)
             flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1), epb)
         else:
@@ -478,11 +502,12 @@ class DeepseekV4Attention(nn.Module):
             return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
         indexer = comp.indexer
         if p is None:
-            indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope)
+            indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope,
+                                 meta.decode_row_offsets)
+            picked, valid = indexer.select_decode(*index_q, state["index"], tables, flat, num_closed)
         else:
             indexer.close_chunk(state["index_rows"][p.state_slot], state["index"], index_rows, positions, rope, p)
-        ikeys = state["index"].view(-1, indexer.dim)[flat]
-        picked, valid = indexer.select(*index_q, ikeys if ikeys.dim() == 3 else ikeys[None], num_closed)
+            picked, valid = indexer.select(*index_q, state["index"].view(-1, indexer.dim)[flat][None], num_closed)
         return flat, picked, valid
 
 

@@ -50,6 +50,7 @@ from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
+from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
@@ -68,9 +69,10 @@ class Compressor(nn.Module):
     before RoPE (the indexer keys need them so). State (r > 1): the projected rows of the open group, [r, 2*D]
     float32 (kv | score), row p % R in a ring of R = r + rollback_rows rows."""
 
-    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, ops: LayerOps = TORCH_OPS):
+        """`ops`: the fused decode step (`v41_compress_decode`), where the runtime chose one."""
         super().__init__()
-        self.ratio, self.head_dim = ratio, head_dim
+        self.ratio, self.head_dim, self.ops = ratio, head_dim, ops
         self.wkv = nn.Linear(dim, head_dim, bias=False)
         if ratio > 1:
             self.wgate = nn.Linear(dim, head_dim, bias=False)
@@ -123,21 +125,19 @@ class Compressor(nn.Module):
 
 # ---- the lightning indexer and the two-level top-k ----------------------------------------------------
 def select_candidate_blocks(scores: torch.Tensor, num_closed: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> torch.Tensor:
+                            block_size: int, topk=torch_index_topk) -> torch.Tensor:
     """Level one of the two-level top-k: scores [T, N] (unreachable entries -inf) -> bool [T, ceil(N /
-    block_size)], True for the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry).
-    The block holding a query's newest entry is always kept (partly filled, it could otherwise lose to older full
-    blocks)."""
+    block_size)], True for the `topk_blocks` best blocks of `block_size` entries (a block scores its best entry;
+    ties to the earlier block; `topk`: `LayerOps.index_topk`). The block holding a query's newest entry is always
+    kept (partly filled, it could otherwise lose to older full blocks)."""
     T, N = scores.shape
     blocks = F.pad(scores, (0, -N % block_size), value=float("-inf")).view(T, -1, block_size).amax(-1)
     nb = blocks.shape[1]
     newest = ((num_closed - 1) // block_size)[:, None]
     blocks = blocks.masked_fill((torch.arange(nb, device=scores.device)[None, :] == newest) & (newest >= 0),
                                 float("inf"))
-    order = torch.sort(blocks, dim=-1, descending=True, stable=True)
-    k = min(topk_blocks, nb)
-    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, order.indices[:, :k],
-                                                               order.values[:, :k] > float("-inf"))
+    picks, valid = topk(blocks, topk_blocks)
+    return torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, picks, valid)
 
 
 class Indexer(nn.Module):
@@ -146,9 +146,11 @@ class Indexer(nn.Module):
     rounded to the model dtype where the reference's bf16 einsum rounds them, so its choice is ours on
     tie-free inputs. `owns_keys`: this source also makes the keys (from its compressor's latent)."""
 
-    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool):
+    def __init__(self, cfg: DeepseekV41Config, owns_keys: bool, ops: LayerOps = TORCH_OPS):
+        """`ops`: the top-k (`index_topk`) and, for decode rows, the fused paged scores (`index_scores`)."""
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ops = ops
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
         if owns_keys:
@@ -176,11 +178,18 @@ class Indexer(nn.Module):
         return s.masked_fill(~closed, float("-inf"))
 
     def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top `index_topk` entries of scores [T, N] (ties: the earlier) -> (entries [T, k], valid [T, k])."""
-        k = min(self.topk, scores.shape[-1])
-        top = torch.sort(scores, dim=-1, descending=True, stable=True)
-        picks, order = top.indices[:, :k].sort(dim=-1)          # in position order, as the reference attends
-        return picks, top.values[:, :k].gather(-1, order) > float("-inf")
+        """Top `index_topk` entries of scores [T, N] (ties: the earlier) -> (entries [T, k] in position order, as
+        the reference attends, valid [T, k]: score above -inf)."""
+        return self.ops.index_topk(scores, self.topk)
+
+    def fused_scores(self, codec) -> dict | None:
+        """`ops.index_scores`' keyword arguments for index keys stored with `codec` (DeepSeek's FP4 rows, or
+        unquantized), None where it has no kernel for them (the torch path then runs)."""
+        if self.ops.index_scores is None:
+            return None
+        if isinstance(codec, Fp4BlockCodec) and (codec.group, codec.scale_fmt) == (32, "e8m0"):
+            return {"fp4": True, "round_products": True}
+        return {"fp4": False, "round_products": True} if isinstance(codec, IdentityCodec) else None
 
 
 class StepShared:
@@ -228,9 +237,9 @@ class Attention(nn.Module):
         self.is_candidate_source = backbone and layer == cfg.candidate_source_layer
         self.uses_candidates = backbone and cfg.uses_candidates(layer)
         if self.is_kv_source:
-            self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps)
+            self.compressor = Compressor(cfg.dim, D, self.ratio, cfg.norm_eps, ops)
         if self.is_index_source:
-            self.indexer = Indexer(cfg, cfg.owns_index_keys(layer))
+            self.indexer = Indexer(cfg, cfg.owns_index_keys(layer), ops)
         # a CED decoder layer: under a YOCO prefill its window attention is truncated to the decoder's tokens
         self.is_decoder = cfg.yoco_split is not None and cfg.yoco_split <= layer < cfg.n_layers
 
@@ -332,8 +341,12 @@ class Attention(nn.Module):
         if self.is_kv_source and close_groups:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
-            shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
-                                             num_closed, shared, span)
+            fused = self.indexer.fused_scores(state["codecs"]["cidx"]) if p is None else None
+            if fused is not None:
+                shared.picks[span] = self._index_decode(iq, cidx, tables, n, num_closed, shared, span, fused)
+            else:
+                shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
+                                                 num_closed, shared, span)
         picks, valid = shared.picks[span]
         return flat, picks, valid
 
@@ -354,7 +367,8 @@ class Attention(nn.Module):
             sl = slice(i0, min(i0 + step, T))
             scores = self.indexer.scores(q[sl], w[sl], keys if keys.dim() == 2 else keys[sl], num_closed[sl])
             if self.is_candidate_source:
-                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs))
+                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs,
+                                                      self.indexer.ops.index_topk))
             elif self.uses_candidates:
                 inside = shared.candidates[span][sl].repeat_interleave(bs, dim=-1)[:, :N]
                 scores = scores.masked_fill(~inside, float("-inf"))
@@ -364,6 +378,20 @@ class Attention(nn.Module):
         if self.is_candidate_source:
             shared.candidates[span] = torch.cat(blocks)
         return torch.cat(picks), torch.cat(valid)
+
+    def _index_decode(self, iq, cidx, tables, n, num_closed, shared: StepShared, span: int, fused: dict):
+        """`_index` for decode rows through `ops.index_scores`: the paged index keys read (and decoded) in place,
+        the candidate blocks masked in the same launch, no [T, heads, N] scores."""
+        bs, ops = self.cfg.candidate_block_size, self.indexer.ops
+        inside = shared.candidates[span] if self.uses_candidates else None
+        if inside is not None and inside.shape[1] * bs < n:
+            raise ValueError(f"the candidate blocks cover {inside.shape[1] * bs} entries, this layer scores {n}")
+        scores = ops.index_scores(*iq, cidx, tables, n, num_closed, 1.0, candidates=inside, candidate_block=max(bs, 1),
+                                  **fused)
+        if self.is_candidate_source:
+            shared.candidates[span] = select_candidate_blocks(scores, num_closed, self.cfg.candidate_topk_blocks, bs,
+                                                              ops.index_topk)
+        return self.indexer.pick(scores)
 
     def close_all(self, x, positions, ropes, state: dict, meta: AttentionMetadata) -> None:
         """Close this KV source's groups for every token of the step (YOCO: the decoder's global KV is a projection
@@ -375,6 +403,9 @@ class Attention(nn.Module):
     def _close_groups(self, positions, rows, rope, state, meta, p, dtype) -> None:
         comp, r = self.compressor, self.ratio
         epb = state["ckv"].shape[1]
+        if p is None and self._fused_close(state):
+            self._close_groups_fused(positions, rows, rope, state, meta, dtype)
+            return
         if p is None:
             latents, closes = comp.decode(rows, positions, state.get("crows"), meta.decode_state_slots, dtype)
             group = ((positions + 1) // r - 1).clamp(min=0)
@@ -392,6 +423,32 @@ class Attention(nn.Module):
         if "cidx" in state:
             cache_rows(state["cidx"])[dst] = state["codecs"]["cidx"].encode(self.indexer.keys(latents, cos, sin))
         cache_rows(state["ckv"])[dst] = state["codecs"]["ckv"].encode(apply_rope(latents, cos, sin))
+
+    def _fused_close(self, state) -> bool:
+        """Whether decode rows close their groups through `ops.v41_compress_decode` / `v41_index_keys_decode`: the
+        runtime chose them and the caches hold what their kernels write (DeepSeek's FP4 rows, or unquantized)."""
+        ops, codecs = self.compressor.ops, state["codecs"]
+
+        def writable(kind: str, group: int, scale_fmt: str) -> bool:
+            c = codecs[kind]
+            return isinstance(c, IdentityCodec) or (
+                isinstance(c, Fp4BlockCodec) and (c.group, c.scale_fmt) == (group, scale_fmt))
+
+        return (ops.v41_compress_decode is not None and ops.v41_index_keys_decode is not None
+                and writable("ckv", 16, "e4m3") and ("cidx" not in state or writable("cidx", 32, "e8m0")))
+
+    def _close_groups_fused(self, positions, rows, rope, state, meta, dtype) -> None:
+        """`_close_groups` for decode rows in two launches around the index keys' projection: the group step (ring,
+        pooling, norm, RoPE, the FP4 entry) and the index keys (k_norm, RoPE, FP4); rows that close no group write
+        nothing (the torch path writes them to the scratch block)."""
+        comp, ops, tables = self.compressor, self.compressor.ops, meta.decode_block_tables
+        latents = ops.v41_compress_decode(state.get("crows"), state["ckv"], rows, positions, meta.decode_state_slots,
+                                          tables, meta.decode_row_offsets, comp.norm.weight, comp.norm.eps,
+                                          rope.inv_freq, rope.scale, self.ratio, dtype)
+        if "cidx" in state:
+            ix = self.indexer
+            ops.v41_index_keys_decode(state["cidx"], ix.wk(latents), positions, tables, ix.k_norm.weight,
+                                      ix.k_norm.eps, rope.inv_freq, rope.scale, self.ratio)
 
     def _attend(self, q, win, comp):
         """`attend_v41` with this layer's sinks (the picks in position order: the reference's column order)."""
