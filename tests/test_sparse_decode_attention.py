@@ -90,7 +90,7 @@ def test_graph_replay_follows_new_positions_and_picks(softmax, quantized):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fused(**a, out=out)
-    for k in ("q", "positions", "slots", "rows", "valid", "ring", "cache"):
+    for k in ("q", "sinks", "positions", "slots", "rows", "valid", "ring", "cache"):
         a[k].copy_(b[k])
     graph.replay()
     torch.cuda.synchronize()
