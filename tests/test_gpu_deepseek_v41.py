@@ -22,7 +22,9 @@ def _prompts():
 
 
 def _run(**kw):
-    llm = LLM("deepseek-v41-tiny", device="cuda", **kw)
+    # max_model_len bounds the context buckets captured at start-up: the default (the pool's length) captures a graph
+    # whose torch indexer path scores every entry of a million-token context, gigabytes a start-up leaves behind
+    llm = LLM("deepseek-v41-tiny", device="cuda", max_model_len=4096, **kw)
     graphs = llm.engine.config.use_cuda_graphs and llm.engine.runner.model.traits.cuda_graph_decode
     outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=SamplingParams(
         temperature=0, ignore_eos=True, max_tokens=24, logprobs=5), use_tqdm=False)
