@@ -348,9 +348,22 @@ class Indexer(OverlappingCompressor):
         closed = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_closed[:, None]
         return scores.masked_fill(~closed, float("-inf"))
 
-    def select(self, q, weights, keys, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (entries [T, k] in position order, valid [T, k]): the top k of `scores`, ties to the earlier."""
-        return self.ops.index_topk(self.scores(q, weights, keys, num_closed), self.topk, num_closed)
+    def select(self, q, weights, keys, num_closed, budget: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (entries [T, k] in position order, valid [T, k]): the top k of `scores`, ties to the earlier. Queries go
+        in blocks whose [t, heads, N] products hold about `budget` floats: a budget-sized prefill chunk over a long
+        context would otherwise take gigabytes at once (8K queries x 64 heads x 2K entries: 4 GiB)."""
+        T, N = q.shape[0], keys.shape[-2]
+        step = max(1, budget // (self.num_heads * max(N, 1)))
+        if T <= step:
+            return self.ops.index_topk(self.scores(q, weights, keys, num_closed), self.topk, num_closed)
+        picks, valid = [], []
+        for i0 in range(0, T, step):
+            sl = slice(i0, min(i0 + step, T))
+            pk, ok = self.ops.index_topk(self.scores(q[sl], weights[sl], keys if keys.shape[0] == 1 else keys[sl],
+                                                     num_closed[sl]), self.topk, num_closed[sl])
+            picks.append(pk)
+            valid.append(ok)
+        return torch.cat(picks), torch.cat(valid)
 
     def select_decode(self, q, weights, cache, tables, flat, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
         """`select` for decode rows over the paged index cache: their entries' rows are `flat` [T, N] (the block
