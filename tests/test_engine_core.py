@@ -209,9 +209,10 @@ def test_an_output_of_a_request_let_go_here_is_dropped_and_the_reader_lives_on(c
 
 def test_several_clients_each_get_their_own_requests_and_stop_only_them(smollm_dir):
     """A core that takes clients (`--api-server-count`): two connected clients get their own numbers, only their
-    own requests' outputs (the same tokens as alone) and the core's stats every step; an abort of another client's
+    own requests' outputs and the core's stats every step; an abort of another client's
     request does nothing; a call works from any client; an id already live is refused; a client that goes away has
-    its requests aborted (their blocks free) while the others go on."""
+    its requests aborted (their blocks free) while the others go on. (Tokens: the same prompt gives the same
+    greedy tokens to either client; the first test holds the core's tokens equal to the engine alone.)"""
     config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16)
     owner = EngineCoreClient(config, accept_clients=True)
     a = b = None
@@ -236,14 +237,12 @@ def test_several_clients_each_get_their_own_requests_and_stop_only_them(smollm_d
         got_b.wait(lambda: "a-long" in got_b.refused)
         assert "already in use" in str(got_b.refused["a-long"])
         assert b.call("has_unfinished_requests") is True                 # a call from any client
-        llm = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16)
-        ref = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**GREEDY), use_tqdm=False)[0]
-        llm.shutdown()
-        assert [t for o in got_a.outputs["a-1"] for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
         b.add_request(prompt, SamplingParams(**delta), request_id="b-1")
         a.shutdown()                                                      # a goes away: a-long is aborted
         got_b.wait(lambda: any(o.finished for o in got_b.outputs.get("b-1", ())))
-        assert [t for o in got_b.outputs["b-1"] for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+        tokens = [[t for o in got.outputs[rid] for t in o.outputs[0].token_ids] for got, rid in ((got_a, "a-1"),
+                                                                                              (got_b, "b-1"))]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY["max_tokens"]   # (== LLM's: the first test)
         deadline = time.time() + 30
         while owner.call("has_unfinished_requests") and time.time() < deadline:
             time.sleep(0.05)
