@@ -144,7 +144,6 @@ def test_a_store_hit_without_window_state_replays(tiny, tmp_path, mode, budget):
 
     from openinfer.serving.metrics import EngineMetrics
     metrics = EngineMetrics("tiny", engine)
-    metrics.observe_step(engine, [])
     text = generate_latest(metrics.registry).decode()
     assert f'openinfer:swa_replayed_tokens_total{{model_name="tiny"}} {24 - start}.0' in text
     assert 'openinfer:kv_store_hits_total{model_name="tiny",tier="dir"}' in text
@@ -223,7 +222,6 @@ def test_window_state_from_host_memory_makes_the_hit_exact(tiny, tmp_path):
 
     from openinfer.serving.metrics import EngineMetrics
     metrics = EngineMetrics("tiny", llm.engine)
-    metrics.observe_step(llm.engine, [])
     assert 'openinfer:kv_store_hits_total{model_name="tiny",tier="swa_state"} 1.0' in \
         generate_latest(metrics.registry).decode()
     tokens = prompt + list(out.outputs[0].token_ids)

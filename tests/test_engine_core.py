@@ -189,3 +189,67 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_as_one(core, smoll
     assert "".join(o.outputs[0].text for o in slow) == ref.outputs[0].text
     assert [lp for o in slow for lp in o.outputs[0].logprobs] == ref.outputs[0].logprobs
     assert slow[-1].finished and slow[-1].outputs[0].finish_reason == "length"
+
+
+def test_an_output_of_a_request_let_go_here_is_dropped_and_the_reader_lives_on(core):
+    """The race of an abort: the client lets a request go while its last step runs in the core, and the finished
+    output arrives for a request it no longer holds; nobody gets it (it has no prompt to put back), and the reader
+    thread goes on serving."""
+    got = Collector(core)
+    core.add_request([5] * 8, SamplingParams(max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
+                     request_id="let-go")
+    core._prompts.pop("let-go")                  # as abort_request does, with the abort not yet taken by the core
+    deadline = time.time() + 30
+    while core.call("has_unfinished_requests") and time.time() < deadline:
+        time.sleep(0.05)
+    core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), request_id="after-let-go")
+    got.wait(lambda: any(o.finished for o in got.outputs.get("after-let-go", ())))
+    assert "let-go" not in got.outputs and core.error is None
+
+
+def test_several_clients_each_get_their_own_requests_and_stop_only_them(smollm_dir):
+    """A core that takes clients (`--api-server-count`): two connected clients get their own numbers, only their
+    own requests' outputs and the core's stats every step; an abort of another client's
+    request does nothing; a call works from any client; an id already live is refused; a client that goes away has
+    its requests aborted (their blocks free) while the others go on. (Tokens: the same prompt gives the same
+    greedy tokens to either client; the first test holds the core's tokens equal to the engine alone.)"""
+    config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16)
+    owner = EngineCoreClient(config, accept_clients=True)
+    a = b = None
+    try:
+        a = EngineCoreClient.connect(config, owner.model_source, owner.address)
+        b = EngineCoreClient.connect(config, owner.model_source, owner.address)
+        assert (owner.client_index, a.client_index, b.client_index) == (0, 1, 2)
+        got_a, got_b = Collector(a), Collector(b)
+        steps_b = []
+        b.on_outputs = lambda outs, st: (steps_b.append(st), got_b.on_outputs(outs, st))
+        prompt = a.tokenizer.encode("The capital of France is")
+        delta = dict(GREEDY, output_kind=RequestOutputKind.DELTA)
+        a.add_request(prompt, SamplingParams(**delta), request_id="a-1")
+        a.add_request([5] * 20, SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
+                      request_id="a-long")
+        b._send(("abort", "a-long"))           # what b's abort of that id would send (b never added it): ignored
+        got_a.wait(lambda: any(o.finished for o in got_a.outputs.get("a-1", ())))
+        assert "a-long" not in got_a.outputs or not any(o.finished for o in got_a.outputs["a-long"])
+        assert got_b.outputs == {} and len(steps_b) > 0                 # b: the core's stats, none of a's outputs
+        assert steps_b[-1]["num_running"] >= 1
+        b.add_request(prompt, SamplingParams(**delta), request_id="a-long")  # a's id, still live: refused
+        got_b.wait(lambda: "a-long" in got_b.refused)
+        assert "already in use" in str(got_b.refused["a-long"])
+        assert b.call("has_unfinished_requests") is True                 # a call from any client
+        b.add_request(prompt, SamplingParams(**delta), request_id="b-1")
+        a.shutdown()                                                      # a goes away: a-long is aborted
+        got_b.wait(lambda: any(o.finished for o in got_b.outputs.get("b-1", ())))
+        tokens = [[t for o in got.outputs[rid] for t in o.outputs[0].token_ids] for got, rid in ((got_a, "a-1"),
+                                                                                              (got_b, "b-1"))]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY["max_tokens"]   # (== LLM's: the first test)
+        deadline = time.time() + 30
+        while owner.call("has_unfinished_requests") and time.time() < deadline:
+            time.sleep(0.05)
+        st = owner.call("stats")
+        assert st["num_running"] == st["num_waiting"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+        assert b.error is None and owner.error is None
+    finally:
+        for client in (a, b, owner):
+            if client is not None:
+                client.shutdown()

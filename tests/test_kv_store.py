@@ -89,7 +89,6 @@ def test_another_process_and_a_restart_hit_the_first_ones_prefixes(smollm_dir, t
     st = b.engine.stats()
     assert st["kv_store_tiers"]["dir"]["hits"] == 3 and st["prefix_cache_store_hit_tokens"] == 3 * BS
     metrics = EngineMetrics("m", b.engine)
-    metrics.observe_step(b.engine, [])
     assert 'openinfer:kv_store_hits_total{model_name="m",tier="dir"} 3.0' in generate_latest(metrics.registry).decode()
     assert_pool_idle(b.engine)
     b.shutdown()

@@ -71,9 +71,10 @@ async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) ->
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
-    res, last = RequestResult(ok=False), None
+    res, last, answered = RequestResult(ok=False), None, False
     try:
         async with client.stream("POST", url, json=body) as resp:
+            answered = True
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
@@ -102,8 +103,20 @@ async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) ->
             res.output_tokens, res.usage_reported = res.content_chunks, False
         res.ok = True
     except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
+        phase = "after the response began" if answered else "before any response"
+        res.error = (f"{type(e).__name__}: {e}{_causes(e)} ({phase}, {res.content_chunks} chunks, "
+                     f"{time.perf_counter() - start:.1f} s in)")
     return res
+
+
+def _causes(e: BaseException) -> str:
+    """What an httpx error wraps (anyio's BrokenResourceError around a ConnectionResetError, ...): a bare
+    "ReadError: " says nothing of a connection reset."""
+    chain, cause = [], e.__cause__ or e.__context__
+    while cause is not None and len(chain) < 4:
+        chain.append(f"{type(cause).__name__}: {cause}".rstrip(": "))
+        cause = cause.__cause__ or cause.__context__
+    return f" <- {' <- '.join(chain)}" if chain else ""
 
 
 def _stats(xs: list[float]) -> dict:

@@ -166,16 +166,23 @@ def cmd_serve(args) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                          request_timeout_s=args.request_timeout, role=args.role)
+                          request_timeout_s=args.request_timeout, role=args.role,
+                          api_server_count=args.api_server_count)
     if args.role == "prefill" and not (args.kv_store_dir or args.kv_store_url):
         raise ValueError("--role prefill hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
     from openinfer.config import EngineConfig
     from openinfer.executor.engine_core import EngineCoreClient
 
+    engine_config = EngineConfig.from_kwargs(**engine_options(args))
+    if config.api_server_count > 1:       # API-server processes over one engine core, this process their supervisor
+        from openinfer.serving.api_servers import run_api_servers
+
+        return run_api_servers(engine_config, config, args.model)
     # the engine core in its own process: the HTTP side and the engine loop never share an interpreter
-    core = EngineCoreClient(EngineConfig.from_kwargs(**engine_options(args)))
+    core = EngineCoreClient(engine_config)
     try:
+        core.touch_cache_pages()
         return run_server(core, config, args.model)
     finally:
         core.shutdown()
@@ -199,6 +206,9 @@ def cmd_bench_serve(args) -> int:
                            request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                            api_key=args.api_key, ignore_eos=args.ignore_eos)
+    if args.api_server_count != 1 and not args.compare_offline:
+        raise ValueError("--api-server-count is for the server --compare-offline starts (a running server at "
+                         "--base-url has its own)")
     if not args.compare_offline:
         result = run_serve_bench(cfg)
     else:
@@ -213,9 +223,11 @@ def cmd_bench_serve(args) -> int:
         llm.shutdown()
         del llm
         log = tempfile.mkstemp(prefix="openinfer-bench-serve-", suffix=".log")[1]
-        with serve_process(as_flags(args), log) as (base_url, _):
+        server_flags = ["--api-server-count", str(args.api_server_count)] if args.api_server_count != 1 else []
+        with serve_process(as_flags(args) + server_flags, log) as (base_url, _):
             cfg.base_url = base_url
             result = run_serve_bench(cfg)
+        result["api_server_count"] = args.api_server_count
         result["offline"] = offline
         result["server_over_offline"] = result["output_throughput"] / offline["output_throughput"]
         result["server_log"] = log
@@ -455,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "computes prompts into the shared prefix-KV store (needs --kv-store-dir or "
                             "--kv-store-url) and answers one token; decode serves requests whole, finding their "
                             "prompts' full blocks in the store; both: whole requests, no store needed")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API-server processes (HTTP, tokenization, SSE framing) sharing the port over the one "
+                            "engine core, as vLLM's; 1: one process beside the core. More when one process cannot "
+                            "frame the streams' chunks as fast as the engine makes them (docs/serving.md)")
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="one OpenAI/Anthropic-compatible front door over prefill, decode and "
@@ -562,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the same prompts through LLM (the engine alone) first, then start a server with the "
                           "same engine options here and load it: the server's share of the offline throughput, one "
                           "call (--base-url is then the started server's)")
+    srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                     help="with --compare-offline: the started server's API-server processes (serve's option)")
     srv.add_argument("--result-json", default=None)
     add_engine_args(srv, taken={"--seed"})      # --compare-offline: the engine's options
     srv.set_defaults(func=cmd_bench_serve)

@@ -19,15 +19,16 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openinfer.engine.llm_engine import LLMEngine
@@ -55,10 +56,14 @@ class ServerConfig:
     request_timeout_s: float | None = None  # a request still unfinished this long after arrival is aborted (408)
     role: str = "both"                     # both | prefill | decode (docs/serving.md)
     prefill_flush_timeout_s: float = 10.0  # prefill role: longest wait for the store's writes before answering
+    api_server_count: int = 1              # API-server processes over the one engine core (serving/api_servers.py)
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if not (isinstance(self.api_server_count, int) and self.api_server_count >= 1):
+            raise ValueError(f"api_server_count must be a whole number >= 1 (API-server processes over one engine "
+                             f"core), got {self.api_server_count!r}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
 
@@ -86,9 +91,11 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str,
+              metrics_dir: str | None = None) -> FastAPI:
     """The app over `engine`: an engine core in its own process (what `openinfer serve` runs) or an engine in
-    this process (tests that look inside it)."""
+    this process (tests that look inside it). `metrics_dir`: one of several API servers over one core, whose
+    per-request metrics are summed there (serving/metrics.py)."""
     served = config.served_model_name or model_name
     if engine.tokenizer.is_deepseek:
         # the recipe's protocols only take DeepSeek's own model names, and the name picks the version's prompt
@@ -102,12 +109,13 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
     if config.role == "prefill" and not (engine.config.kv_store_dir or engine.config.kv_store_url):
         raise ValueError("role 'prefill' hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
-    metrics = EngineMetrics(served, engine)
+    metrics = EngineMetrics(served, engine, metrics_dir)
     busy = BusyMeter()
 
     def on_step(engine_, outputs) -> None:
-        metrics.observe_step(engine_, outputs)
-        busy.on_step(engine_.has_unfinished_requests())
+        metrics.observe_outputs(outputs)
+        st = engine_.stats()                  # the core's work, not only this API server's requests
+        busy.on_step(st["num_running"] + st["num_waiting"] > 0)
 
     async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=on_step,
                                   request_timeout_s=config.request_timeout_s)
@@ -244,7 +252,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def chat_like(request: Request, protocol: str):
         body = await _json_body(request)
@@ -336,18 +344,24 @@ async def _empty():
     yield  # pragma: no cover
 
 
-def run_server(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str) -> int:
+def run_server(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_name: str,
+               sock: socket.socket | None = None, metrics_dir: str | None = None,
+               on_ready: Callable[[], None] | None = None) -> int:
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish (up to
-    graceful_shutdown_s; the rest are aborted) and return 0. The KV pool is made resident first, so the
-    server's memory starts at its steady-state size instead of creeping up as blocks are first used.
+    graceful_shutdown_s; the rest are aborted) and return 0. The caller makes the KV pool resident first
+    (`touch_cache_pages`), so the server's memory starts at its steady-state size instead of creeping up as blocks
+    are first used.
 
     If the engine core dies, every request in flight gets its error (a 503 for those not streaming yet),
     /health answers 503, and the server stops and returns 1 (a supervisor restarts it: a dead core is not
-    restarted in place, its device memory and requests are gone with it)."""
+    restarted in place, its device memory and requests are gone with it).
+
+    One of several API servers (serving/api_servers.py): `sock` is its bound socket (listened on here),
+    `metrics_dir` where the API servers' per-request metrics are summed, `on_ready` is called once the app is built,
+    just before serving."""
     import uvicorn
 
-    app = build_app(engine, config, model_name)
-    engine.touch_cache_pages()
+    app = build_app(engine, config, model_name, metrics_dir)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            timeout_graceful_shutdown=config.graceful_shutdown_s))
     died: list[BaseException] = []
@@ -357,11 +371,13 @@ def run_server(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model
         died.append(error)
         server.should_exit = True
     app.state.async_engine.on_dead = core_died
+    if on_ready is not None:
+        on_ready()
     # uvicorn re-raises a caught SIGTERM once its graceful shutdown is done; with this handler in place
     # (uvicorn restores it before re-raising) that ends as a clean exit 0 instead of death by signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 1 if died else 0

@@ -86,6 +86,10 @@ class AsyncLLMEngine:
         return self.engine.stats()["num_waiting"] + self._num_pending
 
     def new_request_id(self, prefix: str) -> str:
+        """A request id unique among the requests of the engine: where several API servers share one engine core,
+        each one's ids carry its client number (from the core, never reused)."""
+        if self.core is not None and self.core.client_index:
+            return f"{prefix}-{self.core.client_index}-{next(self._ids)}"
         return f"{prefix}-{next(self._ids)}"
 
     # ---- requests ---------------------------------------------------------------------------------------

@@ -1,14 +1,26 @@
 """Prometheus metrics in the spirit of vLLM's names (`openinfer:` prefix).
 
-Gauges are read from the engine at scrape time (so they are current even when no step runs, e.g. after the
-last request was aborted); counters and histograms are updated by the engine thread after each step, and
-aborts by the server when it stops a request (client disconnect, request timeout)."""
+Two kinds of series:
+- the engine core's own numbers (requests running and waiting, KV blocks, prefix-cache and store counters, its
+  steps and their time, preemptions; /load's signals; the server's role) are read from the engine's `stats()`
+  when scraped (`CoreStatsCollector`): an engine core in its own process sends its stats with every step, so they
+  are current even when no step runs (e.g. after the last request was aborted), and the counters are the core's
+  own totals, the same whichever API server is asked;
+- per-request series (tokens generated, finished requests, latencies, speculative-decoding tokens, aborts) are
+  counted where the request's outputs arrive: `observe_outputs` after each step, `observe_abort` when the server
+  stops a request (client disconnect, request timeout).
+
+With several API servers over one core (`--api-server-count`, serving/api_servers.py) each counts the requests it
+served; given `multiprocess_dir`, their per-request series are written there by prometheus_client's multiprocess
+mode (PROMETHEUS_MULTIPROC_DIR, set in each API server before prometheus_client is imported) and `render` sums
+them over every API server, beside the core's numbers of this one."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from openinfer.engine.llm_engine import LLMEngine
@@ -17,33 +29,109 @@ from openinfer.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 
+# (name, help, read from stats)
+_CORE_GAUGES = (
+    ("openinfer:num_requests_running", "Requests in the running batch.", lambda st: st["num_running"]),
+    ("openinfer:num_requests_waiting", "Requests waiting for a seat.", lambda st: st["num_waiting"]),
+    ("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lambda st: st["kv_usage"]),
+    ("openinfer:kv_cache_blocks_in_use", "KV blocks held by requests (0 when idle: else a leak).",
+     lambda st: st["kv_blocks_total"] - st["kv_blocks_free"]),
+    ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).", lambda st: st["prefix_cache_hit_rate"]))
+# (name, help, stats key): the core's totals since it started (warm-up leaves them at zero)
+_CORE_COUNTERS = (
+    ("openinfer:prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queried_tokens"),
+    ("openinfer:prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hit_tokens"),
+    ("openinfer:num_preemptions", "Requests preempted (recompute).", "num_preemptions"),
+    # the engine's own view of its loop (beside what clients measure): steps, their host wall time, and the steps
+    # that ran prefill chunks
+    ("openinfer:engine_steps", "Engine steps run.", "num_steps"),
+    ("openinfer:engine_step_seconds", "Host wall time inside engine steps (with async scheduling a step waits for "
+     "the one before it on the device).", "step_time_s"),
+    ("openinfer:engine_prefill_steps", "Engine steps that ran a prefill chunk.", "num_prefill_steps"))
+# prefix-KV store (docs/kv_cache.md): per tier
+_KV_STORE_COUNTERS = (
+    ("hits", "openinfer:kv_store_hits", "Prefix-KV store: blocks found, per tier."),
+    ("misses", "openinfer:kv_store_misses", "Prefix-KV store: blocks looked up and not found (corrupt, truncated "
+     "and expired entries included), per tier."),
+    ("bytes_read", "openinfer:kv_store_read_bytes", "Prefix-KV store: block bytes read, per tier."),
+    ("bytes_written", "openinfer:kv_store_written_bytes", "Prefix-KV store: bytes written, per tier."),
+    ("faults", "openinfer:kv_store_faults", "Prefix-KV store: tier errors (unwritable or full directory, Redis down "
+     "or slow); the engine recomputes instead."))
+# sliding-window models with a store (kv_cache/bounded_replay.py): how prefix hits got their window rows
+_SWA_COUNTERS = (
+    ("openinfer:swa_state_hits", "Prefix hits whose window state came from host memory.", "swa_state_hits"),
+    ("openinfer:swa_replays", "Prefix hits that replayed the end of their prefix (window state missing).",
+     "swa_replays"),
+    ("openinfer:swa_replayed_tokens", "Tokens recomputed by those replays.", "swa_replayed_tokens"))
+# /load's signals (serving/load.py): (key, name, help)
+_LOAD_GAUGES = (
+    ("kv_tokens", "openinfer:kv_tokens", "Tokens whose KV the unfinished requests hold."),
+    ("prefill_tokens_queued", "openinfer:prefill_tokens_queued", "Prompt tokens of unfinished requests not "
+     "computed yet (uncached prefill work)."),
+    ("busy_fraction", "openinfer:engine_busy_fraction", "Fraction of the last window the engine thread spent in "
+     "steps (the router's compute-quota proxy)."))
+
+
+class CoreStatsCollector:
+    """The engine core's numbers, from one `stats()` per scrape: gauges, its counters (totals as the core counts
+    them), the prefix-KV store's and window-state counters when it has them, /load's signals and the role."""
+
+    def __init__(self, model_name: str, stat: Callable[[], dict]):
+        self.model, self.stat = model_name, stat
+        self.load: Callable[[], dict] | None = None
+        self.role: str | None = None
+
+    def collect(self):
+        st, m = self.stat(), self.model
+        for name, doc, read in _CORE_GAUGES:
+            yield _one(GaugeMetricFamily(name, doc, labels=["model_name"]), [m], read(st))
+        counters = list(_CORE_COUNTERS) + [c for c in _SWA_COUNTERS if c[2] in st]
+        for name, doc, key in counters:
+            yield _one(CounterMetricFamily(name, doc, labels=["model_name"]), [m], st[key])
+        if "kv_store_tiers" in st:
+            tiers = dict(st["kv_store_tiers"])
+            if st.get("swa_state_tier") is not None:
+                tiers["swa_state"] = st["swa_state_tier"]
+            for key, name, doc in _KV_STORE_COUNTERS:
+                family = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+                for tier, counts in tiers.items():
+                    family.add_metric([m, tier], counts[key])
+                yield family
+            yield _one(CounterMetricFamily("openinfer:kv_store_dropped_writes", "Prefix-KV store: block writes "
+                                           "dropped because the writer was behind.", labels=["model_name"]),
+                       [m], st["kv_store_dropped_writes"])
+        if self.load is not None:
+            load = self.load()
+            for key, name, doc in _LOAD_GAUGES:
+                yield _one(GaugeMetricFamily(name, doc, labels=["model_name"]), [m], load[key])
+        if self.role is not None:
+            yield _one(GaugeMetricFamily("openinfer:server_role", "1, labelled by this server's role (prefill, "
+                                         "decode or both).", labels=["model_name", "role"]), [m, self.role], 1)
+
+
+def _one(family, labels: list[str], value):
+    family.add_metric(labels, value)
+    return family
+
 
 class EngineMetrics:
-    def __init__(self, model_name: str, engine: LLMEngine):
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, engine: LLMEngine, multiprocess_dir: str | None = None):
+        if multiprocess_dir is not None and (values.ValueClass is values.MutexValue or
+                                             os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiprocess_dir):
+            raise RuntimeError(f"per-request metrics summed over API servers need PROMETHEUS_MULTIPROC_DIR="
+                               f"{multiprocess_dir} set before prometheus_client is imported")
+        self.multiprocess_dir = multiprocess_dir
+        self.registry = CollectorRegistry()    # every series of this process
+        self.live = CollectorRegistry()        # those read from the core at scrape time (the same in every process)
+        # one process, an engine core's client (its stats as of the core's last step), or the multi-process front
+        # end (its last step's numbers)
+        self.core = CoreStatsCollector(model_name, engine.stats)
+        collectors = [self.core] + ([ExpertLoadCollector(model_name, engine.stats)] if "moe_lb" in engine.stats()
+                                    else [])
+        for collector in collectors:
+            self.registry.register(collector)
+            self.live.register(collector)
         label = {"labelnames": ["model_name"], "registry": self.registry}
-        stat = engine.stats    # one process, or the multi-process front end (its last step's numbers)
-        gauges = [("openinfer:num_requests_running", "Requests in the running batch.", lambda: stat()["num_running"]),
-                  ("openinfer:num_requests_waiting", "Requests waiting for a seat.", lambda: stat()["num_waiting"]),
-                  ("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lambda: stat()["kv_usage"]),
-                  ("openinfer:kv_cache_blocks_in_use", "KV blocks held by requests (0 when idle: else a leak).",
-                   lambda: stat()["kv_blocks_total"] - stat()["kv_blocks_free"]),
-                  ("openinfer:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens).",
-                   lambda: stat()["prefix_cache_hit_rate"])]
-        for name, doc, read in gauges:
-            Gauge(name, doc, **label).labels(model_name).set_function(read)
-        if "moe_lb" in stat():
-            self.registry.register(ExpertLoadCollector(model_name, stat))
-        self.prefix_queries = Counter("openinfer:prefix_cache_queries", "Prompt tokens looked up.", **label)
-        self.prefix_hits = Counter("openinfer:prefix_cache_hits", "Prompt tokens found cached.", **label)
-        self.preemptions = Counter("openinfer:num_preemptions", "Requests preempted (recompute).", **label)
-        # the engine's own view of its loop (beside what clients measure): steps, their host wall time, and the
-        # steps that ran prefill chunks
-        self.steps = Counter("openinfer:engine_steps", "Engine steps run.", **label)
-        self.step_seconds = Counter("openinfer:engine_step_seconds", "Host wall time inside engine steps (with "
-                                    "async scheduling a step waits for the one before it on the device).", **label)
-        self.prefill_steps = Counter("openinfer:engine_prefill_steps", "Engine steps that ran a prefill chunk.",
-                                     **label)
         self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished requests.", **label)
         self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens.", **label)
         self.draft_tokens = Counter("openinfer:spec_decode_num_draft_tokens", "Speculative decoding: draft "
@@ -63,79 +151,32 @@ class EngineMetrics:
         self.queue = Histogram("openinfer:request_queue_time_seconds", "Arrival to first scheduled (time waiting "
                                "for a seat).", **hist)
         self.model = model_name
-        for series in (self.steps, self.step_seconds, self.prefill_steps, self.generation_tokens, self.queue):
+        for series in (self.generation_tokens, self.queue):
             series.labels(model_name)          # at 0 from the start: a scrape before any step reads them too
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
-        st = stat()
-        self._seen.update(steps=st["num_steps"], step_seconds=st["step_time_s"], prefill_steps=st["num_prefill_steps"])
-        # prefix-KV store (docs/kv_cache.md): per tier, what the engine's stats() count since start
-        self.kv_store = {}
-        if "kv_store_tiers" in stat():
-            tier = {"labelnames": ["model_name", "tier"], "registry": self.registry}
-            self.kv_store = {key: Counter(name, doc, **tier) for key, name, doc in (
-                ("hits", "openinfer:kv_store_hits", "Prefix-KV store: blocks found, per tier."),
-                ("misses", "openinfer:kv_store_misses", "Prefix-KV store: blocks looked up and not found (corrupt, "
-                 "truncated and expired entries included), per tier."),
-                ("bytes_read", "openinfer:kv_store_read_bytes", "Prefix-KV store: block bytes read, per tier."),
-                ("bytes_written", "openinfer:kv_store_written_bytes", "Prefix-KV store: bytes written, per tier."),
-                ("faults", "openinfer:kv_store_faults", "Prefix-KV store: tier errors (unwritable or full "
-                 "directory, Redis down or slow); the engine recomputes instead."))}
-            self.kv_store_dropped = Counter("openinfer:kv_store_dropped_writes", "Prefix-KV store: block writes "
-                                            "dropped because the writer was behind.", **label)
-        # sliding-window models with a store (kv_cache/bounded_replay.py): the window-state tier is exported as
-        # tier="swa_state" above; how prefix hits got their window rows
-        self.swa = {}
-        if "swa_replays" in stat():
-            self.swa = {key: Counter(name, doc, **label) for key, name, doc in (
-                ("swa_state_hits", "openinfer:swa_state_hits", "Prefix hits whose window state came from host "
-                 "memory."),
-                ("swa_replays", "openinfer:swa_replays", "Prefix hits that replayed the end of their prefix (window "
-                 "state missing)."),
-                ("swa_replayed_tokens", "openinfer:swa_replayed_tokens", "Tokens recomputed by those replays."))}
         self._num_out: dict[str, int] = {}
 
     def add_load_gauges(self, load: Callable[[], dict], role: str) -> None:
         """The load signals the router reads from `GET /load` (serving/load.py), as gauges read at scrape time,
         and the server's role (prefill | decode | both) as a constant 1 labelled by it."""
-        for key, name, doc in (
-                ("kv_tokens", "openinfer:kv_tokens", "Tokens whose KV the unfinished requests hold."),
-                ("prefill_tokens_queued", "openinfer:prefill_tokens_queued", "Prompt tokens of unfinished "
-                 "requests not computed yet (uncached prefill work)."),
-                ("busy_fraction", "openinfer:engine_busy_fraction", "Fraction of the last window the engine "
-                 "thread spent in steps (the router's compute-quota proxy).")):
-            Gauge(name, doc, labelnames=["model_name"], registry=self.registry).labels(self.model).set_function(
-                lambda key=key: load()[key])
-        Gauge("openinfer:server_role", "1, labelled by this server's role (prefill, decode or both).",
-              labelnames=["model_name", "role"], registry=self.registry).labels(self.model, role).set(1)
+        self.core.load, self.core.role = load, role
+
+    def render(self) -> bytes:
+        """The exposition text of /metrics: this process's series, or with several API servers their per-request
+        series summed (prometheus_client's multiprocess collector over their directory) and the core's numbers."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed, path=self.multiprocess_dir)
+        return generate_latest(summed) + generate_latest(self.live)
 
     def observe_abort(self, reason: str) -> None:
         self.aborted.labels(self.model, reason).inc()
 
-    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        m, st = self.model, engine.stats()
-        for key, counter, value in (("preemptions", self.preemptions, st["num_preemptions"]),
-                                    ("steps", self.steps, st["num_steps"]),
-                                    ("step_seconds", self.step_seconds, st["step_time_s"]),
-                                    ("prefill_steps", self.prefill_steps, st["num_prefill_steps"]),
-                                    ("queries", self.prefix_queries, st["prefix_cache_queried_tokens"]),
-                                    ("hits", self.prefix_hits, st["prefix_cache_hit_tokens"])):
-            counter.labels(m).inc(max(value - self._seen[key], 0))
-            self._seen[key] = value
-        if self.kv_store:
-            tiers = dict(st["kv_store_tiers"])
-            if st.get("swa_state_tier") is not None:
-                tiers["swa_state"] = st["swa_state_tier"]
-            for name, counts in tiers.items():
-                for key, counter in self.kv_store.items():
-                    seen = self._seen.get((name, key), 0)
-                    counter.labels(m, name).inc(max(counts[key] - seen, 0))
-                    self._seen[(name, key)] = counts[key]
-            dropped = st["kv_store_dropped_writes"]
-            self.kv_store_dropped.labels(m).inc(max(dropped - self._seen.get("dropped", 0), 0))
-            self._seen["dropped"] = dropped
-        for key, counter in self.swa.items():
-            counter.labels(m).inc(max(st[key] - self._seen.get(key, 0), 0))
-            self._seen[key] = st[key]
+    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs (those of this process's requests): tokens generated, and the finished requests."""
+        m = self.model
         for out in outputs:
             n_new = sum(len(c.token_ids) for c in out.outputs)     # (n > 1: every sequence's new tokens)
             self.generation_tokens.labels(m).inc(n_new)
