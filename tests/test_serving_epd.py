@@ -261,6 +261,26 @@ def test_the_encoder_with_the_fewest_patches_in_flight_gets_the_image(epd):
     assert all(g.patches_in_flight == 0 for g in pool.loads.gpus)
 
 
+def test_bench_serve_sends_a_generated_image_with_each_prompt(epd):
+    """`openinfer bench serve --prompt-mode image --image-size WxH` through the EPD instance: every request carries
+    its own image (a new one each: encoded by the encoders, none here), usage counts the image tokens."""
+    from openinfer.benchmarks.serve import ServeBenchConfig, run_serve_bench
+
+    server = epd["epd"]
+    before = _stats(server)
+    cfg = ServeBenchConfig(base_url=server.base_url, num_prompts=2, max_concurrency=2, input_len=4, output_len=2,
+                           prompt_mode="image", image_size="60x40")
+    result = run_serve_bench(cfg, quiet=True)
+    assert (result["completed"], result["failed"]) == (2, 0) and result["ttft_ms"]["p50"] > 0
+    assert result["input_tokens"] > 2 * 189                       # a 60x40 picture is planned at 189 positions
+    after = _stats(server)
+    assert (after["images_given"] - before["images_given"], after["images_encoded"]) == (2, before["images_encoded"])
+    with pytest.raises(ValueError, match="--endpoint chat"):
+        ServeBenchConfig(endpoint="completions", prompt_mode="image", image_size="60x40")
+    with pytest.raises(ValueError, match="WxH"):
+        ServeBenchConfig(prompt_mode="image", image_size="60")
+
+
 def test_a_killed_encoder_instance_costs_no_request(epd):
     """Encoder 0 dies with the request's image in flight: the image goes to encoder 1. Then encoder 1 dies too: the
     instance encodes the next image itself. Every answer equals the single instance's."""

@@ -222,7 +222,8 @@ def cmd_bench_serve(args) -> int:
                            num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                            request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                           api_key=args.api_key, ignore_eos=args.ignore_eos)
+                           api_key=args.api_key, ignore_eos=args.ignore_eos, prompt_mode=args.prompt_mode,
+                           image_size=args.image_size)
     if not args.compare_offline:
         result = run_serve_bench(cfg)
     else:
@@ -591,6 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-tpot-ms", type=float, default=None)
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--ignore-eos", action="store_true", help="every request runs to --output-len")
+    srv.add_argument("--prompt-mode", choices=["text", "image"], default="text",
+                     help="image: each chat prompt also carries one generated image of --image-size (a PNG data URL, "
+                          "a different one per prompt)")
+    srv.add_argument("--image-size", default=None, metavar="WxH", help="the images' size in pixels, e.g. 672x448")
     srv.add_argument("--compare-offline", action="store_true",
                      help="run the same prompts through LLM (the engine alone) first, then start a server with the "
                           "same engine options here and load it: the server's share of the offline throughput, one "

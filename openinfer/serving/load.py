@@ -109,6 +109,8 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
         "prefix_cache_store_hit_tokens": st.get("prefix_cache_store_hit_tokens", 0),
         "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens", 0),
         "max_model_len": engine.max_model_len,
+        # vision models: spans its own tower encoded, and spans whose rows came from encoder instances (EPD)
+        **{k: st[k] for k in ("images_encoded", "images_given") if k in st},
     }
 
 
