@@ -30,14 +30,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from openinfer.multimodal import ImageSpan
 from openinfer.serving.balancers import EncoderGpu, EncoderLoads
 from openinfer.serving.encoder_wire import CONTENT_TYPE, DIGEST_HEADER, ENCODE_PATH, pack_image, unpack_embeds
-from openinfer.serving.upstream import InstanceDown, Upstream, poll_load, why
+from openinfer.serving.upstream import HealthChecked, InstanceDown, Upstream, poll_load, why
 
 logger = logging.getLogger("openinfer.encoders")
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
-class EncoderPool:
+class EncoderPool(HealthChecked):
     def __init__(self, urls: list[str], identity: str, timeout_s: float = 60.0, health_interval_s: float = 2.0,
                  health_timeout_s: float = 2.0, health_failures: int = 2, registry: CollectorRegistry | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, sync_transport: httpx.BaseTransport | None = None):
@@ -49,8 +49,6 @@ class EncoderPool:
         self.timeout_s, self.health_interval_s = timeout_s, health_interval_s
         self.health_timeout_s, self.health_failures = health_timeout_s, health_failures
         self._transport, self._sync_transport = transport, sync_transport
-        self.client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task | None = None
         r = registry or CollectorRegistry()
         self.m_sent = Counter("openinfer:encoder_images_sent", "Images whose rows an encoder instance returned.",
                               ["instance"], registry=r)
@@ -99,24 +97,16 @@ class EncoderPool:
         if problems:
             raise ValueError("refusing these --encoder instances: " + "; ".join(problems))
 
-    async def _health_loop(self) -> None:
-        async def poll(inst: Upstream) -> None:
-            await poll_load(self.client, inst, self.health_timeout_s, self.health_failures, self._mismatch)
-            self._sync(inst)
-        while True:
-            await asyncio.gather(*(poll(i) for i in self.instances.values()))
-            await asyncio.sleep(self.health_interval_s)
+    def polled(self) -> list[Upstream]:
+        return list(self.instances.values())
+
+    async def poll(self, inst: Upstream) -> None:
+        await poll_load(self.client, inst, self.health_timeout_s, self.health_failures, self._mismatch)
+        self._sync(inst)
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(transport=self._transport,
-                                        timeout=httpx.Timeout(self.timeout_s, connect=self.health_timeout_s))
-        self._health_task = asyncio.create_task(self._health_loop())
-
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+        await self.start_polling(httpx.AsyncClient(transport=self._transport, timeout=httpx.Timeout(
+            self.timeout_s, connect=self.health_timeout_s)), self.health_interval_s)
 
     def describe(self) -> list[dict]:
         return [{"url": g.url, "healthy": self.instances[g.url].healthy,

@@ -22,7 +22,6 @@ out if they turn up later.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -39,7 +38,7 @@ from openinfer.serving.balancers import (InstanceState, QuotaRounds, assign_buck
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
 from openinfer.serving.load import prefill_body
-from openinfer.serving.upstream import InstanceDown, Upstream, poll_load, why
+from openinfer.serving.upstream import HealthChecked, InstanceDown, Upstream, poll_load, why
 
 logger = logging.getLogger("openinfer.router")
 
@@ -130,7 +129,7 @@ def _max_output_tokens(body: dict) -> int:
     return DEFAULT_OUTPUT_TOKENS
 
 
-class Router:
+class Router(HealthChecked):
     def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
                  sync_transport: httpx.BaseTransport | None = None):
         self.config = config
@@ -141,8 +140,6 @@ class Router:
         self.namespace: str | None = None        # the prefill instances' KV store namespace
         self.rounds = QuotaRounds(config.quota_round_s)
         self._transport, self._sync_transport = transport, sync_transport
-        self.client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
         self.m_requests = Counter("openinfer:router_requests", "Requests answered, by route and status.",
                                   ["route", "status"], registry=r)
@@ -224,23 +221,14 @@ class Router:
         if load is not None:
             self._accept(inst, load)
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self.poll(i) for i in self.instances))
-            await asyncio.sleep(self.config.health_interval_s)
+    def polled(self) -> list[Instance]:
+        return self.instances
 
     async def start(self) -> None:
         c = self.config
-        self.client = httpx.AsyncClient(
+        await self.start_polling(httpx.AsyncClient(
             transport=self._transport, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-            timeout=httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s))
-        self._health_task = asyncio.create_task(self._health_loop())
-
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+            timeout=httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)), c.health_interval_s)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def _candidates(self, pool: list[Instance], tried: set[str]) -> list[Instance]:

@@ -7,14 +7,14 @@ EPD), both read each instance's `GET /load` every few seconds and drain it on fa
   to be the wrong instance (`excluded`: another model or role), which keeps it out.
 - `until_down`: a call to the instance that gives up as soon as the instance is drained (a health check failed
   meanwhile), instead of waiting for its socket timeout.
-- `poll_load`: one health check.
+- `poll_load`: one health check; `HealthChecked`: a client of several instances, polling them all in a task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 
@@ -114,3 +114,31 @@ async def poll_load(client: httpx.AsyncClient, inst: Upstream, timeout_s: float,
         return None
     inst.mark_up(load)
     return load
+
+
+class HealthChecked:
+    """A client of several upstream instances: one HTTP client, and a task that health-checks every instance
+    (`poll`) every `interval_s` seconds, from `start_polling` until `stop`."""
+    client: httpx.AsyncClient | None = None
+    _health_task: asyncio.Task | None = None
+
+    def polled(self) -> Sequence[Upstream]:
+        raise NotImplementedError
+
+    async def poll(self, inst: Upstream) -> None:
+        raise NotImplementedError
+
+    async def start_polling(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        self.client = client
+
+        async def loop():
+            while True:
+                await asyncio.gather(*(self.poll(i) for i in self.polled()))
+                await asyncio.sleep(interval_s)
+        self._health_task = asyncio.create_task(loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.client is not None:
+            await self.client.aclose()
