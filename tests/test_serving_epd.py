@@ -245,7 +245,8 @@ def test_the_encoder_with_the_fewest_patches_in_flight_gets_the_image(epd):
     server, pool, urls = epd["epd"], epd["pool"], epd["urls"]
     source = server.engine.model_source
     processor = source.family.image_processor(source.hf_config)
-    pixels = np.random.default_rng(5).integers(0, 256, (630, 630, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(5).integers(0, 256, (770, 770, 3), dtype=np.uint8)   # 55 x 55 patches: busy
+    # for a few seconds (the tiny tower's attention is most of it), long past the next health check
     big = processor.expand([processor.image_token_id], [pixels])[1][0]
     body = pack_image(big)
     direct = threading.Thread(target=lambda: httpx.post(urls[0] + ENCODE_PATH, content=body, timeout=60,
@@ -287,12 +288,11 @@ def test_a_killed_encoder_instance_costs_no_request(epd):
     ref, server, pool, procs = epd["ref"], epd["epd"], epd["pool"], epd["procs"]
     retries, local = _metric(server, "openinfer:encoder_retries_total"), _metric(
         server, "openinfer:encoder_local_fallbacks_total")
-    image = png(60, 40, seed=14)                     # 1536 patches: long enough to be killed mid-image
+    image = png(60, 40, seed=14)
     answer: dict = {}
     request = threading.Thread(target=lambda: answer.update(got=_chat(server, image)))
     request.start()
-    _until(lambda: pool.loads.gpus[0].patches_in_flight > 0, 30)       # picked, sent: encoder 0 is working on it
-    time.sleep(0.2)
+    _until(lambda: pool.loads.gpus[0].patches_in_flight > 0, 30)       # picked for encoder 0, on its way there
     procs[0].send_signal(signal.SIGKILL)
     request.join(timeout=60)
     assert not request.is_alive()
