@@ -245,8 +245,8 @@ def test_the_encoder_with_the_fewest_patches_in_flight_gets_the_image(epd):
     server, pool, urls = epd["epd"], epd["pool"], epd["urls"]
     source = server.engine.model_source
     processor = source.family.image_processor(source.hf_config)
-    pixels = np.random.default_rng(5).integers(0, 256, (770, 770, 3), dtype=np.uint8)   # 55 x 55 patches: busy
-    # for a few seconds (the tiny tower's attention is most of it), long past the next health check
+    pixels = np.random.default_rng(5).integers(0, 256, (700, 700, 3), dtype=np.uint8)   # 50 x 50 patches: busy
+    # for seconds (the tiny tower's attention over every patch is most of it), long past the next health check
     big = processor.expand([processor.image_token_id], [pixels])[1][0]
     body = pack_image(big)
     direct = threading.Thread(target=lambda: httpx.post(urls[0] + ENCODE_PATH, content=body, timeout=60,
