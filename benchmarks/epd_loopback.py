@@ -121,7 +121,7 @@ def serve_run(args, base_url: str, seed: int) -> dict:
     result = run_serve_bench(cfg, quiet=True)
     load = httpx.get(base_url + "/load", timeout=10).json()
     keep = ("completed", "failed", "errors", "duration_s", "input_tokens", "output_tokens", "request_throughput",
-            "output_throughput", "ttft_ms", "e2e_ms", "tpot_ms")
+            "output_throughput", "ttft_ms", "e2e_ms", "tpot_ms", "engine")
     return {**{k: result[k] for k in keep}, "load_average": os.getloadavg(),
             "images_encoded_here": load["images_encoded"] - before["images_encoded"],
             "images_from_encoders": load["images_given"] - before["images_given"]}
