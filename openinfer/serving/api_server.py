@@ -57,7 +57,7 @@ class ServerConfig:
     max_waiting: int | None = None         # requests allowed to wait for a seat; more get 429
     graceful_shutdown_s: float = 30.0      # on SIGTERM: time in-flight requests get to finish
     request_timeout_s: float | None = None  # a request still unfinished this long after arrival is aborted (408)
-    role: str = "both"                     # both | prefill | decode (docs/serving.md)
+    role: str = "both"                     # both | prefill | decode (docs/serving.md) | encoder (docs/vision.md)
     prefill_flush_timeout_s: float = 10.0  # prefill role: longest wait for the store's writes before answering
     encoders: list[str] = field(default_factory=list)   # vision-encoder instances' URLs (EPD: docs/vision.md)
     encoder_timeout_s: float = 60.0        # longest silence from an encoder on one image (its queue included)
