@@ -4,7 +4,9 @@ An image occupies a span of prompt positions (DeepSeek-V4.1: `[IMAGE_START] + ([
 [IMAGE_END]`, every position carrying the model's image token id). What the span's positions mean is the model's
 business; what crosses the engine is an `ImageSpan`: where the span starts, the kind of each of its positions, the
 preprocessed pixels as ViT patches, and a digest of them. The digest stands for the image wherever tokens alone
-would not: prefix-cache block hashes (`block_image_key`) and the encoder-output cache.
+would not: prefix-cache block hashes (`block_image_key`) and the encoder-output cache. A span may come with its
+embeddings already computed by a vision-encoder instance (EPD, docs/vision.md); the model then places those instead
+of encoding the patches itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class ImageSpan:
     patches: torch.Tensor           # [n_h * n_w, 3, p, p]: the preprocessed image cut into ViT patches
     grid: tuple[int, int]           # (n_h, n_w) patches
     digest: bytes                   # image_digest(patches, grid)
+    embeds: torch.Tensor | None = None   # [num_tokens, dim]: the span's input rows, encoded elsewhere (EPD); None:
+                                         # the model encodes the patches (the digest never covers these)
 
     @property
     def num_tokens(self) -> int:

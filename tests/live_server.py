@@ -6,6 +6,7 @@ now)."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -23,17 +24,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_up(base: str, timeout: float, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
+    """Until `base`/health answers (200 or 503); RuntimeError with the log's tail if `proc` exits first or time runs
+    out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code in (200, 503):
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{base} did not come up" + (f": {open(log).read()[-3000:]}" if log else ""))
+
+
 class LiveServer:
     owns_engine = False         # whether __exit__ shuts the engine down (subclasses may serve an engine they keep)
 
     def __init__(self, model: str, served_model_name: str | None = None, api_key: str | None = None,
-                 max_waiting: int | None = None, **engine_options):
+                 max_waiting: int | None = None, server_options: dict | None = None, **engine_options):
+        """`server_options`: more ServerConfig fields (role, encoders, ...)."""
         self.engine = EngineCoreClient(EngineConfig(model=model, device="cpu", **engine_options))
         self.owns_engine = True
         self.tokenizer = self.engine.tokenizer
         self.port = _free_port()
         self.config = ServerConfig(port=self.port, api_key=api_key, served_model_name=served_model_name,
-                                   max_waiting=max_waiting, graceful_shutdown_s=2)
+                                   max_waiting=max_waiting, graceful_shutdown_s=2, **(server_options or {}))
         self.app = build_app(self.engine, self.config, model)
         self.served = self.app.state.served_model_name
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -228,3 +228,35 @@ def test_preemption_and_chunking_through_images_keep_outputs(vl, tmp_path_factor
         for a, b, t in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, oa.outputs[0].token_ids):
             assert abs(a[t].logprob - b[t].logprob) < 1e-4
     assert_pool_idle(small)
+
+
+def test_the_encoder_alone_reads_only_the_tower_and_its_rows_place_as_the_models_own(vl, engine):
+    """EPD's vision-encoder instance (models/deepseek_v41/image_encoder.py): the tower alone, read from the published
+    checkpoint (no decoder tensor), gives the whole model's rows to the bit; a request bringing those rows
+    (`ImageSpan.embeds`) gives the logits of one encoded here, and the runner runs its own tower for none of it."""
+    import dataclasses
+
+    from openinfer.models.deepseek_v41.image_encoder import TOWER_NAMES
+    from openinfer.quantization.checkpoint import read_headers
+
+    source = engine.model_source
+    tower = source.family.build_image_encoder(source, engine.config, torch.device("cpu"))
+    names = {n for n, _ in tower.named_parameters()}
+    assert names == {n for n in read_headers(source.path) if n.split(".", 1)[0] in TOWER_NAMES}
+    assert sum(p.numel() for p in tower.parameters()) < sum(p.numel() for p in engine.runner.model.parameters()) / 5
+    images = [make_image(9, (5, 7), 4)]
+    rows = tower.embed_image(images[0])
+    assert torch.equal(rows, engine.runner.model.embed_image(images[0]))
+    prompt = image_prompt(prompts_of(24, seed=25)[0], images)
+    _, local = run(engine, prompt, images)
+    runner = engine.runner
+    encoded, given = runner.images_encoded, runner.images_given
+    runner.encoder_cache._entries.clear()            # (nothing cached: the rows must come from the request)
+    runner.encoder_cache.bytes = 0
+    _, remote = run(engine, prompt, [dataclasses.replace(images[0], embeds=rows)])
+    assert torch.equal(remote, local)
+    assert (runner.images_encoded, runner.images_given) == (encoded, given + 1)
+    with pytest.raises(ValueError, match="embeddings of shape"):
+        engine.add_request(prompt, SamplingParams(max_tokens=1), images=(dataclasses.replace(images[0],
+                                                                                           embeds=rows[:, :8]),))
+    assert_pool_idle(engine)

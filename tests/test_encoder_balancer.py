@@ -46,6 +46,28 @@ def test_an_unhealthy_instance_gets_nothing_until_it_is_back():
     assert loads.take(10).url == "a"
 
 
+def test_other_clients_images_count_once_the_instance_reports_them():
+    """Several prefill instances share the encoders: a GPU's load is the larger of its last report (every client's
+    images) and this client's own count since."""
+    loads = EncoderLoads([EncoderGpu("a", 0), EncoderGpu("b", 0)])
+    loads.mark("a", True, reported_patches=3000)          # another prefill instance keeps `a` busy
+    assert loads.take(100).url == "b"
+    assert loads.take(100).url == "b"                     # b: 200 of its own, still below a's 3000
+    loads.mark("b", True, reported_patches=150)           # a report older than our last image: ours count
+    assert loads.gpus[1].load == 200
+    loads.mark("a", True, reported_patches=0)
+    assert loads.take(100).url == "a"
+
+
+def test_a_retry_skips_the_instances_already_tried():
+    loads = EncoderLoads([EncoderGpu("a", 0), EncoderGpu("b", 0, 500)])
+    first = loads.take(10)
+    assert first.url == "a"
+    loads.give_back(first, 10)                            # the call failed
+    assert loads.take(10, exclude={"a"}).url == "b"
+    assert loads.take(10, exclude={"a", "b"}) is None     # none left: the prefill side encodes the image itself
+
+
 def test_load_reports_the_patches_of_image_spans_not_computed_yet():
     """/load's `image_patches_in_flight`: the patches of every image whose span a request has not computed yet."""
     from types import SimpleNamespace as NS

@@ -21,7 +21,7 @@ from openinfer.serving.balancers import (BUCKET_EDGES, InstanceState, QuotaRound
                                          pick_decode, pick_prefill, prefill_cost)
 from openinfer.serving.load import BusyMeter, prefill_body
 from openinfer.serving.router import Router, RouterConfig, build_router_app, estimate_prompt_tokens
-from tests.live_server import LiveServer, _free_port
+from tests.live_server import LiveServer, _free_port, wait_up
 
 BS = 16                 # small blocks: short prompts have full blocks to hand over
 MODEL = "smollm2"
@@ -194,25 +194,12 @@ class ThreadServer:
 
     def __enter__(self):
         self.thread.start()
-        _wait_up(self.base_url, 30)
+        wait_up(self.base_url, 30)
         return self
 
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-def _wait_up(base: str, timeout: float, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code in (200, 503):
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{base} did not come up" + (f": {open(log).read()[-3000:]}" if log else ""))
 
 
 def _serve_process(smollm_dir, role: str, store: str, log: str) -> tuple[subprocess.Popen, str]:
@@ -238,7 +225,7 @@ def cluster(smollm_dir, tmp_path_factory):
     try:
         with reference:
             for name, (proc, url) in procs.items():
-                _wait_up(url, 120, proc, str(tmp / f"{name}.log"))
+                wait_up(url, 120, proc, str(tmp / f"{name}.log"))
             router = Router(RouterConfig(prefill=[procs["prefill"][1]],
                                          decode=[procs["decode1"][1], procs["decode2"][1]],
                                          health_interval_s=0.5, health_timeout_s=2.0))

@@ -1,7 +1,9 @@
 """Serving benchmark: load an OpenAI-compatible server, report throughput, TTFT/TPOT/ITL percentiles and
 goodput (requests/s meeting the TTFT and TPOT SLOs; the seeds judge serving by goodput, not raw throughput).
 
-Works against any server with /v1/chat/completions or /v1/completions that streams with usage.
+Works against any server with /v1/chat/completions or /v1/completions that streams with usage. `prompt_mode="image"`
+(chat only): each prompt also carries one generated image of `image_size` pixels (random noise, a different one per
+prompt, so no cache holds it), sent as a PNG data URL: the vision path's cost (encoding, image tokens) in the numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ class ServeBenchConfig:
     slo_tpot_ms: float | None = None
     api_key: str | None = None
     ignore_eos: bool = False               # every request runs to output_len (the server must take ignore_eos)
+    prompt_mode: str = "text"              # text | image: each prompt with one generated image (chat only)
+    image_size: str | None = None          # "WxH" pixels (prompt_mode image)
+
+    def __post_init__(self):
+        if self.prompt_mode not in ("text", "image"):
+            raise ValueError(f"prompt_mode must be 'text' or 'image', got {self.prompt_mode!r}")
+        if self.prompt_mode == "image":
+            if self.endpoint != "chat":
+                raise ValueError("--prompt-mode image sends images in chat messages: use --endpoint chat")
+            image_dims(self.image_size)
+        elif self.image_size is not None:
+            raise ValueError("--image-size is for --prompt-mode image")
 
 
 @dataclass
@@ -56,14 +70,48 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
+def image_dims(size: str | None) -> tuple[int, int]:
+    """(width, height) of a "WxH" image size; ValueError naming the problem."""
+    try:
+        w, h = (int(x) for x in (size or "").lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image-size must be WxH pixels (e.g. 672x448), got {size!r}") from None
+    if w < 1 or h < 1:
+        raise ValueError(f"--image-size must be positive, got {size!r}")
+    return w, h
+
+
+def image_data_url(width: int, height: int, seed: int) -> str:
+    """A PNG of random pixels as a data URL."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def _prompts(cfg: ServeBenchConfig) -> list[str]:
     rng = random.Random(cfg.seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(cfg.input_len)) for _ in range(cfg.num_prompts)]
 
 
-async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) -> RequestResult:
+def _messages(cfg: ServeBenchConfig) -> list[list[dict]]:
+    """Each prompt as a chat conversation (with its image in image mode; made before the clock starts)."""
+    prompts = _prompts(cfg)
+    if cfg.prompt_mode == "text":
+        return [[{"role": "user", "content": p}] for p in prompts]
+    w, h = image_dims(cfg.image_size)
+    return [[{"role": "user", "content": [{"type": "text", "text": p}, {"type": "image_url", "image_url": {
+        "url": image_data_url(w, h, cfg.seed * 100_003 + i)}}]}] for i, p in enumerate(prompts)]
+
+
+async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str | list[dict]) -> RequestResult:
     if cfg.endpoint == "chat":
-        url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+        url, body = "/v1/chat/completions", {"messages": prompt}
     else:
         url, body = "/v1/completions", {"prompt": prompt}
     body.update(model=cfg.model, max_tokens=cfg.output_len, temperature=0.0, stream=True,
@@ -89,7 +137,8 @@ async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str) ->
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 choice = (chunk.get("choices") or [{}])[0]
-                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}       # (a reasoning model's first tokens are its reasoning)
+                text = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
                 if text:
                     res.content_chunks += 1
                     now = time.perf_counter()
@@ -173,12 +222,12 @@ async def _run(cfg: ServeBenchConfig) -> dict:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
         if cfg.model is None:
             cfg.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        prompts = _messages(cfg) if cfg.endpoint == "chat" else _prompts(cfg)
         before = await _scrape(client)
-        prompts = _prompts(cfg)
         sem = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
         rng = np.random.default_rng(cfg.seed)
 
-        async def limited(p: str) -> RequestResult:
+        async def limited(p) -> RequestResult:
             async with sem:
                 return await _one(client, cfg, p)
 
@@ -215,10 +264,10 @@ def run_offline_reference(llm, cfg: ServeBenchConfig) -> dict:
     from openinfer.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=cfg.ignore_eos)
-    prompts = _prompts(cfg)
+    prompts = _messages(cfg) if cfg.endpoint == "chat" else _prompts(cfg)
     start = time.perf_counter()
     if cfg.endpoint == "chat":
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outs = llm.chat(prompts, params, use_tqdm=False)
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -618,6 +618,9 @@ class LLMEngine:
             "graph_captures": graphs.captures if graphs is not None else 0,
             "graph_capture_s": graphs.capture_s if graphs is not None else 0.0,
             "jit_compiles": triton_compiles(),
+            **({"images_encoded": self.runner.images_encoded, "images_given": self.runner.images_given,
+                "encoder_cache_hits": self.runner.encoder_cache.hits}
+               if self.runner.encoder_cache is not None else {}),
             **(self.runner.eplb.stats() if self.runner.eplb is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         }

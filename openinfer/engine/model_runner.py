@@ -105,6 +105,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None      # capture_decode_graphs makes them
         # vision models: image embeddings by image digest (a repeated image is not encoded again)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if self.traits.vision else None
+        self.images_encoded = 0     # spans this rank's tower encoded
+        self.images_given = 0       # spans whose rows came with the request (a vision-encoder instance's: EPD)
 
     # ---- what the engine sizes from the pool -------------------------------------------------------------------
     @property
@@ -399,14 +401,21 @@ class ModelRunner:
 
     def _image_rows(self, req: Request, start: int, end: int, row: int, rows: list[int], embeds: list) -> None:
         """The rows of positions [start, end) (step rows from `row` on) inside the request's image spans, and their
-        embeddings (encoded on first use, then from the encoder cache)."""
+        embeddings (on first use the rows the request brought, else encoded here; then from the encoder cache)."""
         for image in req.images:
             lo, hi = max(start, image.offset), min(end, image.end)
             if lo >= hi:
                 continue
-            span = self.encoder_cache.get_or_encode(image.digest, lambda: self.model.embed_image(image))
+            span = self.encoder_cache.get_or_encode(image.digest, lambda: self._span_rows(image))
             rows.extend(range(row + lo - start, row + hi - start))
             embeds.append(span[lo - image.offset:hi - image.offset])
+
+    def _span_rows(self, image) -> torch.Tensor:
+        if image.embeds is None:
+            self.images_encoded += 1
+        else:
+            self.images_given += 1
+        return self.model.embed_image(image)
 
 
 def _replaying(s) -> bool:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from openinfer.entrypoints.cli_args import add_engine_args, as_flags, engine_options
+from openinfer.entrypoints.cli_args import add_engine_args, as_flags, engine_fields, engine_options
 
 
 def _make_llm(args):
@@ -167,7 +167,10 @@ def cmd_serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                           request_timeout_s=args.request_timeout, role=args.role,
-                          api_server_count=args.api_server_count)
+                          api_server_count=args.api_server_count, encoders=args.encoders,
+                          encoder_timeout_s=args.encoder_timeout, encoder_health_interval_s=args.encoder_health_interval)
+    if args.role == "encoder":
+        return _serve_encoder(args, config)
     if args.role == "prefill" and not (args.kv_store_dir or args.kv_store_url):
         raise ValueError("--role prefill hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
@@ -188,6 +191,26 @@ def cmd_serve(args) -> int:
         core.shutdown()
 
 
+def _serve_encoder(args, config) -> int:
+    """`serve --role encoder`: the vision tower alone (serving/encoder_server.py); engine options it would not
+    read are refused by name."""
+    from openinfer.config import EngineConfig
+    from openinfer.models.registry import resolve
+    from openinfer.serving.encoder_server import ENCODER_ENGINE_OPTIONS, run_encoder_server
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+    ignored = [flag(f.name) for f in engine_fields()
+               if getattr(args, f.name) != f.default and f.name not in ENCODER_ENGINE_OPTIONS]
+    if args.request_timeout is not None:
+        ignored.append("--request-timeout")
+    if ignored:
+        raise ValueError(f"--role encoder runs the vision tower alone: it reads "
+                         f"{', '.join(sorted(map(flag, ENCODER_ENGINE_OPTIONS)))} and none of {', '.join(ignored)}")
+    engine_config = EngineConfig.from_kwargs(**engine_options(args))
+    return run_encoder_server(engine_config, config, resolve(engine_config))
+
+
 def cmd_router(args) -> int:
     from openinfer.serving.router import RouterConfig, run_router
 
@@ -205,7 +228,8 @@ def cmd_bench_serve(args) -> int:
                            num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                            request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                           api_key=args.api_key, ignore_eos=args.ignore_eos)
+                           api_key=args.api_key, ignore_eos=args.ignore_eos, prompt_mode=args.prompt_mode,
+                           image_size=args.image_size)
     if args.api_server_count != 1 and not args.compare_offline:
         raise ValueError("--api-server-count is for the server --compare-offline starts (a running server at "
                          "--base-url has its own)")
@@ -462,15 +486,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=None, help="queue limit; beyond it requests get 429")
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request still unfinished this long after it arrived (408)")
-    serve.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+    serve.add_argument("--role", choices=["both", "prefill", "decode", "encoder"], default="both",
                        help="prefill/decode disaggregation behind `openinfer router` (docs/serving.md): prefill "
                             "computes prompts into the shared prefix-KV store (needs --kv-store-dir or "
                             "--kv-store-url) and answers one token; decode serves requests whole, finding their "
-                            "prompts' full blocks in the store; both: whole requests, no store needed")
+                            "prompts' full blocks in the store; both: whole requests, no store needed; encoder: "
+                            "the model's vision tower alone, answering POST /v1/encode for the instances that list "
+                            "it in --encoder (EPD, docs/vision.md)")
     serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
                        help="API-server processes (HTTP, tokenization, SSE framing) sharing the port over the one "
                             "engine core, as vLLM's; 1: one process beside the core. More when one process cannot "
                             "frame the streams' chunks as fast as the engine makes them (docs/serving.md)")
+    serve.add_argument("--encoder", dest="encoders", nargs="+", action="extend", default=[], metavar="URL",
+                       help="vision-encoder instances (--role encoder) to send each request's images to, the one "
+                            "with the fewest patches in flight first; images are encoded here when none answers")
+    serve.add_argument("--encoder-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="longest silence from an encoder instance on one image before trying another")
+    serve.add_argument("--encoder-health-interval", type=float, default=2.0, metavar="SECONDS",
+                       help="how often the encoder instances' /load is read")
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="one OpenAI/Anthropic-compatible front door over prefill, decode and "
@@ -574,6 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-tpot-ms", type=float, default=None)
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--ignore-eos", action="store_true", help="every request runs to --output-len")
+    srv.add_argument("--prompt-mode", choices=["text", "image"], default="text",
+                     help="image: each chat prompt also carries one generated image of --image-size (a PNG data URL, "
+                          "a different one per prompt)")
+    srv.add_argument("--image-size", default=None, metavar="WxH", help="the images' size in pixels, e.g. 672x448")
     srv.add_argument("--compare-offline", action="store_true",
                      help="run the same prompts through LLM (the engine alone) first, then start a server with the "
                           "same engine options here and load it: the server's share of the offline throughput, one "

@@ -160,6 +160,13 @@ class ModelFamily:
         pixels) -> (prompt_token_ids, spans)`), for models that take images; None for those that do not."""
         return None
 
+    def build_image_encoder(self, model: ResolvedModel, config: EngineConfig, device: torch.device):
+        """The model's vision tower alone, for a vision-encoder instance (`openinfer serve --role encoder`, EPD:
+        docs/vision.md): an `nn.Module` with `check_image(span)` (ValueError naming the problem) and
+        `embed_image(span) -> [num_tokens, dim]` (the rows the whole model would compute), reading only the tower's
+        tensors from the checkpoint; None for models that take no images."""
+        return None
+
     def write_tiny_model(self, tiny: TinyModel, out: Path) -> None:
         """One of `tiny_models` into `out` (default: as a random checkpoint in the published layout)."""
         self.write_random_checkpoint(tiny.config, out, tiny.seed)

@@ -9,7 +9,9 @@ aborted and answers 408 (or, once streaming, an error event).
 Roles (prefill/decode disaggregation through the shared prefix-KV store, docs/serving.md): `both` serves
 requests whole; `prefill` (needs a shared store tier) runs each request to one output token, waits until the
 store holds its prompt's full blocks and answers; `decode` serves requests whole, its prompts' full blocks
-found in the store. `/load` reports what the router balances on (serving/load.py).
+found in the store. `/load` reports what the router balances on (serving/load.py). (`encoder`, the vision tower
+alone, is another app: serving/encoder_server.py.) With `encoders` (EPD, docs/vision.md), a request's images are
+sent to those vision-encoder instances before it enters the engine (serving/encoder_pool.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import signal
 import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,8 @@ from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
+from openinfer.serving.encoder_pool import EncoderPool
+from openinfer.serving.encoder_wire import model_identity
 from openinfer.serving.images import ImageInputs, has_image_parts
 from openinfer.serving.load import ROLES, BusyMeter, engine_load, prefill_body
 from openinfer.serving.metrics import EngineMetrics
@@ -54,9 +58,12 @@ class ServerConfig:
     max_waiting: int | None = None         # requests allowed to wait for a seat; more get 429
     graceful_shutdown_s: float = 30.0      # on SIGTERM: time in-flight requests get to finish
     request_timeout_s: float | None = None  # a request still unfinished this long after arrival is aborted (408)
-    role: str = "both"                     # both | prefill | decode (docs/serving.md)
+    role: str = "both"                     # both | prefill | decode (docs/serving.md) | encoder (docs/vision.md)
     prefill_flush_timeout_s: float = 10.0  # prefill role: longest wait for the store's writes before answering
     api_server_count: int = 1              # API-server processes over the one engine core (serving/api_servers.py)
+    encoders: list[str] = field(default_factory=list)   # vision-encoder instances' URLs (EPD: docs/vision.md)
+    encoder_timeout_s: float = 60.0        # longest silence from an encoder on one image (its queue included)
+    encoder_health_interval_s: float = 2.0
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -64,6 +71,17 @@ class ServerConfig:
         if not (isinstance(self.api_server_count, int) and self.api_server_count >= 1):
             raise ValueError(f"api_server_count must be a whole number >= 1 (API-server processes over one engine "
                              f"core), got {self.api_server_count!r}")
+        urls = [u.rstrip("/") for u in self.encoders]
+        if urls and self.role == "encoder":
+            raise ValueError("--encoder lists the vision-encoder instances a prefill, decode or both instance sends "
+                             "its images to; an encoder instance (--role encoder) takes none")
+        if len(set(urls)) != len(urls) or any(not u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError(f"--encoder URLs must be distinct and start with http:// or https://, got {urls}")
+        for name in ("encoder_timeout_s", "encoder_health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.role == "encoder" and self.api_server_count != 1:
+            raise ValueError("an encoder instance (--role encoder) runs one process; api_server_count must be 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
 
@@ -106,6 +124,8 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
         elif served != own:
             raise ValueError(f"this DeepSeek model is served as {own!r} (deepseek-recipe's name for its version), "
                              f"not {served!r} (--served-model-name)")
+    if config.role == "encoder":
+        raise ValueError("role 'encoder' runs the vision tower alone, not an engine: serving/encoder_server.py")
     if config.role == "prefill" and not (engine.config.kv_store_dir or engine.config.kv_store_url):
         raise ValueError("role 'prefill' hands its KV blocks over through a shared prefix-KV store: give it "
                          "--kv-store-dir (a directory the decode instances share) or --kv-store-url")
@@ -120,11 +140,20 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
     async_engine = AsyncLLMEngine(engine, config.max_waiting, on_step=on_step,
                                   request_timeout_s=config.request_timeout_s)
 
-    def load() -> dict:
-        return engine_load(engine, async_engine, config.role, served, busy)
-    metrics.add_load_gauges(load, config.role)
     source = engine.model_source
     images = ImageInputs(engine.config, source.family.image_processor(source.hf_config), served)
+    encoders = None
+    if config.encoders:
+        if images.processor is None:
+            raise ValueError(f"--encoder: model {served!r} takes no images (it has no vision encoder)")
+        encoders = EncoderPool(config.encoders, model_identity(source.hf_config), config.encoder_timeout_s,
+                               config.encoder_health_interval_s, registry=metrics.registry)
+        encoders.verify()
+
+    def load() -> dict:
+        out = engine_load(engine, async_engine, config.role, served, busy)
+        return out if encoders is None else {**out, "encoders": encoders.describe()}
+    metrics.add_load_gauges(load, config.role)
     chat = ChatFrontend(async_engine, engine.tokenizer, str(engine.model_dir / "tokenizer.json"), served, images)
     completions = CompletionsFrontend(async_engine, engine.tokenizer, served)
     state = {"accepting": True}
@@ -132,12 +161,17 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        if encoders is not None:
+            await encoders.start()
         yield
         state["accepting"] = False
+        if encoders is not None:
+            await encoders.stop()
         async_engine.shutdown()
 
     app = FastAPI(title="openinfer", lifespan=lifespan)
     app.state.async_engine = async_engine
+    app.state.encoders = encoders
     app.state.served_model_name = served
     app.state.role = config.role
 
@@ -263,6 +297,8 @@ def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model_
             prepared = await asyncio.to_thread(chat.prepare, protocol, body)
         else:
             prepared = chat.prepare(protocol, body)
+        if prepared.images and encoders is not None:     # EPD: the rows from the encoder instances
+            prepared.images = await encoders.encode(prepared.images)
         if not prepared.stream:
             answer = await chat.complete(prepared)
             await settle()

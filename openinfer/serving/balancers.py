@@ -146,30 +146,41 @@ class EncoderGpu:
     """One GPU of a vision-encoder instance and the patches of the images it is encoding."""
     url: str
     gpu: int
-    patches_in_flight: int = 0
+    patches_in_flight: int = 0       # what this client sent there and has not heard back about
     healthy: bool = True
+    reported_patches: int = 0        # what the instance last reported in flight (every client's images)
+
+    @property
+    def load(self) -> int:
+        """Patches in flight there: the larger of the instance's last report and this client's own count (a burst
+        between two reports is not all sent to one GPU; other clients' images count once reported)."""
+        return max(self.patches_in_flight, self.reported_patches)
 
 
 class EncoderLoads:
     """§1.3: an image goes to the encoder GPU with the fewest patches in flight (ties: the earlier listed). `take`
     counts the image's patches on the chosen GPU until `give_back` (the embeddings came back, or the call failed);
-    unhealthy GPUs (their instance failed its health check) are passed over."""
+    unhealthy GPUs (their instance failed its health check) and those of `exclude`d instances (already tried for
+    this image) are passed over."""
 
     def __init__(self, gpus: Sequence[EncoderGpu]):
         self.gpus = list(gpus)
 
-    def take(self, patches: int) -> EncoderGpu | None:
-        pool = [g for g in self.gpus if g.healthy]
+    def take(self, patches: int, exclude: frozenset[str] | set[str] = frozenset()) -> EncoderGpu | None:
+        pool = [g for g in self.gpus if g.healthy and g.url not in exclude]
         if not pool:
             return None
-        best = min(pool, key=lambda g: g.patches_in_flight)
+        best = min(pool, key=lambda g: g.load)
         best.patches_in_flight += patches
         return best
 
     def give_back(self, gpu: EncoderGpu, patches: int) -> None:
         gpu.patches_in_flight = max(0, gpu.patches_in_flight - patches)
 
-    def mark(self, url: str, healthy: bool) -> None:
+    def mark(self, url: str, healthy: bool, reported_patches: int | None = None) -> None:
+        """An instance's health (and its reported load) as the last health check or call found it."""
         for g in self.gpus:
             if g.url == url:
                 g.healthy = healthy
+                if reported_patches is not None:
+                    g.reported_patches = reported_patches

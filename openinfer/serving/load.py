@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 
-ROLES = ("both", "prefill", "decode")
+ROLES = ("both", "prefill", "decode", "encoder")     # encoder: the vision tower alone (encoder_server.py)
 
 
 class BusyMeter:
@@ -41,6 +41,13 @@ class BusyMeter:
                 busy = self._mean_step if self._last_end is None else min(self._mean_step, now - self._last_end)
             self._steps.append((now, busy))
             self._last_end, self._last_had_work = now, has_more_work
+            self._trim(now)
+
+    def record(self, busy_s: float, now: float | None = None) -> None:
+        """A piece of work of known length that just ended (the encoder role times each image itself)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._steps.append((now, busy_s))
             self._trim(now)
 
     def fraction(self, now: float | None = None) -> float:
@@ -102,6 +109,8 @@ def engine_load(engine, async_engine, role: str, model: str, busy: BusyMeter) ->
         "prefix_cache_store_hit_tokens": st.get("prefix_cache_store_hit_tokens", 0),
         "prefix_cache_hit_tokens": st.get("prefix_cache_hit_tokens", 0),
         "max_model_len": engine.max_model_len,
+        # vision models: spans its own tower encoded, and spans whose rows came from encoder instances (EPD)
+        **{k: st[k] for k in ("images_encoded", "images_given") if k in st},
     }
 
 

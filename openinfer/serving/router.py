@@ -22,7 +22,6 @@ out if they turn up later.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -39,6 +38,7 @@ from openinfer.serving.balancers import (InstanceState, QuotaRounds, assign_buck
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
 from openinfer.serving.load import prefill_body
+from openinfer.serving.upstream import HealthChecked, InstanceDown, Upstream, poll_load, why
 
 logger = logging.getLogger("openinfer.router")
 
@@ -79,23 +79,13 @@ class RouterConfig:
             raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
 
 
-class InstanceDown(Exception):
-    """The instance was drained while a request waited on it."""
-
-
-class Instance:
+class Instance(Upstream):
     def __init__(self, url: str, role: str):
-        self.url = url.rstrip("/")
+        super().__init__(url)
         self.role = role                  # what the router was told: prefill | decode | both
-        self.healthy = False
-        self.reason = "not checked yet"
-        self.failures = 0
-        self.excluded: str | None = None  # a mismatch (model, role, store): never routed to
-        self.load: dict = {}
         self.inflight = 0                 # the router's own view, between two /load reports
         self.inflight_tokens = 0
         self.inflight_cost = 0.0
-        self.down = asyncio.Event()       # set while drained; requests waiting on it give up
 
     def state(self) -> InstanceState:
         ld = self.load
@@ -139,17 +129,7 @@ def _max_output_tokens(body: dict) -> int:
     return DEFAULT_OUTPUT_TOKENS
 
 
-def _why(e: Exception) -> str:
-    if isinstance(e, InstanceDown):
-        return f"drained ({e})"
-    if isinstance(e, httpx.ConnectError):
-        return "connection refused"
-    if isinstance(e, httpx.TimeoutException):
-        return f"no answer in time ({type(e).__name__})"
-    return f"connection lost ({type(e).__name__})"
-
-
-class Router:
+class Router(HealthChecked):
     def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
                  sync_transport: httpx.BaseTransport | None = None):
         self.config = config
@@ -160,8 +140,6 @@ class Router:
         self.namespace: str | None = None        # the prefill instances' KV store namespace
         self.rounds = QuotaRounds(config.quota_round_s)
         self._transport, self._sync_transport = transport, sync_transport
-        self.client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
         self.m_requests = Counter("openinfer:router_requests", "Requests answered, by route and status.",
                                   ["route", "status"], registry=r)
@@ -181,6 +159,9 @@ class Router:
     # ---- instance checks ---------------------------------------------------------------------------------
     def _mismatch(self, inst: Instance, load: dict) -> str | None:
         role = load.get("role", "both")
+        if role == "encoder":
+            return ("its role is 'encoder' (a vision encoder: list it in the prefill or both instances' --encoder, "
+                    "not in the router)")
         if inst.role == "prefill" and role != "prefill":
             return f"given as --prefill but its role is {role!r} (start it with --role prefill)"
         if inst.role != "prefill" and role == "prefill":
@@ -214,7 +195,7 @@ class Router:
                     r.raise_for_status()
                     loads[inst.url] = r.json()
                 except (httpx.HTTPError, ValueError) as e:
-                    inst.reason = f"not answering at start: {_why(e) if isinstance(e, httpx.TransportError) else e}"
+                    inst.reason = f"not answering at start: {why(e) if isinstance(e, httpx.TransportError) else e}"
                     logger.warning("router: %s %s", inst.url, inst.reason)
         models = {url: ld.get("model") for url, ld in loads.items()}
         if len(set(models.values())) > 1:
@@ -224,100 +205,32 @@ class Router:
         for inst in ordered:
             if inst.url not in loads:
                 continue
-            why = self._mismatch(inst, loads[inst.url])
-            if why:
-                problems.append(f"{inst.url}: {why}")
+            problem = self._mismatch(inst, loads[inst.url])
+            if problem:
+                problems.append(f"{inst.url}: {problem}")
                 continue
             self._accept(inst, loads[inst.url])
             inst.load, inst.healthy, inst.reason = loads[inst.url], True, ""
         if problems:
             raise ValueError("refusing to route over mismatched instances: " + "; ".join(problems))
 
-    def _mark_down(self, inst: Instance, reason: str) -> None:
-        inst.reason = reason
-        if inst.healthy:
-            logger.warning("router: draining %s (%s)", inst.url, reason)
-            inst.healthy = False
-            inst.down.set()
-
-    def _mark_up(self, inst: Instance, load: dict) -> None:
-        inst.load, inst.failures = load, 0
-        if not inst.healthy:
-            logger.info("router: %s is back", inst.url)
-            inst.down = asyncio.Event()
-            inst.healthy, inst.reason = True, ""
-
-    def _failed(self, inst: Instance, e: Exception) -> None:
-        """A poll or a request failed on `inst`: refused, dropped or 503 drains it at once; other failures
-        (timeouts) after health_failures in a row."""
-        if isinstance(e, InstanceDown):
-            return
-        inst.failures += 1
-        definitive = isinstance(e, (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError,
-                                    httpx.WriteError))
-        if definitive or inst.failures >= self.config.health_failures:
-            self._mark_down(inst, _why(e))
-
     async def poll(self, inst: Instance) -> None:
-        try:
-            r = await self.client.get(inst.url + "/load", timeout=self.config.health_timeout_s)
-        except httpx.HTTPError as e:
-            self._failed(inst, e)
-            return
-        if r.status_code != 200:
-            inst.failures += 1
-            if r.status_code == 503 or inst.failures >= self.config.health_failures:
-                self._mark_down(inst, f"/load answered {r.status_code}")
-            return
-        try:
-            load = r.json()
-        except ValueError:
-            self._mark_down(inst, "/load answered no JSON")
-            return
-        why = inst.excluded or self._mismatch(inst, load)
-        if why:
-            inst.excluded = why
-            self._mark_down(inst, why)
-            return
-        self._accept(inst, load)
-        self._mark_up(inst, load)
+        c = self.config
+        load = await poll_load(self.client, inst, c.health_timeout_s, c.health_failures,
+                               lambda load: self._mismatch(inst, load))
+        if load is not None:
+            self._accept(inst, load)
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self.poll(i) for i in self.instances))
-            await asyncio.sleep(self.config.health_interval_s)
+    def polled(self) -> list[Instance]:
+        return self.instances
 
     async def start(self) -> None:
         c = self.config
-        self.client = httpx.AsyncClient(
+        await self.start_polling(httpx.AsyncClient(
             transport=self._transport, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-            timeout=httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s))
-        self._health_task = asyncio.create_task(self._health_loop())
-
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+            timeout=httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)), c.health_interval_s)
 
     # ---- requests ----------------------------------------------------------------------------------------
-    @staticmethod
-    async def _until_down(inst: Instance, awaitable):
-        """Await `awaitable` unless `inst` is drained first (then InstanceDown, and the call is cancelled)."""
-        task = asyncio.ensure_future(awaitable)
-        down = asyncio.ensure_future(inst.down.wait())
-        try:
-            done, _ = await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            down.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise InstanceDown(inst.reason)
-
     def _candidates(self, pool: list[Instance], tried: set[str]) -> list[Instance]:
         return [i for i in pool if i.healthy and i.url not in tried]
 
@@ -340,9 +253,9 @@ class Router:
             inst.inflight += 1
             inst.inflight_cost += cost
             try:
-                r = await self._until_down(inst, self.client.post(inst.url + path, json=pbody, headers=headers))
+                r = await inst.until_down(self.client.post(inst.url + path, json=pbody, headers=headers))
             except (httpx.HTTPError, InstanceDown) as e:
-                self._failed(inst, e)
+                inst.failed(e, self.config.health_failures)
                 continue
             finally:
                 inst.inflight -= 1
@@ -373,11 +286,11 @@ class Router:
             handed_over = False
             try:
                 req = self.client.build_request("POST", inst.url + path, content=raw, headers=headers)
-                r = await self._until_down(inst, self.client.send(req, stream=True))
+                r = await inst.until_down(self.client.send(req, stream=True))
                 if r.status_code == 200 and stream:
                     events = _sse_events(r.aiter_bytes())
                     try:
-                        first = await self._until_down(inst, events.__anext__())
+                        first = await inst.until_down(events.__anext__())
                     except StopAsyncIteration:
                         first = b""
                     except BaseException:
@@ -388,12 +301,12 @@ class Router:
                                              media_type=r.headers.get("content-type", "text/event-stream"),
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 try:
-                    await self._until_down(inst, r.aread())
+                    await inst.until_down(r.aread())
                 finally:
                     await r.aclose()
             except (httpx.HTTPError, InstanceDown) as e:
-                self._failed(inst, e)
-                reasons.append(f"{inst.url}: {_why(e)}")
+                inst.failed(e, self.config.health_failures)
+                reasons.append(f"{inst.url}: {why(e)}")
                 continue
             finally:
                 if not handed_over:
@@ -416,14 +329,14 @@ class Router:
                 yield first
             while True:
                 try:
-                    event = await self._until_down(inst, events.__anext__())
+                    event = await inst.until_down(events.__anext__())
                 except StopAsyncIteration:
                     return
                 yield event
         except (httpx.HTTPError, InstanceDown) as e:
-            self._failed(inst, e)
+            inst.failed(e, self.config.health_failures)
             self.m_cut.inc()
-            err = APIError(502, f"the instance serving this stream failed mid-answer ({inst.url}: {_why(e)}); "
+            err = APIError(502, f"the instance serving this stream failed mid-answer ({inst.url}: {why(e)}); "
                                 f"the answer is incomplete")
             if path == "/v1/messages":
                 yield f"event: error\ndata: {json.dumps(err.body(True))}\n\n".encode()

@@ -155,6 +155,17 @@ class DeepseekV41Family(ModelFamily):
 
         return ImageProcessor(cfg)
 
+    def build_image_encoder(self, model, config, device):
+        cfg = self.parse_config(model.hf_config)
+        if not cfg.vision_n_layers:
+            return None
+        if config.load_format == "dummy":
+            raise ValueError("a vision-encoder instance with load_format='dummy' (random weights) would return "
+                             "embeddings no prefill instance's tower gives: load the checkpoint")
+        from openinfer.models.deepseek_v41.image_encoder import load_image_encoder
+
+        return load_image_encoder(cfg, model.path, config.torch_dtype, device)
+
     def write_random_checkpoint(self, hf_config: dict, out: Path, seed: int = 0, std: float = 0.02,
                                 shard_bytes: int | None = 64 << 20, tokenizer_dir: Path | str | None = "own") -> None:
         from openinfer.models.deepseek_v41.writer import write_checkpoint

@@ -136,7 +136,8 @@ def model_keeps(model: DeepseekV41ForCausalLM):
 
 def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, torch.Tensor]],
                  dry_run: bool = False) -> None:
-    """Every parameter covered exactly once, shapes and stored formats checked (quantized tensors are copied as
+    """(`model`: the whole model, or its vision tower alone, `image_encoder.ImageEncoder`, which holds the checkpoint's
+    tower tensors under the same names.) Every parameter covered exactly once, shapes and stored formats checked (quantized tensors are copied as
     bytes, never read as floats). The DSpark stages' `embed`/`head` copies must equal the backbone's. With expert
     parallelism a backbone expert goes to this rank's slots holding it (none: skipped); the loading pass needs this
     rank's experts only (`model_keeps` leaves the others unread), the `dry_run` over the headers all of them."""
@@ -157,7 +158,7 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
             continue
         name, part = checkpoint_to_param(ckpt_name)
         if name not in params:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in DeepseekV41ForCausalLM")
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__}")
         dsts = [params[name].data]
         key = name
         if part is not None:

@@ -55,8 +55,7 @@ from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
-from openinfer.models.deepseek_v41.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, Aligner, ViT,
-                                                  image_token_types, token_grid)
+from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_span, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
 from openinfer.multimodal import ImageSpan
 from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
@@ -786,7 +785,12 @@ def _float32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # parameters DeepSeek keeps (or its reference computes) in float32 whatever the model dtype
 _FP32_SUFFIXES = ("attn_sink", "_fn", "_base", "_scale", "gate.bias", "gate.bias_vl", "norm.weight", "q_weight",
                   "k_weight", "confidence_head.proj.weight")
-_FP32_EXACT = ()
+
+
+def keeps_float32(name: str) -> bool:
+    """Whether parameter `name` stays float32 whatever the model dtype, as the reference keeps it (so do the ratio>1
+    compressors, which depend on their layer: `DeepseekV41ForCausalLM.cast`)."""
+    return name.endswith(_FP32_SUFFIXES)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -875,8 +879,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if p.dtype.itemsize == 1:       # stored formats (the Engram tables) stay as they are
                 continue
-            if name.endswith(_FP32_SUFFIXES) or name in _FP32_EXACT or (
-                    ".compressor.w" in name and self._layer_ratio(name) > 1):
+            if keeps_float32(name) or (".compressor.w" in name and self._layer_ratio(name) > 1):
                 p.data = p.data.float()
             else:
                 p.data = p.data.to(dtype)
@@ -972,32 +975,19 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # -- images (vision.py)
     def check_image(self, image: ImageSpan, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError unless `image` is a span this model reads: its grid's token layout, the image token id
-        at every position, patches of the configured size."""
-        c = self.config
-        p = c.vision_patch_size
-        if tuple(image.patches.shape) != (image.num_patches, 3, p, p):
-            raise ValueError(f"image at {image.offset}: patches of shape {tuple(image.patches.shape)}, expected "
-                             f"({image.num_patches}, 3, {p}, {p}) for its {image.grid[0]}x{image.grid[1]} grid")
-        if image.token_types != image_token_types(*token_grid(image.grid, c.vision_downsample_ratio)):
-            raise ValueError(f"image at {image.offset}: its span's token layout does not match its "
-                             f"{image.grid[0]}x{image.grid[1]} patch grid")
-        if any(t != c.image_token_id for t in prompt_token_ids[image.offset:image.end]):
+        """Raise ValueError unless `image` is a span this model reads (vision.check_span) and every position of it
+        carries the image token id."""
+        check_span(self.config, image)
+        if any(t != self.config.image_token_id for t in prompt_token_ids[image.offset:image.end]):
             raise ValueError(f"image at {image.offset}: every position of its span must carry the image token id "
-                             f"{c.image_token_id}")
+                             f"{self.config.image_token_id}")
 
     def embed_image(self, image: ImageSpan) -> torch.Tensor:
-        """The span's input rows [num_tokens, dim]: the Aligner's outputs at the IMAGE positions (reading order),
-        the learned delimiter embeddings elsewhere."""
-        dev, dt = self.embed.weight.device, self.embed.weight.dtype
-        feats = self.aligner(self.vision(image.patches.to(dev, dt), image.grid), image.grid).to(dt)
-        types = torch.tensor(image.token_types, device=dev)
-        out = torch.empty((image.num_tokens, self.config.dim), dtype=dt, device=dev)
-        out[types == IMAGE_START] = self.image_start.to(dt)
-        out[types == IMAGE_END] = self.image_end.to(dt)
-        out[types == IMAGE_NEW_LINE] = self.image_newline.to(dt)
-        out[types == IMAGE] = feats
-        return out
+        """The span's input rows [num_tokens, dim]: the embeddings it came with (encoded by a vision-encoder
+        instance, EPD: docs/vision.md), or the tower's (vision.embed_span)."""
+        if image.embeds is not None:
+            return image.embeds.to(self.image_start.device, self.image_start.dtype)
+        return embed_span(self, image)
 
     # -- forward
     def _engram_hashes(self, input_ids, positions, caches, meta, image_mask=None) -> torch.Tensor:

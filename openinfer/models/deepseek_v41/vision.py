@@ -8,6 +8,9 @@ IMAGE positions take the Aligner's rows in reading order, the delimiters learned
 `image_start`, `image_newline`, `image_end`). Parameter names are the published checkpoint's (`vision.*`,
 `aligner.*`); its linears are bf16 with biases, its norms float32. Numerics follow DeepSeek's reference (the test
 oracle): norms and the rotation in float32, everything else in the model dtype.
+
+`check_span` and `embed_span` are what the whole model (`model.py`) and the encoder alone (`image_encoder.py`, the
+`--role encoder` server of EPD) share: both hold the tower under the same names.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.multimodal import ImageSpan
 
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)      # the kinds of an image span's positions
 
@@ -149,3 +153,35 @@ class Aligner(nn.Module):
         x = F.pad(x, (0, -n_w % r, 0, -n_h % r))
         cells = F.unfold(x.unsqueeze(0), r, stride=r)[0].transpose(0, 1)     # [cells, C * r * r]
         return self.w2(F.gelu(self.w1(cells)))
+
+
+def check_span(cfg: DeepseekV41Config, image: ImageSpan) -> None:
+    """Raise ValueError unless `image` is a span this tower reads: patches of the configured size, its grid's token
+    layout; embeddings given with it (encoded elsewhere: EPD) one `dim`-wide row per position."""
+    p = cfg.vision_patch_size
+    if tuple(image.patches.shape) != (image.num_patches, 3, p, p):
+        raise ValueError(f"image at {image.offset}: patches of shape {tuple(image.patches.shape)}, expected "
+                         f"({image.num_patches}, 3, {p}, {p}) for its {image.grid[0]}x{image.grid[1]} grid")
+    if image.token_types != image_token_types(*token_grid(image.grid, cfg.vision_downsample_ratio)):
+        raise ValueError(f"image at {image.offset}: its span's token layout does not match its "
+                         f"{image.grid[0]}x{image.grid[1]} patch grid")
+    e = image.embeds
+    if e is not None and (tuple(e.shape) != (image.num_tokens, cfg.dim) or not e.is_floating_point()):
+        raise ValueError(f"image at {image.offset}: embeddings of shape {tuple(e.shape)} ({e.dtype}), expected "
+                         f"({image.num_tokens}, {cfg.dim}) floating point rows for its span")
+
+
+def embed_span(tower: nn.Module, image: ImageSpan) -> torch.Tensor:
+    """The span's input rows [num_tokens, dim] in the tower's dtype, on its device: the Aligner's outputs at the IMAGE
+    positions (reading order), the learned delimiter embeddings elsewhere. `tower`: a module holding `vision`,
+    `aligner`, `image_start`, `image_newline` and `image_end` (the whole model, or the encoder alone)."""
+    start = tower.image_start
+    dev, dt = start.device, start.dtype
+    feats = tower.aligner(tower.vision(image.patches.to(dev, dt), image.grid), image.grid).to(dt)
+    types = torch.tensor(image.token_types, device=dev)
+    out = torch.empty((image.num_tokens, start.shape[0]), dtype=dt, device=dev)
+    out[types == IMAGE_START] = start
+    out[types == IMAGE_END] = tower.image_end.to(dt)
+    out[types == IMAGE_NEW_LINE] = tower.image_newline.to(dt)
+    out[types == IMAGE] = feats
+    return out
