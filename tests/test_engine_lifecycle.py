@@ -44,9 +44,11 @@ def test_building_models_in_a_fresh_process_imports_neither_dynamo_nor_sympy(smo
     import subprocess
     import sys
 
-    code = ("import sys\nfrom openinfer import LLM\n"
+    # two tokens: a prefill and a decode step (the default 16 ran 14 more decode steps of the same code)
+    code = ("import sys\nfrom openinfer import LLM, SamplingParams\n"
             f"for m in ({str(smollm_dir)!r}, 'deepseek-v4-tiny', 'deepseek-v41-tiny'):\n"
-            "    LLM(m, device='cpu', dtype='float32').generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)\n"
+            "    LLM(m, device='cpu', dtype='float32').generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False,\n"
+            "                                                   sampling_params=SamplingParams(max_tokens=2))\n"
             "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
