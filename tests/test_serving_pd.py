@@ -21,7 +21,7 @@ from openinfer.serving.balancers import (BUCKET_EDGES, InstanceState, QuotaRound
                                          pick_decode, pick_prefill, prefill_cost)
 from openinfer.serving.load import BusyMeter, prefill_body
 from openinfer.serving.router import Router, RouterConfig, build_router_app, estimate_prompt_tokens
-from tests.live_server import LiveServer, _free_port
+from tests.live_server import LiveServer, _free_port, wait_healthy
 
 BS = 16                 # small blocks: short prompts have full blocks to hand over
 MODEL = "smollm2"
@@ -203,15 +203,10 @@ class ThreadServer:
 
 
 def _wait_up(base: str, timeout: float, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code in (200, 503):
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    if wait_healthy(base, timeout, proc, ok=(200, 503)):
+        return
+    if proc is not None and proc.poll() is not None:
+        raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:]}")
     raise RuntimeError(f"{base} did not come up" + (f": {open(log).read()[-3000:]}" if log else ""))
 
 
