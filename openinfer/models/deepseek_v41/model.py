@@ -1042,13 +1042,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         return F.linear(hidden.float(), self._head_in_float32())
 
     def _head_in_float32(self) -> torch.Tensor:
-        """`head.weight.float()`, converted once per version of the weight instead of at every step: converting the
+        """`head.weight.float()`; on the CPU converted once per version of the weight instead of at every step: the
         129K-row head was a fifth of the tiny models' CPU time (py-spy, tests/test_deepseek_v41.py). Kept while
         the weight is unchanged: same storage, same in-place version (a write through `.data`, as the loader's
         before any forward, is not seen)."""
         w = self.head.weight
-        if w.dtype == torch.float32:
-            return w
+        if w.dtype == torch.float32 or w.device.type != "cpu":    # a device's memory holds no second head
+            return w.float()
         key = (w.data_ptr(), w._version)
         if self._float_head is None or self._float_head[0] != key:
             self._float_head = (key, w.float())
