@@ -105,10 +105,7 @@ class Tokenizer:
             e = src.get("eos_token_id")
             eos_ids += e if isinstance(e, list) else ([e] if e is not None else [])
         v41 = vocabulary == "deepseek-v4.1"
-        if v41:   # the V4 tokenizer.json, with the ids V4.1's encoding needs (see deepseek_v41_vocabulary)
-            hf = HFTokenizer.from_str(deepseek_v41_vocabulary((path / "tokenizer.json").read_text()))
-        else:
-            hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        hf = _parsed_vocabulary((path / "tokenizer.json").read_bytes(), v41)
         return cls(hf, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids,
                    str(path / "tokenizer.json") if vocabulary != "hf" else None, DEEPSEEK_V41 if v41 else DEEPSEEK_V4)
 
@@ -271,6 +268,18 @@ def deepseek_v41_vocabulary(tokenizer_json: str) -> str:
                              f"{t and t['content']!r}, expected one of {[*before, new['content']]}")
         t.update(new)
     return json.dumps(doc, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_vocabulary(tokenizer_json: bytes, v41: bool) -> HFTokenizer:
+    """A tokenizer.json's contents parsed (for V4.1: with the ids V4.1's encoding needs, see deepseek_v41_vocabulary),
+    kept per contents: engines of one process share it instead of parsing the same vocabulary at each start, from
+    whichever directory (~0.4 s for DeepSeek's 129K tokens: 31 of the 32 parses in tests/test_deepseek_v4.py and
+    test_quantization.py were of copies of one file). Shared read-only: nothing changes a vocabulary once built
+    (`Tokenizer.hf_plain` is a copy)."""
+    if v41:
+        return HFTokenizer.from_str(deepseek_v41_vocabulary(tokenizer_json.decode()))
+    return HFTokenizer.from_buffer(tokenizer_json)
 
 
 def _raise(message: str):

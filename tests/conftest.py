@@ -13,8 +13,12 @@ from openinfer.config import default_cache_dir
 from openinfer.loader.model_source import fetch_registered, resolve_model_dir
 
 # `make test` runs the suite in pytest-xdist workers, one per core: each worker's torch gets its share of the cores
-# (more threads than cores crawl: OpenMP threads spin while they wait for each other)
+# (more threads than cores crawl: OpenMP threads spin while they wait for each other), and so does every process a
+# test starts (servers, engine ranks, CLI runs: their torch reads OMP_NUM_THREADS), unless the environment set it.
+# A subprocess with a thread per core beside the other busy worker ran 1.6x as long on 2 cores, far more on a
+# loaded machine.
 torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")

@@ -24,18 +24,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, timeout: float, proc=None, ok: tuple[int, ...] = (200,)) -> bool:
+    """Poll `base_url`/health until it answers a status in `ok` (True), or `proc` (a server process) exits or
+    `timeout` seconds pass (False). One client for every poll: `httpx.get` builds a client and an SSL context each
+    time (~35 ms of CPU every 0.2 s, a sixth of a core taken from the server starting beside it)."""
+    deadline = time.time() + timeout
+    with httpx.Client(timeout=1) as client:
+        while time.time() < deadline and (proc is None or proc.poll() is None):
+            try:
+                if client.get(base_url + "/health").status_code in ok:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    return False
+
+
 def wait_up(base: str, timeout: float, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
     """Until `base`/health answers (200 or 503); RuntimeError with the log's tail if `proc` exits first or time runs
     out."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code in (200, 503):
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    if wait_healthy(base, timeout, proc, ok=(200, 503)):
+        return
+    if proc is not None and proc.poll() is not None:
+        raise RuntimeError(f"{base} exited with {proc.returncode}: {open(log).read()[-3000:] if log else ''}")
     raise RuntimeError(f"{base} did not come up" + (f": {open(log).read()[-3000:]}" if log else ""))
 
 
@@ -59,13 +70,8 @@ class LiveServer:
 
     def __enter__(self) -> "LiveServer":
         self._thread.start()
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        if wait_healthy(self.base_url, 60):
+            return self
         raise RuntimeError("server did not come up")
 
     def __exit__(self, *exc) -> None:

@@ -44,10 +44,37 @@ def test_building_models_in_a_fresh_process_imports_neither_dynamo_nor_sympy(smo
     import subprocess
     import sys
 
-    code = ("import sys\nfrom openinfer import LLM\n"
+    # two tokens: a prefill and a decode step (the default 16 ran 14 more decode steps of the same code)
+    code = ("import sys\nfrom openinfer import LLM, SamplingParams\n"
             f"for m in ({str(smollm_dir)!r}, 'deepseek-v4-tiny', 'deepseek-v41-tiny'):\n"
-            "    LLM(m, device='cpu', dtype='float32').generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)\n"
+            "    LLM(m, device='cpu', dtype='float32').generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False,\n"
+            "                                                   sampling_params=SamplingParams(max_tokens=2))\n"
             "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_touching_the_pool_makes_it_resident_and_keeps_its_contents(smollm_dir):
+    """What `openinfer serve` does before serving (CachePool.touch_pages): the CPU pool, handed out lazily, becomes
+    resident (the process grows by its size) and what the caches hold is unchanged."""
+    import os
+
+    from openinfer.benchmarks.soak import read_rss_mib
+    from openinfer.config import EngineConfig
+    from openinfer.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), device="cpu", kv_cache_memory_bytes=256 << 20))
+    pool = engine.runner.pool
+    tensors = [t for ts in (*pool.caches.values(), *pool.snapshots.values()) for t in ts]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert nbytes > 200 << 20
+    first, last = tensors[0].view(-1), tensors[-1].view(-1)
+    first[:5], last[-3:] = 1.5, -2.0
+    before = read_rss_mib(os.getpid())
+    engine.touch_cache_pages()
+    assert read_rss_mib(os.getpid()) - before > 0.9 * nbytes / 2**20
+    assert first[:5].eq(1.5).all() and last[-3:].eq(-2.0).all()
+    assert all(int(t.count_nonzero()) == 0 for t in tensors[1:-1])
+    assert int(first.count_nonzero()) == 5 and int(last.count_nonzero()) == 3
+    engine.shutdown()

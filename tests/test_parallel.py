@@ -30,7 +30,7 @@ from openinfer import LLM
 from openinfer.distributed.eplb import num_physical_experts
 from openinfer.executor.multiproc import WorkerError
 from openinfer.sampling_params import SamplingParams
-from tests.live_server import _free_port
+from tests.live_server import _free_port, wait_healthy
 from tests.test_deepseek_v4 import make_v4, prompts_of
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -559,13 +559,7 @@ def test_server_with_dp_ep_serves_v4_and_leaves_no_workers(v4_path, tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(base, 180, proc)
         assert proc.poll() is None, (tmp_path / "server.log").read_text(errors="replace")[-3000:]
         workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
                    if "openinfer" in " ".join(c.cmdline()) or "multiprocessing" in " ".join(c.cmdline())]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import psutil
 import pytest
 import ray
@@ -24,7 +23,7 @@ from ray.util.placement_group import placement_group_table
 
 from openinfer import LLM, EngineConfig
 from openinfer.executor.multiproc import WorkerError
-from tests.live_server import _free_port
+from tests.live_server import _free_port, wait_healthy
 from tests.test_deepseek_v4 import prompts_of
 from tests.test_parallel import EP2, V4_OPTS, assert_gone, assert_same_outputs, generate, params
 
@@ -174,13 +173,7 @@ def test_serve_on_ray_through_the_openai_client(ray_address, tmp_path):
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": ray_address})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(base, 180, proc)
         assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
         assert cluster_holds()[1] == before[1] + 2                # its two ranks hold a CPU each
         client = openai.OpenAI(base_url=base + "/v1", api_key="x")

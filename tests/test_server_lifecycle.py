@@ -16,17 +16,7 @@ import httpx
 import psutil
 
 from openinfer.benchmarks.soak import read_rss_mib
-from tests.live_server import _free_port
-
-
-def _wait_healthy(base: str, timeout_s: float = 120) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
+from tests.live_server import _free_port, wait_healthy
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
@@ -36,7 +26,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base)
+        wait_healthy(base, 120, proc)
         # the default CPU pool (2 GiB) is touched before serving: memory does not creep as blocks are first used
         children = psutil.Process(proc.pid).children(recursive=True)
         core = next(c for c in children if "engine-core" in c.name() or read_rss_mib(c.pid) > 2048)
@@ -84,7 +74,7 @@ def test_a_dead_engine_core_makes_the_server_answer_503_and_exit_1(smollm_dir):
                              str(64 << 20)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base)
+        wait_healthy(base, 120, proc)
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if read_rss_mib(c.pid) > 100]
         assert cores
         for c in cores:

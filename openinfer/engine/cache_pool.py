@@ -11,6 +11,7 @@ boundaries are also kept as snapshots for prefix hits (`snapshots`, copied to an
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -182,10 +183,15 @@ class CachePool:
     def touch_pages(self) -> None:
         """Write every page of the caches now. A CPU pool is handed out lazily (see _zeros), so a long-running
         server's memory would creep up as blocks are first used; a server calls this once to start at its
-        steady-state size."""
+        steady-state size. One byte per memory page is rewritten with its own value: that faults the page in
+        as zeroing the whole pool did, without writing every byte (the default 2 GiB pool: ~4x faster), and
+        leaves the contents as they were."""
         for tensors in (*self.caches.values(), *self.snapshots.values()):
             for t in tensors:
-                t.zero_()
+                flat = t.view(-1).view(torch.uint8)
+                if flat.numel():
+                    flat[::mmap.PAGESIZE] = flat[::mmap.PAGESIZE].clone()
+                    flat[-1:] = flat[-1:].clone()      # the page of the last bytes, past the last stride
 
     def _allocate_caches(self) -> dict[str, list[torch.Tensor]]:
         """Per declared cache kind, one tensor per layer: [num_blocks, *block_shape] for paged kinds,

@@ -841,6 +841,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.codecs: dict = {}          # cache kind -> how its entries are stored (set with the cache specs)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._float_head: tuple[tuple[int, int], torch.Tensor] | None = None   # see compute_logits
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.n_layers + k, ops) for k in range(cfg.n_mtp_layers)) \
             if cfg.dspark_block_size else nn.ModuleList()
         self.hasher: NgramHasher | None = None
@@ -1085,4 +1086,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         w = self.head.weight
         if w.is_cuda and w.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16:
             return torch.mm(hidden, w.t(), out_dtype=torch.float32)
-        return F.linear(hidden.float(), w.float())
+        return F.linear(hidden.float(), self._head_in_float32())
+
+    def _head_in_float32(self) -> torch.Tensor:
+        """`head.weight.float()`; on the CPU converted once per version of the weight instead of at every step: the
+        129K-row head was a fifth of the tiny models' CPU time (py-spy, tests/test_deepseek_v41.py). Kept while
+        the weight is unchanged: same storage, same in-place version (a write through `.data`, as the loader's
+        before any forward, is not seen)."""
+        w = self.head.weight
+        if w.dtype == torch.float32 or w.device.type != "cpu":    # a device's memory holds no second head
+            return w.float()
+        key = (w.data_ptr(), w._version)
+        if self._float_head is None or self._float_head[0] != key:
+            self._float_head = (key, w.float())
+        return self._float_head[1]
