@@ -21,7 +21,6 @@ tiny shapes) and the GPU at full width. Run directly: `python tests/sparse_decod
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -46,16 +45,10 @@ QUICK = dict(heads=8, index_dim=64, topk=24, head_dim=32, rope_dim=8)
 
 
 def fused_ops():
-    """TRITON_OPS with the indexer's and compressors' decode kernels in (they are not in TRITON_OPS itself until their
-    GPU tests pass: see triton_ops.py)."""
-    from openinfer.layers import triton_compressor, triton_indexer
+    """TRITON_OPS: the indexer's and compressors' decode kernels are in it."""
     from openinfer.layers.triton_ops import TRITON_OPS
 
-    return dataclasses.replace(
-        TRITON_OPS, index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
-        v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
-        v41_compress_decode=triton_compressor.v41_compress_decode,
-        v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
+    return TRITON_OPS
 
 
 def v4_config(heads: int, index_dim: int, topk: int, head_dim: int, rope_dim: int) -> DeepseekV4Config:

@@ -129,13 +129,9 @@ def test_tiny_models_generate_the_same_through_the_kernels_in_interpreter():
 # ---- GPU (`pytest -m gpu`, on the device) ------------------------------------------------------------------
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# the kernels' first GPU run (H200, 2026-12-02) stopped on a misaligned address in the top-k test, which poisons the
-# process's CUDA context: not run until fixed (the kernels are not in TRITON_OPS meanwhile; CPU interpreter tests run)
-misaligned = pytest.mark.xfail(reason="CUDA misaligned address on the H200, 2026-12-02", run=False, strict=True)
 
 
 @gpu
-@misaligned
 @needs_cuda
 @pytest.mark.parametrize("width", ["quick", "full"])
 def test_gpu_kernels_equal_the_torch_code(width):
@@ -187,7 +183,6 @@ def _decode_pieces(x: dict, out: dict) -> None:
 
 
 @gpu
-@misaligned
 @needs_cuda
 def test_gpu_kernels_capture_in_a_graph_and_compile_once_across_contexts():
     """The decode pieces replay from a CUDA graph with their inputs changed in place (no host work inside) and give

@@ -114,7 +114,10 @@ def _e2m1(codes):
     return tl.where((codes & 0x8) != 0, -mag, mag)
 
 
-@triton.jit(do_not_specialize=["n", "stride_tb", "stride_cb", "stride_ob"])
+# `epb` is not specialized: Triton would otherwise take each key row's start (entry * ROW bytes) to be as aligned
+# as the first row of a 16-entry run and load V4.1's 68-byte FP4 rows 16 bytes at a time (a misaligned address on the
+# H200); unspecialized, it proves only ROW's own alignment.
+@triton.jit(do_not_specialize=["n", "stride_tb", "stride_cb", "stride_ob", "epb"])
 def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_ptr, out_ptr, n, scale,
                          stride_qb, stride_qh, stride_wb, stride_tb, stride_cb, stride_ob, epb, cand_block,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,

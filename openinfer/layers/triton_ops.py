@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.layers import triton_mhc, triton_moe_routing
+from openinfer.layers import triton_compressor, triton_indexer, triton_mhc, triton_moe_routing
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.layers.triton_sparse_decode import sparse_decode_attention
@@ -252,10 +252,6 @@ def _bf16_io(kernel):
     return run
 
 
-# The indexer's and compressors' decode kernels (triton_indexer.py, triton_compressor.py: index_scores, index_topk,
-# v4_hca_decode, v4_csa_decode, v41_compress_decode, v41_index_keys_decode) equal the torch code in Triton's
-# interpreter but stopped on a misaligned address on the H200 (2026-12-02, their first GPU run): they join TRITON_OPS
-# once their GPU tests pass; until then decode rows take the torch code for them (its top-k without a sort).
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),
@@ -263,4 +259,8 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
                       expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
                       moe_combine=triton_moe_routing.moe_combine,
-                      sparse_decode_attention=sparse_decode_attention)
+                      sparse_decode_attention=sparse_decode_attention,
+                      index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
+                      v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
+                      v41_compress_decode=triton_compressor.v41_compress_decode,
+                      v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
