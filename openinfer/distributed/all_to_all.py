@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 DISPATCHES = ("all_gather", "all_to_all", "all_to_all_exact")
-EXACT_MIN_EP = 8      # auto: exact sizes for eager steps from this EP size on (BENCHMARKS.md; GPU numbers pending)
+EXACT_MIN_EP = 4      # auto: exact sizes for eager steps from this EP size on (BENCHMARKS.md; GPU numbers pending)
 
 
 def pick_dispatch(setting: str, ep_size: int, rows_per_rank: int, backend: str, captured: bool = False) -> str:
@@ -41,8 +41,10 @@ def pick_dispatch(setting: str, ep_size: int, rows_per_rank: int, backend: str, 
     is a graph replay (every rank passes the same values, so every rank picks the same). A captured step cannot
     read counts on the host, so all_to_all_exact runs the padded all-to-all there. auto, from what was measured
     (BENCHMARKS.md, "Expert parallelism on the CPU"): eager steps from EP `EXACT_MIN_EP` on take exact sizes (the
-    bytes fall to distinct-ranks-per-row / ep of the padded ones: 57% at EP8, 7% at EP64 with top-6 of 256; below,
-    the saving does not pay for the count round trip); otherwise with gloo the padded all-to-all from EP4 on
+    bytes fall to the padded ones' share of other ranks a row reaches: 83% at EP4, 56% at EP8, 9% at EP64 for
+    top-6 of 256; at EP4 on gloo exact was 2-4x faster at 512 rows per rank in both runs and mixed below; at EP2,
+    with nothing to save, slower at every size: the count round trip); otherwise with gloo the padded all-to-all
+    from EP4 on
     (1.4-2x faster per layer at 1, 16 and 128 rows: gloo's all-gather and reduce-scatter walk a ring of ep - 1
     steps, its all-to-all exchanges pairwise), all-gather at EP2 (neither wins consistently: the bytes are the
     same); with NCCL the all-gather until the GPU sweep (benchmarks/gpu_deepseek_v4_ep.py, which reports all
