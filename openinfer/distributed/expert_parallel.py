@@ -1,14 +1,14 @@
 """MoE expert parallelism: each EP rank holds `slots_per_rank` physical expert slots; a token's routed
 experts run on the ranks holding them and the results come back to the token's rank.
 
-Two exchanges, both with sizes fixed by the step's agreed row count (no counts exchanged first, no host
-sync, capturable in CUDA graphs): one all-gather and one reduce-scatter per MoE layer (the "all-gather
-dispatch" of Megatron and vLLM's naive backend: every rank receives every rank's tokens with their routing,
-computes its own slots' share, the partial sums are reduce-scattered back), or two all-to-alls (`all_to_all.py`:
-each token only to the ranks of its experts, padded blocks per destination), or — eager steps only — two
-all-to-alls of exact sizes after a tiny one of the counts (one host read per layer and micro-batch). The runner picks one per step
-(`all_to_all.pick_dispatch`) and may split the step's rows in two overlapped micro-batches (two-batch overlap);
-docs/parallelism.md has the numbers.
+Two exchanges with sizes fixed by the step's agreed row count (no counts exchanged first, no host sync,
+capturable in CUDA graphs): one all-gather and one reduce-scatter per MoE layer (the "all-gather dispatch" of
+Megatron and vLLM's naive backend: every rank receives every rank's tokens with their routing, computes its own
+slots' share, the partial sums are reduce-scattered back), or two all-to-alls (`all_to_all.py`: each token only
+to the ranks of its experts, padded blocks per destination); and for eager steps a third, two all-to-alls of
+exact sizes after a tiny one of the counts (one host read per layer and micro-batch). The runner picks one per
+step (`all_to_all.pick_dispatch`) and may split the step's rows in two overlapped micro-batches (two-batch
+overlap); docs/parallelism.md has the numbers.
 
 Routing (logical expert ids from the router) is packed with the hidden rows into one byte tensor so one
 collective carries both. Padding rows (ranks run the same number of rows: the step's maximum) carry
