@@ -191,22 +191,28 @@ def test_exact_rows_are_the_padded_blocks_without_padding():
     assert exact_rows(index[:, :0], [0] * ep).numel() == 0
 
 
-def _exchange_worker(rank: int, world: int, port: int) -> None:
+def exchange_worker(rank: int, world: int, port: int, device: str = "cpu") -> None:
     """One rank of the exchange check: random rows and routing (an idle rank, rows below and above TBO_MIN_ROWS),
-    a real per-slot linear expert; every dispatch against the one-process sum."""
+    a real per-slot linear expert; every dispatch against the one-process sum (gloo on CPU, NCCL on "cuda": one
+    GPU per rank, tests/test_gpu_parallel.py)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from openinfer.distributed.parallel_state import ParallelContext
         from openinfer.layers.attention import AttentionMetadata
 
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         ctx = ParallelContext(world_size=world, rank=rank, dp_size=world, dp_rank=rank, ep_size=world,
-                              ep_rank=rank, ep_group=dist.group.WORLD, cpu_group=dist.group.WORLD)
+                              ep_rank=rank, ep_group=dist.group.WORLD, cpu_group=dist.group.WORLD, backend=backend,
+                              device=dev)
         E, k, H = 8, 3, 16
         spr = E // world
-        W = torch.randn(E, H, H, generator=torch.Generator().manual_seed(7))       # the same on every rank
-        routing = ExpertRouting(E, 1, spr, rank)
-        routing.set_replicas(torch.arange(E)[:, None], torch.ones(E, dtype=torch.long))
+        W = torch.randn(E, H, H, generator=torch.Generator().manual_seed(7)).to(dev)    # the same on every rank
+        routing = ExpertRouting(E, 1, spr, rank).to(dev)
+        routing.set_replicas(torch.arange(E, device=dev)[:, None], torch.ones(E, dtype=torch.long, device=dev))
 
         def routed(xa, local, wa):
             out = torch.zeros_like(xa)
@@ -217,18 +223,19 @@ def _exchange_worker(rank: int, world: int, port: int) -> None:
 
         for R, valid in ((5, 0 if rank == 1 else 5 - rank), (TBO_MIN_ROWS + 3, TBO_MIN_ROWS + 3 - 2 * rank)):
             g = torch.Generator().manual_seed(100 * rank + R)
-            x = torch.randn(valid, H, generator=g)
-            experts = torch.rand(valid, E, generator=g).argsort(1)[:, :k]                 # k distinct each
-            weights = torch.rand(valid, k, generator=g)
+            x = torch.randn(valid, H, generator=g).to(dev)
+            experts = torch.rand(valid, E, generator=g).argsort(1)[:, :k].to(dev)          # k distinct each
+            weights = torch.rand(valid, k, generator=g).to(dev)
             want = torch.einsum("tk,tkh->th", weights, torch.einsum("th,tkhg->tkg", x, W[experts]))
             outs = {}
             for dispatch in ("all_gather", "all_to_all", "all_to_all_exact"):
                 for mb in (1, 2):
                     routing.load.zero_()
-                    meta = AttentionMetadata(block_size=1, slot_mapping=torch.zeros(0), moe_rows_per_rank=R,
-                                             moe_exchange=MoeExchange(dispatch, mb))
+                    meta = AttentionMetadata(block_size=1, slot_mapping=torch.zeros(0, device=dev),
+                                             moe_rows_per_rank=R, moe_exchange=MoeExchange(dispatch, mb))
                     outs[dispatch, mb] = expert_parallel_moe(x, experts, weights, routing, routed, meta, ctx)
-                    assert torch.allclose(outs[dispatch, mb], want, atol=1e-4), (rank, R, dispatch, mb)
+                    assert torch.allclose(outs[dispatch, mb], want, atol=1e-4 if device == "cpu" else 1e-2), (
+                        rank, R, dispatch, mb)
                     if dispatch != "all_gather":             # each rank counts its own rows
                         assert torch.equal(routing.load, torch.bincount(experts.flatten(), minlength=E))
             assert torch.equal(outs["all_to_all_exact", 1], outs["all_to_all", 1])
@@ -240,11 +247,16 @@ def _exchange_worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_exchange_equals_padded_and_one_process(world):
+    run_ranks(exchange_worker, world)
+
+
+def run_ranks(target, world: int, *args) -> None:
+    """`target(rank, world, port, *args)` in `world` processes; fails unless every one exits cleanly, leaves none."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = rank_process_context()             # the engine's fork server: torch is imported once, not per rank
-    procs = [ctx.Process(target=_exchange_worker, args=(r, world, port)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     try:
         for p in procs:
             p.start()
