@@ -11,13 +11,14 @@ all requests of a concurrency level submitted at once): output tok/s per GPU, TT
 the experts the step's tokens touch among this GPU's, its requests' KV / measured copy bandwidth) and the
 roofline output rate (tokens per step / floor). Writes JSON to $OUT (or benchmarks/results/).
 
-The sweep runs once per MoE exchange variant (`--dispatch` x `--tbo`: all-gather or padded all-to-all, two-batch
-overlap off or on; one engine each), and reports per variant the host time each rank spent agreeing on the
+The sweep runs once per MoE exchange variant (`--dispatch` x `--tbo`: all-gather, padded all-to-all or the
+exact-size all-to-all on eager steps (prefill; decode graphs keep the padded one), two-batch overlap off or on;
+one engine each), and reports per variant the host time each rank spent agreeing on the
 step's shape (`--step-sync-channel`: shm, the default on one host, or gloo) per step.
 
     python benchmarks/gpu_deepseek_v4_ep.py --tokenizer-json PATH [--gpus 2] [--layers 43]
         [--concurrency 1,8,32,128] [--input-len 8192] [--output-len 1024] [--eplb]
-        [--dispatch all_gather,all_to_all] [--tbo off,on] [--step-sync-channel shm]
+        [--dispatch all_gather,all_to_all,all_to_all_exact] [--tbo off,on] [--step-sync-channel shm]
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def main() -> None:
     ap.add_argument("--eplb-interval", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--dispatch", default="all_gather,all_to_all", help="MoE exchanges to sweep (EngineConfig."
-                                                                       "moe_dispatch values)")
+    ap.add_argument("--dispatch", default="all_gather,all_to_all,all_to_all_exact",
+                    help="MoE exchanges to sweep (EngineConfig.moe_dispatch values)")
     ap.add_argument("--tbo", default="off,on", help="two-batch overlap settings to sweep")
     ap.add_argument("--step-sync-channel", default="auto", choices=["auto", "shm", "gloo"])
     args = ap.parse_args()

@@ -226,8 +226,10 @@ class EngineConfig:
     moe_dispatch: str = _opt(
         "auto", "expert parallelism: the MoE token exchange: all_gather (every rank sees every token; "
                 "reduce-scatter back), all_to_all (each token only to the ranks of its experts, fixed padded "
-                "capacity per destination) or auto (the engine picks per EP size and batch; docs/parallelism.md)",
-        choices=["auto", "all_gather", "all_to_all"])
+                "capacity per destination), all_to_all_exact (eager steps send only real rows, after exchanging "
+                "counts; graph replays run all_to_all) or auto (the engine picks per EP size and step; "
+                "docs/parallelism.md)",
+        choices=["auto", "all_gather", "all_to_all", "all_to_all_exact"])
     two_batch_overlap: bool = _opt(False, "expert parallelism: split a step's rows into two micro-batches whose "
                                           "MoE exchanges overlap the other's compute (outputs identical)")
     distributed_executor_backend: str = _opt(
@@ -316,7 +318,7 @@ class EngineConfig:
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         for name, allowed in (("step_sync_channel", ("auto", "shm", "gloo")),
-                              ("moe_dispatch", ("auto", "all_gather", "all_to_all"))):
+                              ("moe_dispatch", ("auto", "all_gather", "all_to_all", "all_to_all_exact"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not self.enable_expert_parallel:

@@ -4,6 +4,8 @@
   (the other rank idling on padding rows / graphs) gives identical greedy tokens and logprobs, CUDA graphs or
   eager; a batch's teacher-forced prompt logprobs stay within bf16 batch noise (greedy tokens of a random
   tiny model part at near-ties: measured 2026-11-30, 87% of 120 tokens before divergence);
+- the same with the exact-size all-to-all (prefill exact, decode graphs padded), and that exchange alone over
+  NCCL returns the padded one's bits;
 - Llama (tiny) with TP2 follows one process the same way (teacher-forced)."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from openinfer import LLM, SamplingParams
 from tests.test_deepseek_v4 import V4_TOKENIZER_DIR
+from tests.test_ep_exchange import exchange_worker, run_ranks
 from tests.test_quantization import TINY_PUBLISHED, write_published
 
 pytestmark = [pytest.mark.gpu,
@@ -58,8 +61,16 @@ def published_dir(tmp_path_factory):
     return write_published(tmp_path_factory.mktemp("pub") / "ckpt", TINY_PUBLISHED, std=0.1)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager):
+def test_exact_all_to_all_over_nccl_equals_padded_and_one_process():
+    """The MoE exchanges alone over NCCL (tests/test_ep_exchange.py's check: an idle rank, one and two halves,
+    overlap on and off): the exact-size all-to-all returns the padded one's bits and the one-process sum."""
+    run_ranks(exchange_worker, 2, "cuda")
+
+
+# moe_dispatch: auto (the all-gather at EP2) and the exact all-to-all (prefill steps exact; with graphs, decode
+# replays the padded all-to-all)
+@pytest.mark.parametrize("enforce_eager,dispatch", [(False, "auto"), (True, "auto"), (False, "all_to_all_exact")])
+def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager, dispatch):
     opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
                 max_num_batched_tokens=256)
     one = LLM(str(published_dir), **opts)
@@ -67,13 +78,13 @@ def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager):
     one_bf16_noise = _max_gap(ref, _prompt_logprobs(one, PROMPTS[::-1])[::-1])   # same engine, other batch order
     single_prompt = _greedy(one, PROMPTS[:1])    # one request: the other rank idles (padding rows / graphs)
     one.shutdown()
-    two = LLM(str(published_dir), data_parallel_size=2, enable_expert_parallel=True, **opts)
+    two = LLM(str(published_dir), data_parallel_size=2, enable_expert_parallel=True, moe_dispatch=dispatch, **opts)
     got = _prompt_logprobs(two, PROMPTS)
     got_single = _greedy(two, PROMPTS[:1])
     stats = two.engine.stats()
     two.shutdown()
     gap = _max_gap(ref, got)
-    print(f"EP2 vs one process (eager={enforce_eager}): prompt logprob gap {gap:.4f} (one process, batch "
+    print(f"EP2 vs one process (eager={enforce_eager}, {dispatch}): prompt logprob gap {gap:.4f} (one process, batch "
           f"reordered: {one_bf16_noise:.4f}); one request identical: {single_prompt == got_single}")
     # DP splits the batch, so bf16 GEMMs see other shapes: within a few times one process's own batch noise
     assert gap < max(0.05, 4 * one_bf16_noise)

@@ -67,6 +67,21 @@ def ep_all_to_all(x: torch.Tensor, ctx: ParallelContext, async_op: bool = False)
     return (out, work) if async_op else out
 
 
+def ep_all_to_all_sizes(x: torch.Tensor, send: list[int], recv: list[int], ctx: ParallelContext,
+                        async_op: bool = False):
+    """[sum(send), ...] on each EP rank, send[d] rows for rank d in rank order -> [sum(recv), ...], recv[s] rows
+    from rank s (uneven blocks; the sizes on the host, as `all_to_all_single` needs them). `async_op`: as
+    `ep_all_to_all`."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    if ctx.ep_size == 1:
+        out.copy_(x)
+        return (out, None) if async_op else out
+    work = dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=ctx.ep_group,
+                                  async_op=async_op)
+    return (out, work) if async_op else out
+
+
 def _all_gather(x: torch.Tensor, n: int, group, dim: int) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))

@@ -1,13 +1,14 @@
 """MoE expert parallelism: each EP rank holds `slots_per_rank` physical expert slots; a token's routed
 experts run on the ranks holding them and the results come back to the token's rank.
 
-Two exchanges, both with sizes fixed by the step's agreed row count (no counts exchanged first, no host
-sync, capturable in CUDA graphs): one all-gather and one reduce-scatter per MoE layer (the "all-gather
-dispatch" of Megatron and vLLM's naive backend: every rank receives every rank's tokens with their routing,
-computes its own slots' share, the partial sums are reduce-scattered back), or two all-to-alls (`all_to_all.py`:
-each token only to the ranks of its experts, padded blocks per destination). The runner picks one per step
-(`all_to_all.pick_dispatch`) and may split the step's rows in two overlapped micro-batches (two-batch overlap);
-docs/parallelism.md has the numbers.
+Two exchanges with sizes fixed by the step's agreed row count (no counts exchanged first, no host sync,
+capturable in CUDA graphs): one all-gather and one reduce-scatter per MoE layer (the "all-gather dispatch" of
+Megatron and vLLM's naive backend: every rank receives every rank's tokens with their routing, computes its own
+slots' share, the partial sums are reduce-scattered back), or two all-to-alls (`all_to_all.py`: each token only
+to the ranks of its experts, padded blocks per destination); and for eager steps a third, two all-to-alls of
+exact sizes after a tiny one of the counts (one host read per layer and micro-batch). The runner picks one per
+step (`all_to_all.pick_dispatch`) and may split the step's rows in two overlapped micro-batches (two-batch
+overlap); docs/parallelism.md has the numbers.
 
 Routing (logical expert ids from the router) is packed with the hidden rows into one byte tensor so one
 collective carries both. Padding rows (ranks run the same number of rows: the step's maximum) carry
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from openinfer.distributed.all_to_all import combine_layout, dispatch_layout, pick_dispatch
-from openinfer.distributed.collectives import ep_all_gather, ep_all_to_all, ep_reduce_scatter
+from openinfer.distributed.all_to_all import (combine_layout, dispatch_index, dispatch_layout, exact_combine,
+                                              exact_rows, pick_dispatch)
+from openinfer.distributed.collectives import ep_all_gather, ep_all_to_all, ep_all_to_all_sizes, ep_reduce_scatter
 from openinfer.distributed.eplb import ExpertPlacement, num_physical_experts
 from openinfer.distributed.parallel_state import ParallelContext
 
@@ -113,7 +115,7 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     exchange = meta.moe_exchange or MoeExchange()
     if meta.moe_valid_rows is not None:
         experts = torch.where(torch.arange(T, device=x.device)[:, None] < meta.moe_valid_rows, experts, -1)
-    path = AllToAll if exchange.dispatch == "all_to_all" else AllGather
+    path = EXCHANGES[exchange.dispatch]
     halves = split_rows(R)
     packed = pack_rows(x, experts, weights, R)
     comm = meta.moe_communicate
@@ -131,16 +133,22 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
 @dataclass(frozen=True)
 class MoeExchange:
     """A step's choice of MoE exchange (the runner picks it from agreed values, so every rank picks the same):
-    `dispatch` "all_gather" or "all_to_all", `micro_batches` 1 or 2 (two-batch overlap)."""
+    `dispatch` "all_gather", "all_to_all" or "all_to_all_exact", `micro_batches` 1 or 2 (two-batch overlap)."""
     dispatch: str = "all_gather"
     micro_batches: int = 1
 
+    @property
+    def counts_own_rows(self) -> bool:
+        """Each rank counted only its own rows' expert load (the all-to-alls): EPLB sums the counts after the step."""
+        return self.dispatch != "all_gather"
+
 
 def step_exchange(dispatch: str, two_batch_overlap: bool, ep_size: int, rows_per_rank: int,
-                  backend: str) -> MoeExchange:
+                  backend: str, captured: bool = False) -> MoeExchange:
     """The exchange of a step whose ranks agreed on `rows_per_rank` (EngineConfig.moe_dispatch and
-    two_batch_overlap; the same on every rank)."""
-    return MoeExchange(pick_dispatch(dispatch, ep_size, rows_per_rank, backend), 2 if two_batch_overlap else 1)
+    two_batch_overlap; the same on every rank); `captured`: a CUDA-graph bucket's (no exact sizes there)."""
+    return MoeExchange(pick_dispatch(dispatch, ep_size, rows_per_rank, backend, captured),
+                       2 if two_batch_overlap else 1)
 
 
 TBO_MIN_ROWS = 32     # rows per rank from which a step runs in two halves (below, nothing worth overlapping)
@@ -216,6 +224,20 @@ class AllGather:
         return mine
 
 
+def physical_part(packed, x, o, n, R, routing, ctx):
+    """The micro-batch's rows of `packed` (a copy) with their logical expert ids replaced by the physical slots of
+    the replicas they use (-1: none), the slots [n, k] and k; counts this rank's rows' load (summed after the
+    step)."""
+    nx = x.shape[1] * x.element_size()
+    k = (packed.shape[1] - nx) // 8
+    part = packed[o:o + n].clone()
+    ids = part[:, nx:nx + 4 * k].contiguous().view(torch.int32).long()
+    rows = ctx.ep_rank * R + o + torch.arange(n, device=packed.device)
+    phys = routing.physical_slots(ids, rows)
+    part[:, nx:nx + 4 * k] = phys.to(torch.int32).view(torch.uint8)
+    return part, phys, k
+
+
 class AllToAll:
     """all_to_all.py: each row goes only to the ranks holding its experts' replicas, in blocks of a fixed
     capacity per destination; partial sums come back the same way and add up on the row's rank."""
@@ -223,13 +245,7 @@ class AllToAll:
     @staticmethod
     def dispatch(packed, x, o, n, R, routing, ctx, communicate, overlap):
         H, dtype = x.shape[1], x.dtype
-        nx = H * x.element_size()
-        k = (packed.shape[1] - nx) // 8
-        part = packed[o:o + n].clone()
-        ids = part[:, nx:nx + 4 * k].contiguous().view(torch.int32).long()
-        rows = ctx.ep_rank * R + o + torch.arange(n, device=packed.device)
-        phys = routing.physical_slots(ids, rows)        # counts this rank's rows only (summed after the step)
-        part[:, nx:nx + 4 * k] = phys.to(torch.int32).view(torch.uint8)
+        part, phys, k = physical_part(packed, x, o, n, R, routing, ctx)
         send, index = dispatch_layout(part, phys, routing.slots_per_rank, ctx.ep_size, capacity=n)
         if not communicate:
             return send, None, index, (dtype, H, k)
@@ -252,3 +268,39 @@ class AllToAll:
         back, work, index = combine
         _wait(work)
         return combine_layout(back, index, index.shape[1])
+
+
+class AllToAllExact:
+    """all_to_all.py with exact sizes (eager steps only): the rows each rank sends to each other rank are counted
+    on the device, the counts exchanged (a tiny all-to-all) and read once on the host, and only real rows travel,
+    there and back; the partial sums add up on the row's rank in the padded path's order."""
+
+    @staticmethod
+    def dispatch(packed, x, o, n, R, routing, ctx, communicate, overlap):
+        part, phys, k = physical_part(packed, x, o, n, R, routing, ctx)
+        index, counts = dispatch_index(phys, routing.slots_per_rank, ctx.ep_size, n)
+        send, recv = torch.stack([counts, ep_all_to_all(counts, ctx)]).tolist()      # the one host read
+        rows = exact_rows(index, send)
+        out, work = ep_all_to_all_sizes(part[rows], send, recv, ctx, async_op=True) if overlap else (
+            ep_all_to_all_sizes(part[rows], send, recv, ctx), None)
+        return out, work, (rows, send, recv, n), (x.dtype, x.shape[1], k)
+
+    @staticmethod
+    def combine(flight, routed, routing, ctx, communicate, overlap):
+        got, work, sizes, (dtype, H, k) = flight
+        _wait(work)
+        xa, pa, wa = unpack_rows(got, dtype, H, k)
+        partial = routed(xa, routing.local_of(pa), wa)
+        rows, send, recv, n = sizes
+        back, work = ep_all_to_all_sizes(partial, recv, send, ctx, async_op=True) if overlap else (
+            ep_all_to_all_sizes(partial, recv, send, ctx), None)
+        return back, work, rows, n
+
+    @staticmethod
+    def finish(combine):
+        back, work, rows, n = combine
+        _wait(work)
+        return exact_combine(back, rows, n)
+
+
+EXCHANGES = {"all_gather": AllGather, "all_to_all": AllToAll, "all_to_all_exact": AllToAllExact}

@@ -115,9 +115,10 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= rows), None)
 
     def exchange_for(self, b: int):
-        """Expert parallelism: the MoE exchange bucket `b` is captured with (every rank picks the same)."""
+        """Expert parallelism: the MoE exchange bucket `b` is captured with (every rank picks the same; the EP
+        group is the world, graphs are CUDA's, and a capture reads no counts on the host)."""
         return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap,
-                             self.config.world_size, b, "nccl")   # (EP: the EP group is the world; graphs: CUDA)
+                             self.config.world_size, b, "nccl", captured=True)
 
     def capture(self, b: int, context: int) -> None:
         """Warm up (kernel compiles) and capture one bucket. With expert parallelism the warm-up runs without

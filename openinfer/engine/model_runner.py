@@ -281,7 +281,7 @@ class ModelRunner:
         if cp is not None:
             hidden = cp.gather(hidden)
         if self.eplb is not None:
-            self.eplb.after_forward(summed=exchange is not None and exchange.dispatch == "all_to_all")
+            self.eplb.after_forward(summed=exchange is not None and exchange.counts_own_rows)
         if capture:
             out.captured = self.model.captured if captured is None else captured
 
@@ -318,7 +318,7 @@ class ModelRunner:
                                 moe_rows=plan.max_tokens, moe_valid=torch.zeros((), dtype=torch.long,
                                                                                 device=self.device),
                                 moe_exchange=exchange)
-        self.eplb.after_forward(summed=exchange.dispatch == "all_to_all")
+        self.eplb.after_forward(summed=exchange.counts_own_rows)
 
     def _exchange(self, plan):
         """The step's MoE exchange (all ranks pick alike: from agreed values); a graph replay's is its bucket's."""
