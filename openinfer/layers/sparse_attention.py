@@ -200,3 +200,24 @@ def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: flo
             win = (keys, kpos - (start - W), wvalid)
             out[t0:t1] = attend_v41(q[t0:t1], win, None if ckeys is None else (ckeys, cvalid, None), sinks, scale)
     return out
+
+
+def prefill_batch(chunks: list, device: torch.device) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """A step's prefill chunks (PrefillChunk, consecutive rows) as `sparse_prefill_attention` takes them: (their
+    rows in the step, cu_seqlens [C+1], state slots [C])."""
+    first, bounds = chunks[0].query_start, [0]
+    for p in chunks:
+        if p.query_start != first + bounds[-1]:
+            raise ValueError(f"prefill chunks must be consecutive rows: one starts at {p.query_start}, "
+                             f"not {first + bounds[-1]}")
+        bounds.append(bounds[-1] + p.query_len)
+    return (slice(first, first + bounds[-1]), torch.tensor(bounds, dtype=torch.int32, device=device),
+            torch.tensor([p.state_slot for p in chunks], dtype=torch.int32, device=device))
+
+
+def stack_picks(rows: list[torch.Tensor], valid: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk compressed rows [n_c, K_c] and their validity -> [sum n_c, max K_c], padded with invalid row 0."""
+    K = max(r.shape[1] for r in rows)
+    pad = [(torch.nn.functional.pad(r, (0, K - r.shape[1])), torch.nn.functional.pad(v, (0, K - v.shape[1])))
+           for r, v in zip(rows, valid)]
+    return torch.cat([r for r, _ in pad]), torch.cat([v for _, v in pad])
