@@ -155,6 +155,34 @@ def check_all(device: str, quick: bool = False) -> list[str]:
     return failures
 
 
+def check_per_sequence(device: str) -> list[str]:
+    """The contract against the per-sequence path over the cases' shapes (finite unreadable rows: that path
+    multiplies them by zero): bit for bit where both gather the same keys (V4.1; V4's window and picks); V4's HCA
+    (one shared [N, D] block there, per-query rows here) within a few float32 ulps, or one bf16 rounding of its
+    logits."""
+    failures = []
+    rng = random.Random(1)
+    for name, _ in cases(device, quick=True):
+        spec = dict(kv.split("=") for kv in name.split(" "))
+        for hca in ((False, True) if spec["softmax"] == V4_SOFTMAX and spec["topk"] not in ("None", "0") else (False,)):
+            case = random_case(rng, device=device, dtype=getattr(torch, spec["dtype"]), chunks=3,
+                               heads=int(spec["heads"]), head_dim=int(spec["head_dim"]), window=int(spec["window"]),
+                               rollback=int(spec["rollback"]), topk=None if spec["topk"] == "None" else int(spec["topk"]),
+                               softmax=spec["softmax"], quantized=spec["quantized"] == "True", prefix_valid=hca,
+                               floors=spec["floors"] == "True", nan=False)
+            got, want = sparse_prefill_attention(**case), per_sequence(case, hca)
+            err = (got.float() - want.float()).abs().max().item()
+            print(f"{name} hca={hca}: max |contract - per-sequence| {err:.3g}", flush=True)
+            if not hca:
+                ok = torch.equal(got, want)
+            else:
+                rel = 1e-6 if case["q"].dtype == torch.float32 else 2 ** -7
+                ok = err <= rel * max(1.0, want.abs().max().item())
+            if not ok:
+                failures.append(f"{name} hca={hca}: contract differs from the per-sequence path by {err:.3g}")
+    return failures
+
+
 def per_sequence(case: dict, hca: bool = False) -> torch.Tensor:
     """What the models computed before the batched op, chunk by chunk (deepseek_v4 `_window_keys` + attend_v4 with
     the band; deepseek_v41 `_window` + attend_v41): the window as W history rows then the chunk's, the compressed
@@ -180,7 +208,8 @@ def per_sequence(case: dict, hca: bool = False) -> torch.Tensor:
             groups = [(keys, mask, None)]
             if block is not None:
                 if hca:
-                    groups.append((block[rows[t0]], valid[t0:t1], None))
+                    shared = dec(cache.view(-1, cache.shape[-1])[rows[t0]], case["cache_codec"])
+                    groups.append((shared, valid[t0:t1], None))
                 else:
                     groups.append((block, valid[t0:t1], picks))
             out[t0:t1] = attend_v4(q[t0:t1], groups, case["sinks"], case["scale"], band=W)
@@ -196,9 +225,9 @@ def per_sequence(case: dict, hca: bool = False) -> torch.Tensor:
     return out
 
 
-def engine_prefill(model: str, device: str, dtype: str, op, max_tokens: int = 3) -> tuple[list, list, int]:
-    """Greedy generation of four requests whose prompts (40 .. 300 tokens, one sharing a 192-token prefix with an
-    earlier one: a prefix hit) prefill in chunks of a 96-token step budget, several chunks per step, with `op` as
+def engine_prefill(model: str, device: str, dtype: str, op, max_tokens: int = 2) -> tuple[list, list, int]:
+    """Greedy generation of four requests whose prompts (24 .. 130 tokens, the last sharing a 96-token prefix with
+    an earlier one: a prefix hit) prefill in chunks of a 48-token step budget, several chunks per step, with `op` as
     the engine's `LayerOps.sparse_prefill_attention` (None: the per-sequence path): (tokens per request, logits per
     request and step, calls of `op`)."""
     from openinfer import LLM, SamplingParams
@@ -220,15 +249,15 @@ def engine_prefill(model: str, device: str, dtype: str, op, max_tokens: int = 3)
 
     llm_engine.make_kernels = kernels
     try:
-        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=4, max_num_batched_tokens=96,
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=4, max_num_batched_tokens=48,
                   **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
     finally:
         llm_engine.make_kernels = make
     logits = record_step_logits(llm)
-    prompts = [[(i * 7919 + k) % 120000 + 100 for i in range(n)] for k, n in enumerate((40, 300, 131))]
+    prompts = [[(i * 7919 + k) % 120000 + 100 for i in range(n)] for k, n in enumerate((24, 130, 61))]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=params)
-    outs += llm.generate(prompt_token_ids=[prompts[1][:192] + [7, 8, 9] * 20], use_tqdm=False, sampling_params=params)
+    outs += llm.generate(prompt_token_ids=[prompts[1][:96] + [7, 8, 9] * 8], use_tqdm=False, sampling_params=params)
     result = [o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs], calls[0]
     llm.shutdown()
     return result
@@ -258,7 +287,9 @@ def compare_engine_ops(model: str, device: str, dtype: str, tol: float, op) -> l
 
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    if "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
+    if "--per-sequence" in sys.argv:
+        fails = check_per_sequence(device)
+    elif "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
         fails = [f for m in ("deepseek-v4-tiny", "deepseek-v41-tiny") for f in compare_engines(m, device, "float32",
                                                                                                1e-5)]
     else:
