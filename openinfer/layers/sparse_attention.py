@@ -15,6 +15,11 @@ beyond W are rollback room for rejected drafts and never read), the compressed k
 paged cache viewed as rows, masked by `valid`; caches hold their entries as the codecs of
 `quantization/kv_formats.py` store them (None: unquantized, in the value dtype). `LayerOps.sparse_decode_attention`
 is this function on the torch path and the Triton kernel on CUDA.
+
+`sparse_prefill_attention` is the prefill chunks' contract: every chunk of a step at once (varlen queries, window
+keys from the ring's history and the chunk's own keys, compressed rows per query), per chunk exactly the models'
+per-sequence math; `LayerOps.sparse_prefill_attention` (None: the models' own per-chunk path) is the Triton kernel
+of `triton_sparse_prefill.py` where the runtime chooses it.
 """
 
 from __future__ import annotations

@@ -256,6 +256,9 @@ def _bf16_io(kernel):
 # v4_hca_decode, v4_csa_decode, v41_compress_decode, v41_index_keys_decode) equal the torch code in Triton's
 # interpreter but stopped on a misaligned address on the H200 (2026-12-02, their first GPU run): they join TRITON_OPS
 # once their GPU tests pass; until then decode rows take the torch code for them (its top-k without a sort).
+# The batched prefill attention (triton_sparse_prefill.sparse_prefill_attention) equals its contract in the interpreter
+# and has not run on a GPU yet: it joins (sparse_prefill_attention=...) once tests/test_sparse_prefill_attention.py's
+# GPU tests pass; until then prefill chunks take the models' per-chunk torch path.
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),

@@ -390,7 +390,9 @@ class DeepseekV4Attention(nn.Module):
     (sliding window, compressed entries, indexer keys, compressor state) are replicated, not split.
 
     Decode rows attend through `ops.sparse_decode_attention` (keys read in place from the ring and the paged cache:
-    one fused launch on CUDA); prefill chunks through `attend_v4` over gathered keys."""
+    one fused launch on CUDA); prefill chunks, where the runtime chose `ops.sparse_prefill_attention`, all at once
+    through it (keys read in place: one launch per layer with the Triton kernel), else each through `attend_v4` over
+    gathered keys."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, parallel: ParallelContext | None = None,
                  ops: LayerOps = TORCH_OPS):

@@ -211,7 +211,8 @@ class Attention(nn.Module):
     picked compressed entries, with a per-head sink logit; the output's RoPE slice is rotated back and a
     grouped low-rank projection (`wo_a`, bf16 as published) follows. Decode rows attend through
     `ops.sparse_decode_attention` (keys read and decoded in place from the ring and the paged cache: one fused launch
-    on CUDA); prefill chunks through `attend_v41` over gathered keys."""
+    on CUDA); prefill chunks, where the runtime chose `ops.sparse_prefill_attention`, all at once through it (keys
+    read and decoded in place: one launch per layer with the Triton kernel), else each through `attend_v41`."""
 
     quantized_caches = True     # window keys FP8, compressed entries and indexer keys/queries FP4 (DeepSeek's)
 
