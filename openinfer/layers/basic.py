@@ -103,6 +103,9 @@ class LayerOps:
     # DeepSeek-V4/V4.1 decode rows: sparse attention over the window ring and the compressed cache, read in place
     # (layers/sparse_attention.py's contract; one fused launch per layer on CUDA, triton_sparse_decode.py)
     sparse_decode_attention: Callable = sparse_decode_attention
+    # ... and their prefill chunks: every chunk of a step in one call (sparse_attention.sparse_prefill_attention's
+    # contract; one launch per layer in triton_sparse_prefill.py); None: the models attend chunk by chunk in torch
+    sparse_prefill_attention: Callable | None = None
     # DeepSeek's sparse decode (V4, V4.1): the indexer's top-k, (scores [T, N], k, limit [T] | None) -> (picks in
     # position order, valid) (layers/index_topk.py); and fused decode-row kernels, None where the model runs its own
     # torch code, their reference: the indexer's paged scores (layers/triton_indexer.index_scores), V4's compressor

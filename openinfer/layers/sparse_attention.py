@@ -15,6 +15,11 @@ beyond W are rollback room for rejected drafts and never read), the compressed k
 paged cache viewed as rows, masked by `valid`; caches hold their entries as the codecs of
 `quantization/kv_formats.py` store them (None: unquantized, in the value dtype). `LayerOps.sparse_decode_attention`
 is this function on the torch path and the Triton kernel on CUDA.
+
+`sparse_prefill_attention` is the prefill chunks' contract: every chunk of a step at once (varlen queries, window
+keys from the ring's history and the chunk's own keys, compressed rows per query), per chunk exactly the models'
+per-sequence math; `LayerOps.sparse_prefill_attention` (None: the models' own per-chunk path) is the Triton kernel
+of `triton_sparse_prefill.py` where the runtime chooses it.
 """
 
 from __future__ import annotations
@@ -138,3 +143,86 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
         return res
     out.copy_(res)
     return out
+
+
+def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: float, softmax: str, kv: torch.Tensor,
+                             positions: torch.Tensor, cu_seqlens: torch.Tensor, ring: torch.Tensor,
+                             slots: torch.Tensor, window: int, ring_codec: KVCodec | None = None,
+                             cache: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                             valid: torch.Tensor | None = None, cache_codec: KVCodec | None = None,
+                             floors: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """All prefill chunks of a step at once, keys read from the caches (the torch reference; one Triton launch in
+    `triton_sparse_prefill.py`).
+
+    q [T, H, D] (its dtype is the value dtype): chunk c's queries are rows cu_seqlens[c] .. cu_seqlens[c+1] (int
+    [C+1], cu_seqlens[0] = 0, cu_seqlens[C] = T) at consecutive positions (`positions` [T]). Window: query at P
+    reads positions max(P-W+1, 0, floor) .. P; those before its chunk's first position from the ring [slots, R,
+    stored] at slot slots[c], row p % R (the chunk's own keys not yet written there), those of the chunk from `kv`
+    [T, D] (each row's own key, in the value dtype, as the ring will hold it decoded). `floors` [C] (V4.1's YOCO
+    decoder layers: the first position a chunk's window may read) or None. Compressed (optional): cache [...,
+    stored] rows, rows [T, K] per query into cache.view(-1, stored), valid [T, K] (None: all valid). Codecs as
+    `sparse_decode_attention`'s. Writes `out` when given; returns the output.
+
+    Per chunk this is exactly what the models' per-sequence prefill computes (the window as W history rows then
+    the chunk's, in attend_v4's band layout and attend_v41's column order; the compressed rows gathered per query):
+    V4.1's bits are the per-sequence path's; V4's differ from it only where its shared-key HCA matmul
+    ("thd,ld->thl") and this per-query one round differently (float32: a few ulps)."""
+    if softmax not in SOFTMAXES:
+        raise ValueError(f"softmax must be one of {SOFTMAXES}, got {softmax!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    W, R, dev = window, ring.shape[1], q.device
+    if window > R:
+        raise ValueError(f"window {window} exceeds the ring's {R} rows")
+    bounds = cu_seqlens.tolist()
+    for c, slot in enumerate(slots.tolist()):
+        t0, t1 = bounds[c], bounds[c + 1]
+        if t1 == t0:
+            continue
+        pos = positions[t0:t1]
+        start = int(pos[0])
+        floor = 0 if floors is None else max(int(floors[c]), 0)
+        hist = torch.arange(start - W, start, device=dev)
+        # history rows no query reads (before the sequence, the floor or every window) are zeroed, not only masked
+        old = _decode_rows(ring[slot, hist % R], ring_codec, q.dtype)
+        old = torch.where((hist >= max(start - W + 1, floor))[:, None], old, 0)
+        keys = torch.cat((old, kv[t0:t1].to(q.dtype)))
+        ckeys = cvalid = None
+        if cache is not None:
+            crows = rows[t0:t1]
+            cvalid = torch.ones_like(crows, dtype=torch.bool) if valid is None else valid[t0:t1]
+            ckeys = _decode_rows(cache.view(-1, cache.shape[-1])[crows], cache_codec, q.dtype)
+            ckeys = torch.where(cvalid[..., None], ckeys, 0)
+        if softmax == V4_SOFTMAX:
+            kpos = torch.cat((hist, pos))[None, :]
+            mask = (kpos <= pos[:, None]) & (kpos > pos[:, None] - W) & (kpos >= floor)
+            groups = [(keys, mask, None)] + ([] if ckeys is None else [(ckeys, cvalid, None)])
+            out[t0:t1] = attend_v4(q[t0:t1], groups, sinks, scale, band=W)
+        else:
+            wc = min(int(pos[-1]) + 1, W)
+            kpos = (pos[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
+            wvalid = (kpos <= pos[:, None]) & (kpos >= floor)
+            win = (keys, kpos - (start - W), wvalid)
+            out[t0:t1] = attend_v41(q[t0:t1], win, None if ckeys is None else (ckeys, cvalid, None), sinks, scale)
+    return out
+
+
+def prefill_batch(chunks: list, device: torch.device) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """A step's prefill chunks (PrefillChunk, consecutive rows) as `sparse_prefill_attention` takes them: (their
+    rows in the step, cu_seqlens [C+1], state slots [C])."""
+    first, bounds = chunks[0].query_start, [0]
+    for p in chunks:
+        if p.query_start != first + bounds[-1]:
+            raise ValueError(f"prefill chunks must be consecutive rows: one starts at {p.query_start}, "
+                             f"not {first + bounds[-1]}")
+        bounds.append(bounds[-1] + p.query_len)
+    return (slice(first, first + bounds[-1]), torch.tensor(bounds, dtype=torch.int32, device=device),
+            torch.tensor([p.state_slot for p in chunks], dtype=torch.int32, device=device))
+
+
+def stack_picks(rows: list[torch.Tensor], valid: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk compressed rows [n_c, K_c] and their validity -> [sum n_c, max K_c], padded with invalid row 0."""
+    K = max(r.shape[1] for r in rows)
+    pad = [(torch.nn.functional.pad(r, (0, K - r.shape[1])), torch.nn.functional.pad(v, (0, K - v.shape[1])))
+           for r, v in zip(rows, valid)]
+    return torch.cat([r for r, _ in pad]), torch.cat([v for _, v in pad])

@@ -45,7 +45,7 @@ from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
 from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert
-from openinfer.layers.sparse_attention import V4_SOFTMAX, attend_v4
+from openinfer.layers.sparse_attention import V4_SOFTMAX, attend_v4, prefill_batch, stack_picks
 from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -390,7 +390,9 @@ class DeepseekV4Attention(nn.Module):
     (sliding window, compressed entries, indexer keys, compressor state) are replicated, not split.
 
     Decode rows attend through `ops.sparse_decode_attention` (keys read in place from the ring and the paged cache:
-    one fused launch on CUDA); prefill chunks through `attend_v4` over gathered keys."""
+    one fused launch on CUDA); prefill chunks, where the runtime chose `ops.sparse_prefill_attention`, all at once
+    through it (keys read in place: one launch per layer with the Triton kernel), else each through `attend_v4` over
+    gathered keys."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_type: str, parallel: ParallelContext | None = None,
                  ops: LayerOps = TORCH_OPS):
@@ -442,12 +444,22 @@ class DeepseekV4Attention(nn.Module):
                 index_rows = comp.indexer.rows(x, positions)
                 index_q = comp.indexer.queries(qx, q_residual, qcos, qsin)
         out = torch.empty_like(q)
+        batched = self.ops.sparse_prefill_attention is not None and cp is None
+        chunks = []
         for sl, qsl, sel, p in query_spans(meta, cp, x.device):
             crows = None if rows is None else rows[sl]
             irows = None if index_rows is None else index_rows[sl]
             iq = None if index_q is None else (index_q[0][qsl], index_q[1][qsl])
             if p is None:               # decode rows: keys read in place, one fused launch on CUDA
                 self._decode(q[qsl], out[qsl], kv[sl], positions[sl], crows, irows, iq, rope, state, meta)
+                continue
+            if batched:                 # entries closed and picked now; attention for every chunk at once below
+                picks = None
+                if comp is not None:
+                    flat, picked, valid = self._compressed_entries(positions[sl], crows, irows, iq, rope, state, meta,
+                                                                   p)
+                    picks = (flat.expand(len(valid), -1) if picked is None else flat[picked], valid)
+                chunks.append((p, picks))
                 continue
             groups = [self._window_keys(kv[sl], positions[sl], state["swa"], p)]
             q_pos = positions[sl] if sel is None else positions[sl][sel]
@@ -460,6 +472,8 @@ class DeepseekV4Attention(nn.Module):
                 groups[0] = (keys, mask[sel], picks)
             if q_pos.numel():
                 out[qsl] = attend_v4(q[qsl], groups, self.sinks, self.scale, band=self.window if sel is None else None)
+        if chunks:
+            self._prefill(q, out, kv, positions, chunks, state)
         o = apply_rope(out, qcos[:, None], -qsin[:, None]).reshape(T, self.o_groups,
                                                                    self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
@@ -478,6 +492,28 @@ class DeepseekV4Attention(nn.Module):
         self.ops.sparse_decode_attention(q, sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX, ring=ring,
                                          slots=slots, positions=positions, window=self.window, out=out, **comp)
 
+    def _prefill(self, q, out, kv, positions, chunks, state) -> None:
+        """Every prefill chunk of the step through one `ops.sparse_prefill_attention` call (window keys read in place:
+        the ring's history, then the chunks' own keys, which are stored in the ring after it), into `out`."""
+        ring = state["swa"]
+        sl, cu, slots = prefill_batch([p for p, _ in chunks], q.device)
+        comp = {}
+        if self.compressor is not None:
+            rows, valid = stack_picks([c[1][0] for c in chunks], [c[1][1] for c in chunks])
+            comp = dict(cache=state["kv"], rows=rows, valid=valid)
+        self.ops.sparse_prefill_attention(q[sl], sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX,
+                                          kv=kv[sl].to(ring.dtype), positions=positions[sl], cu_seqlens=cu, ring=ring,
+                                          slots=slots, window=self.window, out=out[sl], **comp)
+        for p, _ in chunks:
+            rs = slice(p.query_start, p.query_start + p.query_len)
+            self._store_window(kv[rs], positions[rs], ring[p.state_slot])
+
+    @staticmethod
+    def _store_window(kv, positions, ring) -> None:
+        """A chunk's keys into its ring [R, D] (the last R of them)."""
+        keep = min(len(kv), ring.shape[0])
+        ring[positions[-keep:] % ring.shape[0]] = kv[-keep:].to(ring.dtype)
+
     def _window_keys(self, kv, positions, ring, p):
         """A chunk's sliding-window keys ([W + n, D]: W history rows, then the chunk's) and mask; stores the new keys
         in the ring (after reading the history). R = W + rollback_rows."""
@@ -487,8 +523,7 @@ class DeepseekV4Attention(nn.Module):
         keys = torch.cat((ring[hist % R], kv.to(ring.dtype)))
         kpos = torch.cat((hist, positions))[None, :]
         mask = (kpos <= positions[:, None]) & (kpos > positions[:, None] - W) & (kpos >= 0)
-        keep = min(len(kv), R)
-        ring[positions[-keep:] % R] = kv[-keep:].to(ring.dtype)
+        self._store_window(kv, positions, ring)
         return keys, mask, None
 
     def _compressed_entries(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None):

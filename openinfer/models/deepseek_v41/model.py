@@ -51,7 +51,7 @@ from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert, torch_hc
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
-from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41
+from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -211,7 +211,8 @@ class Attention(nn.Module):
     picked compressed entries, with a per-head sink logit; the output's RoPE slice is rotated back and a
     grouped low-rank projection (`wo_a`, bf16 as published) follows. Decode rows attend through
     `ops.sparse_decode_attention` (keys read and decoded in place from the ring and the paged cache: one fused launch
-    on CUDA); prefill chunks through `attend_v41` over gathered keys."""
+    on CUDA); prefill chunks, where the runtime chose `ops.sparse_prefill_attention`, all at once through it (keys
+    read and decoded in place: one launch per layer with the Triton kernel), else each through `attend_v41`."""
 
     quantized_caches = True     # window keys FP8, compressed entries and indexer keys/queries FP4 (DeepSeek's)
 
@@ -262,11 +263,21 @@ class Attention(nn.Module):
         iq = self.indexer.queries(qx, qr, qcos, qsin, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
         codecs = state["codecs"]
+        batched = self.ops.sparse_prefill_attention is not None and cp is None
+        chunks = []
         for span, (sl, qsl, sel, p) in enumerate(query_spans(meta, cp, x.device)):
             crows, siq = (None if rows is None else rows[sl]), (None if iq is None else (iq[0][qsl], iq[1][qsl]))
             if p is None:               # decode rows: keys read in place, one fused launch on CUDA
                 self._decode(q[qsl], out[qsl], kv_stored[sl], positions[sl], crows, siq, x[sl], rope, state, meta,
                              shared, span, close_groups)
+                continue
+            if batched:                 # groups closed and picked now; attention for every chunk at once below
+                picks = None
+                if self.ratio:
+                    flat, pk, valid = self._compressed(positions[sl], crows, siq, x[sl], rope, state, meta, p, shared,
+                                                       span, close_groups)
+                    picks = (flat[pk], valid)
+                chunks.append((p, picks))
                 continue
             win = self._window(kv[sl], kv_stored[sl], positions[sl], state, p)
             if sel is not None:         # this rank's queries of the chunk: their rows of the window's columns
@@ -278,6 +289,8 @@ class Attention(nn.Module):
                 comp = (codecs["ckv"].decode(cache_rows(state["ckv"])[flat], x.dtype), valid, picks)
             if q[qsl].shape[0]:
                 out[qsl] = self._attend(q[qsl], win, comp)
+        if chunks:
+            self._prefill(q, out, kv, kv_stored, positions, chunks, state)
         o = apply_rope(out, qcos[:, None], -qsin[:, None]).view(T, self.cfg.o_groups,
                                                                 self.n_heads * self.head_dim // self.cfg.o_groups)
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
@@ -299,6 +312,34 @@ class Attention(nn.Module):
                                          slots=slots, positions=positions, window=self.window,
                                          ring_codec=codecs["swa"], out=out, **comp)
 
+    def _prefill(self, q, out, kv, kv_stored, positions, chunks, state) -> None:
+        """Every prefill chunk of the step through one `ops.sparse_prefill_attention` call (window keys read in place:
+        the ring's history, decoded, then the chunks' own keys as the ring holds them, stored in it after), into
+        `out`."""
+        ring, codecs = state["swa"], state["codecs"]
+        sl, cu, slots = prefill_batch([p for p, _ in chunks], q.device)
+        comp = {}
+        if self.ratio:
+            rows, valid = stack_picks([c[1][0] for c in chunks], [c[1][1] for c in chunks])
+            comp = dict(cache=state["ckv"], rows=rows, valid=valid, cache_codec=codecs["ckv"])
+        floors = None
+        if self.is_decoder and any(p.decoder_start is not None for p, _ in chunks):   # YOCO: the decoder's tokens
+            floors = torch.tensor([-1 if p.decoder_start is None else p.decoder_start for p, _ in chunks],
+                                  dtype=torch.int64, device=q.device)
+        self.ops.sparse_prefill_attention(q[sl], sinks=self.attn_sink, scale=self.scale, softmax=V41_SOFTMAX,
+                                          kv=kv[sl], positions=positions[sl], cu_seqlens=cu, ring=ring, slots=slots,
+                                          window=self.window, ring_codec=codecs["swa"], floors=floors, out=out[sl],
+                                          **comp)
+        for p, _ in chunks:
+            rs = slice(p.query_start, p.query_start + p.query_len)
+            self._store_window(kv_stored[rs], positions[rs], ring[p.state_slot])
+
+    @staticmethod
+    def _store_window(kv_stored, positions, ring) -> None:
+        """A chunk's stored keys into its ring [R, stored] (the last R of them)."""
+        keep = min(len(kv_stored), ring.shape[0])
+        ring[positions[-keep:] % ring.shape[0]] = kv_stored[-keep:]
+
     def _window(self, kv, kv_stored, positions, state, p):
         """A chunk's window keys, in the reference's column order (so the softmax sums run as its kernel's do):
         (keys [W + n, D] of positions start-W .. end-1, index [n, Wc] into them, valid), Wc = min(context, W)
@@ -312,8 +353,7 @@ class Attention(nn.Module):
         keys = torch.cat((codec.decode(ring[hist % R], kv.dtype), kv))
         wc = min(p.context_len, W)
         kpos = (positions[:, None] - W + 1).clamp(min=0) + torch.arange(wc, device=dev)
-        keep = min(len(kv), R)
-        ring[positions[-keep:] % R] = kv_stored[-keep:]
+        self._store_window(kv_stored, positions, ring)
         valid = kpos <= positions[:, None]
         if self.is_decoder and p.decoder_start is not None:     # YOCO: only the decoder's own tokens
             valid &= kpos >= p.decoder_start
