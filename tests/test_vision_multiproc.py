@@ -63,7 +63,9 @@ def run(engine, requests, abort_after_step: bool = False):
     return [done[i] for i in ids if i in done]
 
 
-def workload(engine):
+def image_workload(engine):
+    """Two image prompts together (the first's span cut by a 32-token boundary), a third hitting the first's cached
+    first block (text + most of its image), a fourth with the same tokens behind another image (no hit)."""
     text = prompts_of(24, 12, 40, 8, seed=31)
     first = image_prompt([text[0][:20], picture(1, 126, 168), text[1]])   # a 17-position span at [20, 37)
     second = image_prompt([text[0][:5], picture(2, 70, 98), text[2][:30], picture(3, 42, 42), text[3]])
@@ -83,7 +85,7 @@ def reference():
     try:
         llm = LLM(NAME, **OPTS)
         try:
-            return workload(llm.engine)
+            return image_workload(llm.engine)
         finally:
             llm.shutdown()
     finally:
@@ -111,7 +113,7 @@ def test_image_requests_on_dp_ep_ranks_equal_one_process(reference):
         aborted = image_prompt([prompts_of(20, seed=32)[0], picture(6, 126, 168), [3, 4, 5]])
         assert run(engine, [aborted], abort_after_step=True) == []
         assert_ranks_idle(llm)
-        outs = workload(engine)
+        outs = image_workload(engine)
         assert_same_outputs(outs, reference)
         assert [o.num_cached_tokens for o in outs] == [r.num_cached_tokens for r in reference] == [0, 0, 32, 0]
         per_rank = engine.stats()["per_rank"]

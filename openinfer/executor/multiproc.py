@@ -165,10 +165,6 @@ class MultiprocEngine:
         the size of the rows they become (docs/vision.md)."""
         if self._image_processor is None:
             raise ValueError(f"this model ({self.config.model}) does not take images: it has no vision encoder")
-        if self.config.context_parallel_size > 1:
-            raise ValueError("requests with images are not served with context parallelism yet "
-                             "(context_parallel_size > 1): the image rows are not split over the CP ranks "
-                             "(docs/vision.md)")
         check_spans(images, len(prompt_token_ids))
         for image in images:
             self._image_processor.check(image, prompt_token_ids)

@@ -1033,9 +1033,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             cp = meta.context_parallel
             if cp is None:
                 hashes = self._engram_hashes(input_ids, positions, caches, meta, image_mask)
-            else:   # context parallelism (never with images: the multi-process executor refuses them): n-grams
-                # look back across piece boundaries; this rank's rows of the step's
-                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta
+            else:   # context parallelism: n-grams look back across piece boundaries; this rank's rows of the step's
+                step_mask = None
+                if cp.image_rows is not None:
+                    step_mask = torch.zeros(len(cp.input_ids), dtype=torch.bool, device=cp.input_ids.device)
+                    step_mask[cp.image_rows] = True
+                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta, step_mask
                                              ).index_select(0, cp.local_index)
         if self.capture_layers:
             self.captured = {}
