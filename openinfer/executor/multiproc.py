@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
@@ -190,8 +191,10 @@ class MultiprocEngine:
         msg = ("add", dict(prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt,
                            request_id=request_id, arrival_time=arrival_time or time.time(),
                            **({"images": images} if images else {})))
-        for rank in self._groups[group]:
-            self._send(rank, msg)
+        ranks = self._groups[group]
+        pickled = ForkingPickler.dumps(msg) if len(ranks) > 1 else None    # (images: their bytes once per group)
+        for rank in ranks:
+            self._send(rank, msg, pickled)
         self.requests[request_id] = group
         self._prompts[request_id] = (prompt_token_ids, prompt)
         return request_id
@@ -378,9 +381,14 @@ class MultiprocEngine:
                     conn.close()
 
     # ---- transport --------------------------------------------------------------------------------------
-    def _send(self, rank: int, msg) -> None:
+    def _send(self, rank: int, msg, pickled: bytes | None = None) -> None:
+        """`pickled`: `msg` pickled already (a message to several ranks, pickled once: `Connection.send`'s own
+        pickler, so the rank's `recv` reads it as any other)."""
         try:
-            self._conns[rank].send(msg)
+            if pickled is None:
+                self._conns[rank].send(msg)
+            else:
+                self._conns[rank].send_bytes(pickled)
         except (BrokenPipeError, OSError, EOFError):
             self._fail_with_cause(rank, self._last_words(rank), self._others(rank), f"before {msg[0]!r}")
 
