@@ -7,6 +7,13 @@ preprocessed pixels as ViT patches, and a digest of them. The digest stands for 
 would not: prefix-cache block hashes (`block_image_key`) and the encoder-output cache. A span may come with its
 embeddings already computed by a vision-encoder instance (EPD, docs/vision.md); the model then places those instead
 of encoding the patches itself.
+
+A span crossing a process boundary (to the engine-core process, to a rank's process of the multi-process executor,
+over a pipe or a TCP connection to another host or a Ray actor) is pickled with its tensors as raw bytes (dtype,
+shape, the buffer: one copy each way), never through torch's shared-memory reductions, which `multiprocessing`
+would pick for a tensor: those hand over a file descriptor through the sender's resource sharer, which a rank on
+another host cannot reach, and hold one descriptor per tensor. The digest travels as computed; nobody hashes the
+pixels again.
 """
 
 from __future__ import annotations
@@ -39,10 +46,31 @@ class ImageSpan:
     def num_patches(self) -> int:
         return self.grid[0] * self.grid[1]
 
+    def __reduce__(self):
+        return _rebuild_span, (self.offset, self.token_types, tensor_to_wire(self.patches), self.grid, self.digest,
+                               None if self.embeds is None else tensor_to_wire(self.embeds))
+
     @classmethod
     def make(cls, offset: int, token_types, patches: torch.Tensor, grid: tuple[int, int]) -> "ImageSpan":
         types = tuple(int(t) for t in token_types)
         return cls(int(offset), types, patches, (int(grid[0]), int(grid[1])), image_digest(patches, grid, types))
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """(dtype name, shape, raw bytes) of a tensor (on the host): what a pickled `ImageSpan` carries."""
+    t = t.detach().contiguous().cpu()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_wire(wire: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
+    dtype, shape, data = wire
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _rebuild_span(offset, token_types, patches, grid, digest, embeds) -> ImageSpan:
+    return ImageSpan(offset, token_types, tensor_from_wire(patches), grid, digest,
+                     None if embeds is None else tensor_from_wire(embeds))
 
 
 def image_digest(patches: torch.Tensor, grid: tuple[int, int], token_types: tuple[int, ...] = ()) -> bytes:

@@ -213,15 +213,24 @@ def test_deepseek_v4_dp2_cp2_ep_equals_one_process(one_thread):
 
 
 def test_deepseek_v41_cp2_ep_equals_one_process(one_thread):
-    """Windows, compressor groups, the indexer and Engram's n-grams crossing the pieces' boundaries."""
+    """Windows, compressor groups, the indexer and Engram's n-grams crossing the pieces' boundaries; image prompts
+    (docs/vision.md: every CP rank encodes the step's images, each places its own rows' embeddings, Engram's n-grams
+    see the whole step's image rows), a span cut by a chunk boundary, and a prefix hit on a cached image."""
+    from tests.test_vision_multiproc import image_workload
+
     opts = dict(device="cpu", kv_cache_dtype="float32", quantize_activations=False, block_size=32,
                 max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=48)
     one = LLM("deepseek-v41-tiny", **opts)
     ref = _ds_workload(one, ())
+    ref_images = image_workload(one.engine)
     one.shutdown()
     llm = LLM("deepseek-v41-tiny", **opts, context_parallel_size=2, enable_expert_parallel=True)
     try:
         _compare(_ds_workload(llm, ()), ref, cached_last=64)
+        outs = image_workload(llm.engine)
+        assert_same_outputs(outs, ref_images)
+        assert [o.num_cached_tokens for o in outs] == [r.num_cached_tokens for r in ref_images] == [0, 0, 32, 0]
+        assert [s["images_encoded"] for s in llm.engine.stats()["per_rank"]] == [4, 4]
         assert_ranks_idle(llm)
     finally:
         llm.shutdown()

@@ -84,6 +84,15 @@ def vl(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vl_unquantized(vl, tmp_path_factory):
+    """The same weights as a bf16 checkpoint (run in float32 with unquantized caches: no FP8/FP4 step amplifies
+    last-bit noise between two paths that compute the same function)."""
+    from tests.test_deepseek_v41 import save_dequantized
+
+    return save_dequantized(vl[1], tmp_path_factory.mktemp("v41vl_bf16"))
+
+
+@pytest.fixture(scope="module")
 def engine(vl):
     return v41_engine(vl[1], dtype="bfloat16")
 
@@ -191,13 +200,11 @@ def test_a_text_model_refuses_images_by_name():
     assert not engine.has_unfinished_requests()
 
 
-def test_preemption_and_chunking_through_images_keep_outputs(vl, tmp_path_factory):
+def test_preemption_and_chunking_through_images_keep_outputs(vl_unquantized):
     """Unquantized (the bf16 checkpoint in float32, caches unrounded: no FP8/FP4 step amplifies last-bit noise):
     two image prompts preempted in a pool too small for both, and run in chunks of 24, give the tokens and logprobs
     they get alone in one chunk."""
-    from tests.test_deepseek_v41 import save_dequantized
-
-    path = save_dequantized(vl[1], tmp_path_factory.mktemp("v41vl_bf16"))
+    path = vl_unquantized
     images = [[make_image(9, (4, 6), 4)], [make_image(10, (5, 7), 30), make_image(11, (3, 3), 45)]]
     prompts = [image_prompt(t, im) for t, im in zip(prompts_of(50, 40, seed=25), images)]
     params = SamplingParams(max_tokens=6, logprobs=0, **GREEDY)
@@ -228,6 +235,44 @@ def test_preemption_and_chunking_through_images_keep_outputs(vl, tmp_path_factor
         for a, b, t in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, oa.outputs[0].token_ids):
             assert abs(a[t].logprob - b[t].logprob) < 1e-4
     assert_pool_idle(small)
+
+
+def test_yoco_prefill_with_images_equals_exact(vl_unquantized):
+    """YOCO (docs/deepseek_v41.md): the decoder layers run over the prompt's last `keep` tokens only, and the image
+    mask (bias_vl routing, Engram's dead rows) follows those rows. Its documented property holds with images as
+    with text (tests/test_deepseek_v41.py): with keep 64 >= (3 decoder layers + 1) x window 16, decode equals exact's
+    (tokens, logits within 1e-4) for a prompt with three images: the first before the decoder's tail (position 36),
+    cut by a chunk boundary (chunks of 29: the first chunk ends inside it and skips the decoder altogether), the
+    second cut by the tail's start and by a chunk boundary (chunks of 40), the third inside the tail, in the last
+    positions' window, cut by a chunk boundary (chunks of 29). With keep >= the prompt every position's logits equal
+    exact's. The decoder's image mask is live: routing the image rows as text in the first decoder layer changes
+    the first decode logits."""
+    images = [make_image(12, (5, 7), 22), make_image(13, (4, 6), 34), make_image(15, (4, 6), 84)]
+    prompt = image_prompt(prompts_of(74, seed=26)[0], images)       # spans [22, 32), [34, 42), [84, 92)
+    assert len(prompt) - 64 == 36
+    exact = v41_engine(vl_unquantized, kv_cache_dtype="float32")
+    yoco = v41_engine(vl_unquantized, kv_cache_dtype="float32", v41_prefill_mode="yoco", v41_prefill_keep_tokens=64)
+    decode = slice(len(prompt) - 1, None)
+    ref_out, ref = run(exact, prompt, images, max_tokens=6)
+    for budgets in ((29, 29), (40, 40)):
+        out, ours = run(yoco, prompt, images, budgets=budgets, max_tokens=6)
+        assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+        torch.testing.assert_close(ours[decode], ref[decode], atol=1e-4, rtol=0)
+    short_images = [make_image(14, (4, 6), 20)]
+    short = image_prompt(prompts_of(30, seed=27)[0], short_images)     # 38 positions <= keep
+    _, short_exact = run(exact, short, short_images, budgets=(16, 16), max_tokens=2)
+    _, short_yoco = run(yoco, short, short_images, budgets=(16, 16), max_tokens=2)
+    torch.testing.assert_close(short_yoco, short_exact, atol=1e-4, rtol=0)
+    model = yoco.runner.model
+    gate = model.layers[model.config.yoco_split].ffn.gate
+    saved = gate.bias_vl.data.clone()
+    gate.bias_vl.data.copy_(gate.bias.data)
+    try:
+        _, text_routed = run(yoco, prompt, images, budgets=(40, 40))
+    finally:
+        gate.bias_vl.data.copy_(saved)
+    assert (text_routed[-1] - ours[len(prompt) - 1]).abs().max() > 1e-3
+    assert_pool_idle(yoco)
 
 
 def test_the_encoder_alone_reads_only_the_tower_and_its_rows_place_as_the_models_own(vl, engine):

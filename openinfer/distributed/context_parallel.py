@@ -85,6 +85,7 @@ class ContextParallelStep:
     chunks: list | None = None      # the whole step's PrefillChunks
     meta: object = None
     local_index: torch.Tensor | None = None    # local_rows on the device
+    image_rows: torch.Tensor | None = None     # the step's rows inside image spans (vision models), on the device
 
     @classmethod
     def plan(cls, ctx: ParallelContext, num_decode: int, chunk_lens: list[int], device) -> "ContextParallelStep":
@@ -113,6 +114,14 @@ class ContextParallelStep:
         local = np.concatenate([np.arange(num_decode), rows[me]])
         return cls(ctx, num_decode, local, mine, width,
                    torch.from_numpy(where).to(device, non_blocking=True))
+
+    def local_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of the step's rows `rows`, those this rank computes: (their indices in `rows`, their local rows)."""
+        local = np.full(int(max(rows.max(initial=-1), self.local_rows.max(initial=-1))) + 1, -1, dtype=np.int64)
+        local[self.local_rows] = np.arange(len(self.local_rows))
+        at = local[rows]
+        keep = np.flatnonzero(at >= 0)
+        return keep, at[keep]
 
     def localize(self, ids: list[int], pos: torch.Tensor, slots: torch.Tensor, chunks: list):
         """The step's inputs cut to this rank's rows: token ids, positions and slots, and each chunk's

@@ -258,8 +258,17 @@ class ModelRunner:
             ids, pos, slots, prefills = cp.localize(ids, pos, slots, prefills)
         graphs = self.decode_graphs
         images = None
-        if image_rows:      # (never with context parallelism: the multi-process executor refuses images)
-            images = ImageRows(h2d(torch.tensor(image_rows), dev), torch.cat(image_embeds))
+        if image_rows:
+            rows, embeds = np.asarray(image_rows, dtype=np.int64), torch.cat(image_embeds)
+            if cp is not None:
+                # context parallelism: every rank encodes the step's images (their later chunks may be any rank's);
+                # its own rows take their embeddings, and the whole step's image rows go with the step's token ids
+                # (n-grams are hashed over the whole step)
+                cp.image_rows = h2d(torch.from_numpy(rows), dev)
+                keep, rows = cp.local_of(rows)
+                embeds = embeds[h2d(torch.from_numpy(keep), dev)]
+            if len(rows):
+                images = ImageRows(h2d(torch.from_numpy(rows), dev), embeds)
         graphable = (cp is None and not prefills and images is None and graphs is not None
                      and len(ids) <= graphs.largest)
         exchange = None

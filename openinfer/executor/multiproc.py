@@ -48,12 +48,14 @@ import socket
 import threading
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 from openinfer.config import EngineConfig, parse_host_port
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.executor.ray_ranks import RayRanks
 from openinfer.executor.worker import WorkerError, end_process
 from openinfer.models.registry import check_layout, resolve
+from openinfer.multimodal import check_spans
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import Tokenizer
@@ -140,6 +142,7 @@ class MultiprocEngine:
         self._rank_busy = [False] * config.world_size
         self._rank_stats: list[dict] = [info["stats"] for info in infos]
         self._structured = None
+        self._image_processor = self.model_source.family.image_processor(self.model_source.hf_config)
 
     # ---- requests ---------------------------------------------------------------------------------------
     validate_prompt = LLMEngine.validate_prompt
@@ -147,14 +150,27 @@ class MultiprocEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, images: tuple = ()) -> str:
         """Validate here (the workers only see valid requests), pick the DP group with the fewest live
-        requests (then the most free KV blocks), and send the request to each of its ranks."""
-        if images:
-            raise ValueError("requests with images run on a one-process engine for now: the multi-process executor "
-                             "does not carry image spans to its ranks yet (docs/vision.md)")
+        requests (then the most free KV blocks), and send the request to each of its ranks. `images`: the prompt's
+        image spans (multimodal.py), checked here and sent with the request, pixels as tensors (their digests as
+        computed): the ranks that own the request encode them (see `validate_images`)."""
+        images = tuple(images)
         with self._lock:
-            return self._add_request(prompt_token_ids, params, prompt, request_id, arrival_time)
+            return self._add_request(prompt_token_ids, params, prompt, request_id, arrival_time, images)
 
-    def _add_request(self, prompt_token_ids, params, prompt, request_id, arrival_time) -> str:
+    def validate_images(self, prompt_token_ids: list[int], images: tuple) -> None:
+        """Raise ValueError naming the problem unless the model reads these image spans in this prompt — here,
+        through the family's image processor, without the model: the front end holds no weights. The encoder runs
+        in the ranks of the DP group that owns the request, in the step that first reads a span, as in one process
+        (its encoder cache by digest, EPD rows taken as given): the tower is on every rank already, the front end
+        has no device, each DP group encodes only its own requests' images, and the patches that travel are about
+        the size of the rows they become (docs/vision.md)."""
+        if self._image_processor is None:
+            raise ValueError(f"this model ({self.config.model}) does not take images: it has no vision encoder")
+        check_spans(images, len(prompt_token_ids))
+        for image in images:
+            self._image_processor.check(image, prompt_token_ids)
+
+    def _add_request(self, prompt_token_ids, params, prompt, request_id, arrival_time, images) -> str:
         self._check_alive("add")
         if request_id is None:
             request_id = str(next(self._ids))
@@ -163,6 +179,8 @@ class MultiprocEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.validate_prompt(prompt_token_ids)
+        if images:
+            self.validate_images(prompt_token_ids, images)
         if params.structured_outputs is not None:   # a bad grammar fails here, not on a worker
             self.structured_output.pool.compile_blocking(params.structured_outputs)
         load = [0] * len(self._groups)
@@ -171,9 +189,12 @@ class MultiprocEngine:
         group = min(range(len(self._groups)),
                     key=lambda g: (load[g], -self._rank_stats[self._groups[g][0]].get("kv_blocks_free", 0), g))
         msg = ("add", dict(prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt,
-                           request_id=request_id, arrival_time=arrival_time or time.time()))
-        for rank in self._groups[group]:
-            self._send(rank, msg)
+                           request_id=request_id, arrival_time=arrival_time or time.time(),
+                           **({"images": images} if images else {})))
+        ranks = self._groups[group]
+        pickled = ForkingPickler.dumps(msg) if len(ranks) > 1 else None    # (images: their bytes once per group)
+        for rank in ranks:
+            self._send(rank, msg, pickled)
         self.requests[request_id] = group
         self._prompts[request_id] = (prompt_token_ids, prompt)
         return request_id
@@ -360,9 +381,14 @@ class MultiprocEngine:
                     conn.close()
 
     # ---- transport --------------------------------------------------------------------------------------
-    def _send(self, rank: int, msg) -> None:
+    def _send(self, rank: int, msg, pickled: bytes | None = None) -> None:
+        """`pickled`: `msg` pickled already (a message to several ranks, pickled once: `Connection.send`'s own
+        pickler, so the rank's `recv` reads it as any other)."""
         try:
-            self._conns[rank].send(msg)
+            if pickled is None:
+                self._conns[rank].send(msg)
+            else:
+                self._conns[rank].send_bytes(pickled)
         except (BrokenPipeError, OSError, EOFError):
             self._fail_with_cause(rank, self._last_words(rank), self._others(rank), f"before {msg[0]!r}")
 

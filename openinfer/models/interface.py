@@ -157,7 +157,9 @@ class ModelFamily:
 
     def image_processor(self, hf: dict):
         """What turns a request's preprocessed images into the model's image spans (`expand(prompt_token_ids,
-        pixels) -> (prompt_token_ids, spans)`), for models that take images; None for those that do not."""
+        pixels) -> (prompt_token_ids, spans)`) and checks a span without the model (`check(span, prompt_token_ids)`,
+        ValueError naming the problem, as the model's `check_image`), for models that take images; None for those
+        that do not."""
         return None
 
     def build_image_encoder(self, model: ResolvedModel, config: EngineConfig, device: torch.device):

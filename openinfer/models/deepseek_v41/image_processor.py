@@ -10,14 +10,20 @@ import numpy as np
 import torch
 
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
-from openinfer.models.deepseek_v41.vision import image_token_types, token_grid
+from openinfer.models.deepseek_v41.vision import check_prompt_image, image_token_types, token_grid
 from openinfer.multimodal import ImageSpan
 
 
 class ImageProcessor:
     def __init__(self, cfg: DeepseekV41Config):
+        self.config = cfg
         self.patch_size, self.ratio = cfg.vision_patch_size, cfg.vision_downsample_ratio
         self.image_token_id = cfg.image_token_id
+
+    def check(self, image: ImageSpan, prompt_token_ids: list[int]) -> None:
+        """ValueError naming the problem unless the model reads `image` in this prompt (as its `check_image`; for a
+        front end that holds no model: the multi-process executor's)."""
+        check_prompt_image(self.config, image, prompt_token_ids)
 
     def patches(self, pixels: np.ndarray) -> tuple[torch.Tensor, tuple[int, int]]:
         """RGB uint8 [H, W, 3] -> (patches [n_h * n_w, 3, p, p] bf16, (n_h, n_w)); sides that are not a multiple of

@@ -55,7 +55,7 @@ from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_b
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
                                                 entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
-from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_span, embed_span
+from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
 from openinfer.multimodal import ImageSpan
 from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
@@ -1016,12 +1016,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # -- images (vision.py)
     def check_image(self, image: ImageSpan, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError unless `image` is a span this model reads (vision.check_span) and every position of it
-        carries the image token id."""
-        check_span(self.config, image)
-        if any(t != self.config.image_token_id for t in prompt_token_ids[image.offset:image.end]):
-            raise ValueError(f"image at {image.offset}: every position of its span must carry the image token id "
-                             f"{self.config.image_token_id}")
+        """Raise ValueError unless `image` is a span this model reads (vision.check_prompt_image)."""
+        check_prompt_image(self.config, image, prompt_token_ids)
 
     def embed_image(self, image: ImageSpan) -> torch.Tensor:
         """The span's input rows [num_tokens, dim]: the embeddings it came with (encoded by a vision-encoder
@@ -1077,9 +1073,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             cp = meta.context_parallel
             if cp is None:
                 hashes = self._engram_hashes(input_ids, positions, caches, meta, image_mask)
-            else:   # context parallelism (never with images: the multi-process executor refuses them): n-grams
-                # look back across piece boundaries; this rank's rows of the step's
-                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta
+            else:   # context parallelism: n-grams look back across piece boundaries; this rank's rows of the step's
+                step_mask = None
+                if cp.image_rows is not None:
+                    step_mask = torch.zeros(len(cp.input_ids), dtype=torch.bool, device=cp.input_ids.device)
+                    step_mask[cp.image_rows] = True
+                hashes = self._engram_hashes(cp.input_ids, cp.positions, caches, cp.meta, step_mask
                                              ).index_select(0, cp.local_index)
         if self.capture_layers:
             self.captured = {}

@@ -171,6 +171,15 @@ def check_span(cfg: DeepseekV41Config, image: ImageSpan) -> None:
                          f"({image.num_tokens}, {cfg.dim}) floating point rows for its span")
 
 
+def check_prompt_image(cfg: DeepseekV41Config, image: ImageSpan, prompt_token_ids: list[int]) -> None:
+    """`check_span`, and every position of the span carries the image token id: what the whole model checks at
+    `add_request`, and a front end without the model (the multi-process executor's) through the image processor."""
+    check_span(cfg, image)
+    if any(t != cfg.image_token_id for t in prompt_token_ids[image.offset:image.end]):
+        raise ValueError(f"image at {image.offset}: every position of its span must carry the image token id "
+                         f"{cfg.image_token_id}")
+
+
 def embed_span(tower: nn.Module, image: ImageSpan) -> torch.Tensor:
     """The span's input rows [num_tokens, dim] in the tower's dtype, on its device: the Aligner's outputs at the IMAGE
     positions (reading order), the learned delimiter embeddings elsewhere. `tower`: a module holding `vision`,
