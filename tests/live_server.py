@@ -16,6 +16,7 @@ import uvicorn
 from openinfer.config import EngineConfig
 from openinfer.executor.engine_core import EngineCoreClient
 from openinfer.serving.api_server import ServerConfig, build_app
+from openinfer.serving.http_server import uvicorn_config
 
 
 def _free_port() -> int:
@@ -65,7 +66,8 @@ class LiveServer:
         self.app = build_app(self.engine, self.config, model)
         self.served = self.app.state.served_model_name
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port,      # as run_server's
+                                                     self.config.timeout_keep_alive_s, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":

@@ -1,9 +1,10 @@
 """A client that hangs up stops its request on every endpoint, limits are named before any work, a request
-timeout aborts, and a short soak leaves the pool idle with no 5xx."""
+timeout aborts, an idle connection outlasts clients' pools, and a short soak leaves the pool idle with no 5xx."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import time
@@ -14,6 +15,8 @@ import openai
 import pytest
 
 from openinfer.benchmarks.soak import SoakConfig, metric_value, run_soak
+from openinfer.serving.api_server import ServerConfig
+from openinfer.serving.router import RouterConfig
 from tests.live_server import LiveServer
 
 MAX_MODEL_LEN = 1024
@@ -128,6 +131,37 @@ def test_request_timeout_aborts_with_a_clear_error(server):
         async_engine.request_timeout_s = None
     assert server.wait_idle(timeout=5)
     assert _aborted(server, "timeout") - before == 2
+
+
+def test_idle_connection_outlasts_a_client_pools_keep_alive(server):
+    """A request sent on a connection idle for 6 s is answered, not reset. httpx (so the OpenAI and Anthropic SDKs,
+    and `openinfer bench serve`) reuses a pooled connection for 5 s after it read the last response; its clock
+    starts when it has read the response's end, later than the server's (seconds later on a busy client), so the
+    server sees it come back after more than 5 s. With uvicorn's default keep-alive (5 s) the server had closed the
+    connection by then or was closing it: the client's request met a reset before any response (issue 41's failed
+    request at 256 streams; serving/http_server.py). http.client reuses its connection as a pool would, without
+    checking it first."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        for i in range(2):
+            if i:
+                time.sleep(6.0)
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": "smollm2", "prompt": "Hi",
+                                                                     "max_tokens": 2}),
+                         headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+            assert not resp.will_close
+    finally:
+        conn.close()
+
+
+def test_keep_alive_timeout_is_refused_unless_positive():
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--timeout-keep-alive"):
+            ServerConfig(timeout_keep_alive_s=bad)
+        with pytest.raises(ValueError, match="--timeout-keep-alive"):
+            RouterConfig(both=["http://127.0.0.1:1"], timeout_keep_alive_s=bad)
 
 
 def test_short_soak_no_5xx_no_leaked_blocks(server):

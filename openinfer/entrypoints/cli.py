@@ -168,7 +168,8 @@ def cmd_serve(args) -> int:
                           served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                           request_timeout_s=args.request_timeout, role=args.role,
                           api_server_count=args.api_server_count, encoders=args.encoders,
-                          encoder_timeout_s=args.encoder_timeout, encoder_health_interval_s=args.encoder_health_interval)
+                          encoder_timeout_s=args.encoder_timeout, encoder_health_interval_s=args.encoder_health_interval,
+                          timeout_keep_alive_s=args.timeout_keep_alive)
     if args.role == "encoder":
         return _serve_encoder(args, config)
     if args.role == "prefill" and not (args.kv_store_dir or args.kv_store_url):
@@ -216,7 +217,8 @@ def cmd_router(args) -> int:
 
     config = RouterConfig(prefill=args.prefill, decode=args.decode, both=args.both, host=args.host, port=args.port,
                           health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
-                          health_failures=args.health_failures, upstream_timeout_s=args.upstream_timeout)
+                          health_failures=args.health_failures, upstream_timeout_s=args.upstream_timeout,
+                          timeout_keep_alive_s=args.timeout_keep_alive)
     run_router(config)
     return 0
 
@@ -497,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="API-server processes (HTTP, tokenization, SSE framing) sharing the port over the one "
                             "engine core, as vLLM's; 1: one process beside the core. More when one process cannot "
                             "frame the streams' chunks as fast as the engine makes them (docs/serving.md)")
+    _add_keep_alive_arg(serve)
     serve.add_argument("--encoder", dest="encoders", nargs="+", action="extend", default=[], metavar="URL",
                        help="vision-encoder instances (--role encoder) to send each request's images to, the one "
                             "with the fewest patches in flight first; images are encoded here when none answers")
@@ -526,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "dropped connection drains it at once")
     router.add_argument("--upstream-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="longest silence from an instance mid-request")
+    _add_keep_alive_arg(router)
     router.set_defaults(func=cmd_router)
 
     cal = sub.add_parser("calibrate", help="fit the step cost model used by --prefill-step-budget-ms (saved in the cache)")
@@ -671,6 +675,15 @@ def build_parser() -> argparse.ArgumentParser:
     _prefix_args(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
     return parser
+
+
+def _add_keep_alive_arg(parser) -> None:
+    from openinfer.serving.http_server import DEFAULT_KEEP_ALIVE_S
+
+    parser.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+                        help="how long an idle client connection is kept open; longer than clients keep theirs in "
+                             "their pools (httpx: 5 s, Go: 90 s), so that no client sends a request on a connection "
+                             "the server is closing (a reset) (docs/serving.md)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from openinfer.serving.chat import ChatFrontend
 from openinfer.serving.completions import CompletionsFrontend
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
+from openinfer.serving.http_server import DEFAULT_KEEP_ALIVE_S, check_keep_alive, uvicorn_config
 from openinfer.serving.encoder_pool import EncoderPool
 from openinfer.serving.encoder_wire import model_identity
 from openinfer.serving.images import ImageInputs, has_image_parts
@@ -64,6 +65,7 @@ class ServerConfig:
     encoders: list[str] = field(default_factory=list)   # vision-encoder instances' URLs (EPD: docs/vision.md)
     encoder_timeout_s: float = 60.0        # longest silence from an encoder on one image (its queue included)
     encoder_health_interval_s: float = 2.0
+    timeout_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S   # idle connections outlast clients' pools (http_server.py)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -82,6 +84,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.role == "encoder" and self.api_server_count != 1:
             raise ValueError("an encoder instance (--role encoder) runs one process; api_server_count must be 1")
+        check_keep_alive(self.timeout_keep_alive_s)
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
 
@@ -398,8 +401,8 @@ def run_server(engine: LLMEngine | EngineCoreClient, config: ServerConfig, model
     import uvicorn
 
     app = build_app(engine, config, model_name, metrics_dir)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_graceful_shutdown=config.graceful_shutdown_s))
+    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.timeout_keep_alive_s,
+                                           graceful_shutdown_s=config.graceful_shutdown_s))
     died: list[BaseException] = []
 
     def core_died(error: BaseException) -> None:

@@ -37,6 +37,7 @@ from openinfer.serving.api_server import ServerConfig
 from openinfer.serving.encoder_wire import (CACHE_HEADER, CONTENT_TYPE, DIGEST_HEADER, ENCODE_PATH, model_identity,
                                             pack_embeds, unpack_image)
 from openinfer.serving.errors import APIError
+from openinfer.serving.http_server import uvicorn_config
 from openinfer.serving.load import BusyMeter
 
 # options of `openinfer serve` an encoder instance reads; any other engine option is refused by name
@@ -185,8 +186,8 @@ def run_encoder_server(config: EngineConfig, server: ServerConfig, model: Resolv
     print(f"[openinfer] vision encoder of {model.name} on {config.device}: the tower alone, {params / 1e6:.1f} M "
           f"parameters (no decoder weight read)", file=sys.stderr, flush=True)
     app = build_encoder_app(service, server, model.name)
-    uv = uvicorn.Server(uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
-                                       timeout_graceful_shutdown=server.graceful_shutdown_s))
+    uv = uvicorn.Server(uvicorn_config(app, server.host, server.port, server.timeout_keep_alive_s,
+                                       graceful_shutdown_s=server.graceful_shutdown_s))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)   # as run_server: a clean exit 0 after SIGTERM
     try:
         uv.run()

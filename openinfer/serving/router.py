@@ -37,6 +37,7 @@ from openinfer.serving.balancers import (InstanceState, QuotaRounds, assign_buck
                                          pick_prefill, prefill_cost)
 from openinfer.serving.disconnect import CancelOnDisconnect
 from openinfer.serving.errors import APIError, parse_json_object
+from openinfer.serving.http_server import DEFAULT_KEEP_ALIVE_S, check_keep_alive, uvicorn_config
 from openinfer.serving.load import prefill_body
 from openinfer.serving.upstream import HealthChecked, InstanceDown, Upstream, poll_load, why
 
@@ -61,6 +62,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 600.0   # longest silence from an instance mid-request
     quota_round_s: float = 10.0         # the prefill balancer's round (level 1)
+    timeout_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S   # idle client connections outlast clients' pools
 
     def __post_init__(self):
         if not (self.decode or self.both):
@@ -72,6 +74,7 @@ class RouterConfig:
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"instance URLs must start with http:// or https://, got {bad}")
+        check_keep_alive(self.timeout_keep_alive_s)
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -428,4 +431,5 @@ def run_router(config: RouterConfig) -> None:
 
     router = Router(config)
     router.verify()
-    uvicorn.run(build_router_app(router), host=config.host, port=config.port, log_level="info")
+    uvicorn.Server(uvicorn_config(build_router_app(router), config.host, config.port,
+                                  config.timeout_keep_alive_s)).run()
