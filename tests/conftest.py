@@ -26,6 +26,30 @@ def smollm_dir():
     return resolve_model_dir("smollm2-135m-instruct", default_cache_dir())
 
 
+# A tiny Llama shape (2 layers, width 64) under SmolLM2's vocabulary: tests/test_models_tiny.py holds the engine's
+# logits equal to transformers' on it.
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def write_tiny_llama(path, smollm_dir, **overrides):
+    """TINY (with `overrides`) as random weights written straight to safetensors (no transformers import), with
+    SmolLM2's tokenizer and chat template beside them."""
+    from openinfer.models.llama.family import FAMILY as LLAMA
+
+    LLAMA.write_random_checkpoint({**TINY, "rope_theta": 10000.0, **overrides}, path, std=0.1,
+                                  tokenizer_dir=smollm_dir)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir):
+    """A tiny random Llama for the engine-behaviour tests whose property does not depend on what the weights say
+    (scheduling, preemption, aborts, prefix caching, async scheduling, processes): ~30x cheaper a token than
+    SmolLM2-135M on the CPU. Its text is noise: tests that need real text (EOS, fidelity) stay on SmolLM2."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm_dir, max_position_embeddings=4096)
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf():
     return fetch_registered("smollm2-135m-instruct", default_cache_dir())

@@ -15,45 +15,66 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "1,
            "The weather today is", "Q: What is 2+2?\nA:", "import os"]
 
 
-def _params():
+def _params(stop: str, stop_id: int):
     return [SamplingParams(temperature=0, max_tokens=1),
             SamplingParams(temperature=0, max_tokens=2),
-            SamplingParams(temperature=0, max_tokens=24, stop=[" the", "\n"]),
-            SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=[28]),
+            SamplingParams(temperature=0, max_tokens=24, stop=[stop, "\n"]),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=[stop_id]),
             SamplingParams(temperature=0.8, seed=11, max_tokens=20),
             SamplingParams(temperature=0, max_tokens=40),                          # may stop on EOS
             SamplingParams(temperature=0.7, seed=5, max_tokens=16, logprobs=2),
             SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)]  # reads its history
 
 
-def _run(llm):
-    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+def _run(llm, stops):
+    outs = llm.generate(PROMPTS, _params(*stops), use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
             for o in outs]
 
 
 @pytest.fixture(scope="module")
-def sync_results(smollm_dir):
-    return _run(LLM(str(smollm_dir), device="cpu", async_scheduling=False, block_size=16))
+def sync_llm(tiny_llama_dir):
+    """The engine runs the tiny random Llama: what is held here does not depend on what the weights say."""
+    return LLM(str(tiny_llama_dir), device="cpu", async_scheduling=False, block_size=16)
 
 
+@pytest.fixture(scope="module")
+def stops(sync_llm):
+    """A stop string that the greedy text of PROMPTS[2] meets past its middle (three printable characters,
+    whichever tokens hold them), and a stop token that PROMPTS[3]'s greedy tokens meet first past min_tokens: the
+    model's text is noise, so its stops are read from it."""
+    text, ids = (o.outputs[0] for o in sync_llm.generate(
+        PROMPTS[2:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False))
+    text, ids = text.text, ids.token_ids
+    at = next(k for k in range(len(text) // 2, len(text) - 3)
+              if text[k:k + 3].isprintable() and text[k:k + 3].isascii() and "\n" not in text[:k + 3])
+    return text[at:at + 3], next(t for t in ids[6:] if t not in ids[:6])
 
-def test_async_equals_sync(smollm_dir, sync_results):
-    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16)
+
+@pytest.fixture(scope="module")
+def sync_results(sync_llm, stops):
+    results = _run(sync_llm, stops)
+    assert results[2][2:] == ("stop", stops[0]) and results[3][2:] == ("stop", stops[1])   # both stops are met
+    return results
+
+
+def test_async_equals_sync(tiny_llama_dir, stops, sync_results):
+    llm = LLM(str(tiny_llama_dir), device="cpu", async_scheduling=True, block_size=16)
     assert llm.config.use_async_scheduling
-    assert _run(llm) == sync_results
+    assert _run(llm, stops) == sync_results
     assert_pool_idle(llm.engine)
 
 
-def test_async_with_preemption_and_small_chunks(smollm_dir, sync_results):
-    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16, num_kv_blocks=6,
+def test_async_with_preemption_and_small_chunks(tiny_llama_dir, stops, sync_results):
+    llm = LLM(str(tiny_llama_dir), device="cpu", async_scheduling=True, block_size=16, num_kv_blocks=6,
               max_num_batched_tokens=24, enable_prefix_caching=False)
-    assert _run(llm) == sync_results
+    assert _run(llm, stops) == sync_results
     assert llm.engine.scheduler.num_preemptions > 0
     assert_pool_idle(llm.engine)
 
 
 def test_async_chat_stops_on_eos_one_step_late(smollm_dir):
+    """On SmolLM2: a real model's chat ends on its EOS token."""
     sp = SamplingParams(temperature=0, max_tokens=200)
     conv = [{"role": "user", "content": "Say hello."}]
     a = LLM(str(smollm_dir), device="cpu", async_scheduling=True).chat(conv, sp, use_tqdm=False)[0].outputs[0]
@@ -61,8 +82,8 @@ def test_async_chat_stops_on_eos_one_step_late(smollm_dir):
     assert a.finish_reason == "stop" and a.token_ids == b.token_ids and a.text == b.text
 
 
-def test_async_abort_with_a_step_in_flight(smollm_dir):
-    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16)
+def test_async_abort_with_a_step_in_flight(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", async_scheduling=True, block_size=16)
     eng = llm.engine
     ids = [eng.add_request(llm.tokenizer.encode(p), SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
     for _ in range(3):
@@ -78,9 +99,9 @@ def test_async_abort_with_a_step_in_flight(smollm_dir):
     assert_pool_idle(eng)
 
 
-def test_async_never_schedules_past_max_model_len(smollm_dir):
+def test_async_never_schedules_past_max_model_len(tiny_llama_dir):
     """The token still on the device may end the request (max_model_len / max_tokens): it is not extended."""
-    llm = LLM(str(smollm_dir), device="cpu", async_scheduling=True, block_size=16, max_model_len=40)
+    llm = LLM(str(tiny_llama_dir), device="cpu", async_scheduling=True, block_size=16, max_model_len=40)
     eng = llm.engine
     seen = []
     schedule = eng.scheduler.schedule

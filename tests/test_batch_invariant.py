@@ -1,5 +1,6 @@
 """Batch-invariant mode (EngineConfig.batch_invariant, layers/batch_invariant.py): the same request gives the
-same bits alone or in any batch, chunking and row position -- on the real SmolLM2, greedy and seeded sampling.
+same bits alone or in any batch, chunking and row position -- on SmolLM2's shape (random weights, 2 of its 30
+layers: the bits depend on the shapes the kernels see, not on what the weights say), greedy and seeded sampling.
 The GPU side (Triton GEMM, attention through one kernel) is in tests/test_gpu.py."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from openinfer.layers.batch_invariant import BatchInvariantTorchAttention, linear, matmul_rows
+from tests.conftest import write_tiny_llama
 
 
 @pytest.mark.parametrize("k, n", [(576, 1536), (1536, 576), (576, 49152)])
@@ -144,17 +146,26 @@ def _target_outputs(llm, batch: int, params: list[SamplingParams]):
 
 
 @pytest.fixture(scope="module")
+def smollm_shaped_dir(tmp_path_factory, smollm_dir):
+    """SmolLM2-135M's every shape (the GEMMs 576->1536, 1536->576, 576->576/192 and the tied 576->49152 head; 9 query
+    heads over 3 KV heads of 64) with 2 layers of random weights: ~4x cheaper a token than its 30."""
+    return write_tiny_llama(tmp_path_factory.mktemp("smollm-shaped"), smollm_dir, hidden_size=576,
+                            intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                            head_dim=64, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
 def target_params():
     return [SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, ignore_eos=True),
             SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=123, logprobs=5, ignore_eos=True)]
 
 
-def test_batch_invariant_engine_same_bits_in_any_batch(smollm_dir, target_params):
+def test_batch_invariant_engine_same_bits_in_any_batch(smollm_shaped_dir, target_params):
     """A greedy and a seeded request alone vs inside batches of 2, 7 and 16 mixed-length prompts, with the whole
     prompt in one chunk (7) or chunked next to decodes (2 and 16, a 32-token budget): identical tokens and top-5
     logprobs, bit for bit, over 16 steps (the fillers run 4..31 tokens, so the targets decode next to
     fillers that finish before them and fillers that outlast them)."""
-    engines = {budget: LLM(smollm_dir, device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=16,
+    engines = {budget: LLM(smollm_shaped_dir, device="cpu", dtype="float32", batch_invariant=True, max_num_seqs=16,
                            max_num_batched_tokens=budget, enable_prefix_caching=False)
                for budget in (2048, 32)}
     alone = [_target_outputs(engines[2048], 1, [sp])[0] for sp in target_params]
@@ -167,8 +178,9 @@ def test_batch_invariant_engine_same_bits_in_any_batch(smollm_dir, target_params
         llm.shutdown()
 
 
-def test_default_mode_differs_with_the_batch(llm, target_params):
+def test_default_mode_differs_with_the_batch(smollm_shaped_dir, target_params):
     """Without the mode the same request's logprobs do change with the batch (so the test above can fail)."""
+    llm = LLM(smollm_shaped_dir, device="cpu", dtype="float32", max_num_seqs=16)
     sp = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)]
     alone = _target_outputs(llm, 1, sp)[0][1]
     batched = _target_outputs(llm, 5, sp)[0][1]

@@ -25,8 +25,8 @@ from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.models.llama.family import FAMILY as LLAMA
 from openinfer.models.olmo2.family import FAMILY as OLMO
 from openinfer.sampling_params import SamplingParams
+from tests.conftest import write_tiny_llama
 from tests.test_deepseek_v4 import prompts_of
-from tests.test_models_tiny import TINY
 from tests.test_parallel import V4_OPTS, assert_ranks_idle, assert_same_outputs, params
 
 
@@ -133,13 +133,6 @@ def test_bad_layouts_fail_by_name_before_any_worker_starts():
 
 # ---- CP equals one process --------------------------------------------------------------------------------------
 LLAMA_OPTS = dict(device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
-
-
-def write_tiny_llama(path, smollm_dir):
-    """tests/test_models_tiny.py's tiny Llama shape, random weights written straight to safetensors (no
-    transformers import: seconds on a busy 2-core host)."""
-    LLAMA.write_random_checkpoint({**TINY, "rope_theta": 10000.0}, path, std=0.1, tokenizer_dir=smollm_dir)
-    return path
 
 
 def _llama_workload(llm: LLM):

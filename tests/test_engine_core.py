@@ -54,20 +54,20 @@ class Collector:
 
 
 @pytest.fixture(scope="module")
-def core(smollm_dir):
-    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16))
+def core(tiny_llama_dir):
+    client = EngineCoreClient(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64, block_size=16))
     yield client
     client.shutdown()
 
 
-def test_tokens_equal_the_in_process_engine(core, smollm_dir):
+def test_tokens_equal_the_in_process_engine(core, tiny_llama_dir):
     prompts = [core.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):", "Once upon a time")]
     params = SamplingParams(**GREEDY, output_kind=RequestOutputKind.DELTA)
     got = Collector(core)
     for i, ids in enumerate(prompts):
         core.add_request(ids, params, request_id=f"r{i}")
     got.wait(lambda: all(any(o.finished for o in got.outputs.get(f"r{i}", ())) for i in range(3)))
-    llm = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16)
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64, block_size=16)
     ref = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**GREEDY), use_tqdm=False)
     llm.shutdown()
     for i, r in enumerate(ref):
@@ -93,7 +93,8 @@ def test_a_refused_request_fails_alone_and_bad_input_sends_nothing(core):
 
 def test_an_abort_frees_the_request_in_the_core(core):
     got = Collector(core)
-    core.add_request([5] * 20, SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
+    steps = core.call("stats")["num_steps"]
+    core.add_request([5] * 20, SamplingParams(max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
                      request_id="long")
     got.wait(lambda: "long" in got.outputs)
     core.abort_request("long")
@@ -102,10 +103,11 @@ def test_an_abort_frees_the_request_in_the_core(core):
         time.sleep(0.05)
     stats = core.call("stats")
     assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["num_steps"] - steps < 2000                     # stopped by the abort, not by max_tokens
 
 
-def test_a_dead_core_is_reported_with_no_hang_and_nothing_left(smollm_dir):
-    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=16, block_size=16))
+def test_a_dead_core_is_reported_with_no_hang_and_nothing_left(tiny_llama_dir):
+    client = EngineCoreClient(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=16, block_size=16))
     got = Collector(client)
     pid = client._proc.pid
     os.kill(pid, signal.SIGKILL)
@@ -117,14 +119,14 @@ def test_a_dead_core_is_reported_with_no_hang_and_nothing_left(smollm_dir):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_a_core_that_fails_to_start_says_why(tmp_path, smollm_dir):
+def test_a_core_that_fails_to_start_says_why(tmp_path, tiny_llama_dir):
     with pytest.raises(EngineCoreError, match="max_model_len 100000 does not fit the KV pool"):
-        EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=2, block_size=16,
+        EngineCoreClient(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=2, block_size=16,
                                       max_model_len=100000))
 
 
-def test_shutdown_leaves_no_process(smollm_dir):
-    client = EngineCoreClient(EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=16, block_size=16))
+def test_shutdown_leaves_no_process(tiny_llama_dir):
+    client = EngineCoreClient(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=16, block_size=16))
     pid = client._proc.pid
     assert psutil.pid_exists(pid)
     client.shutdown()
@@ -132,12 +134,12 @@ def test_shutdown_leaves_no_process(smollm_dir):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_warm_up_leaves_no_trace(smollm_dir):
+def test_warm_up_leaves_no_trace(tiny_llama_dir):
     """What the core runs at start on a GPU (LLMEngine.warm_up): afterwards the pool is free, the prefix cache
     empty and every counter at zero, and a request gives the tokens it gives on a fresh engine."""
     from openinfer.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16,
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64, block_size=16,
                           max_num_batched_tokens=64, max_num_seqs=4)
     engine = LLMEngine(config)
     assert engine.warm_up() > 0
@@ -151,13 +153,13 @@ def test_warm_up_leaves_no_trace(smollm_dir):
     out = None
     while engine.has_unfinished_requests():
         out = next((o for o in engine.step() if o.finished), out)
-    fresh = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64)
+    fresh = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64)
     ref = fresh.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**GREEDY), use_tqdm=False)[0]
     fresh.shutdown()
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_as_one(core, smollm_dir):
+def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_as_one(core, tiny_llama_dir):
     """AsyncLLMEngine over the core: a stream read slower than the engine steps gets the deltas that waited joined
     into one (fewer chunks to frame and send), with exactly the tokens and text of reading every step."""
     import asyncio
@@ -166,7 +168,7 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_deltas_as_one(core, smoll
 
     prompt = core.tokenizer.encode("Write a story about the sea.")
     params = dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    llm = LLM(smollm_dir, device="cpu", num_kv_blocks=64, block_size=16)
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64, block_size=16)
     ref = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**params), use_tqdm=False)[0]
     llm.shutdown()
     engine = AsyncLLMEngine(core)
@@ -207,13 +209,13 @@ def test_an_output_of_a_request_let_go_here_is_dropped_and_the_reader_lives_on(c
     assert "let-go" not in got.outputs and core.error is None
 
 
-def test_several_clients_each_get_their_own_requests_and_stop_only_them(smollm_dir):
+def test_several_clients_each_get_their_own_requests_and_stop_only_them(tiny_llama_dir):
     """A core that takes clients (`--api-server-count`): two connected clients get their own numbers, only their
     own requests' outputs and the core's stats every step; an abort of another client's
     request does nothing; a call works from any client; an id already live is refused; a client that goes away has
     its requests aborted (their blocks free) while the others go on. (Tokens: the same prompt gives the same
     greedy tokens to either client; the first test holds the core's tokens equal to the engine alone.)"""
-    config = EngineConfig(model=str(smollm_dir), device="cpu", num_kv_blocks=64, block_size=16)
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64, block_size=16)
     owner = EngineCoreClient(config, accept_clients=True)
     a = b = None
     try:

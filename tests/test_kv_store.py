@@ -1,5 +1,6 @@
 """The prefix-KV store (kv_cache/kv_store.py, tiers.py): a prefix computed by one process is a hit in another
-process sharing the directory, and after a restart; bad entries and broken tiers cost recompute, never output."""
+process sharing the directory, and after a restart; bad entries and broken tiers cost recompute, never output.
+(The Llama cases run the tiny random Llama: what is held here does not depend on what the weights say.)"""
 
 from __future__ import annotations
 
@@ -69,22 +70,22 @@ print("RESULT", json.dumps([list(out.outputs[0].token_ids), out.num_cached_token
 """
 
 
-def test_another_process_and_a_restart_hit_the_first_ones_prefixes(smollm_dir, tmp_path):
+def test_another_process_and_a_restart_hit_the_first_ones_prefixes(tiny_llama_dir, tmp_path):
     store = str(tmp_path / "kv")
-    a = _engine(smollm_dir, kv_store_dir=store)
+    a = _engine(tiny_llama_dir, kv_store_dir=store)
     reference, cached = _gen(a)
     assert cached == 0
     a.engine.kv_store.flush()
     assert a.engine.stats()["kv_store_tiers"]["dir"]["bytes_written"] > 0
 
-    child = subprocess.run([sys.executable, "-c", _CHILD.format(bs=BS, prompt=PROMPT), str(smollm_dir), store],
+    child = subprocess.run([sys.executable, "-c", _CHILD.format(bs=BS, prompt=PROMPT), str(tiny_llama_dir), store],
                            capture_output=True, text=True, timeout=120, cwd=os.getcwd())
     assert child.returncode == 0, child.stderr[-2000:]
     line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
     assert json.loads(line[len("RESULT "):]) == [reference, 3 * BS]
 
     a.shutdown()
-    b = _engine(smollm_dir, kv_store_dir=store)          # the same process, restarted
+    b = _engine(tiny_llama_dir, kv_store_dir=store)          # the same process, restarted
     assert _gen(b) == (reference, 3 * BS)
     st = b.engine.stats()
     assert st["kv_store_tiers"]["dir"]["hits"] == 3 and st["prefix_cache_store_hit_tokens"] == 3 * BS
@@ -94,14 +95,14 @@ def test_another_process_and_a_restart_hit_the_first_ones_prefixes(smollm_dir, t
     b.shutdown()
 
 
-def test_a_slow_store_read_delays_only_its_own_request(smollm_dir, tmp_path):
+def test_a_slow_store_read_delays_only_its_own_request(tiny_llama_dir, tmp_path):
     """An arriving request's store read runs off the scheduler's thread (prefetch): while a slow tier answers
     (a busy shared filesystem: 1.5 s per block read, injected around the real directory tier), the other
     requests' steps go on; the slow request then hits as usual and gives the cold tokens."""
-    first = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
+    first = _engine(tiny_llama_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
     cold, _ = _gen(first)
     first.shutdown()
-    llm = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
+    llm = _engine(tiny_llama_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
     engine = llm.engine
     tier = engine.kv_store.tiers[0]
     real_get = tier.get
@@ -124,8 +125,8 @@ def test_a_slow_store_read_delays_only_its_own_request(smollm_dir, tmp_path):
     assert_pool_idle(engine)
 
 
-def test_corrupt_and_truncated_entries_are_misses_and_change_nothing(smollm_dir, tmp_path):
-    llm = _engine(smollm_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
+def test_corrupt_and_truncated_entries_are_misses_and_change_nothing(tiny_llama_dir, tmp_path):
+    llm = _engine(tiny_llama_dir, kv_store_dir=str(tmp_path), kv_host_cache_bytes=0)
     reference, cached = _gen(llm, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, cache_ttl="agent"))
     assert cached == 0
     _forget_gpu_prefixes(llm)
@@ -158,10 +159,10 @@ def unpack_header_expiry(header: bytes):
     return fields[3], fields[4]
 
 
-def test_an_unwritable_store_faults_but_the_engine_serves_on(smollm_dir, tmp_path, caplog):
+def test_an_unwritable_store_faults_but_the_engine_serves_on(tiny_llama_dir, tmp_path, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the store's directory should be")   # mkdir fails, even as root
-    llm = _engine(smollm_dir, kv_store_dir=str(blocker / "kv"), kv_host_cache_bytes=0)
+    llm = _engine(tiny_llama_dir, kv_store_dir=str(blocker / "kv"), kv_host_cache_bytes=0)
     with caplog.at_level("WARNING", logger="openinfer.kv_store"):
         first = _gen(llm)
         _forget_gpu_prefixes(llm)
@@ -174,12 +175,12 @@ def test_an_unwritable_store_faults_but_the_engine_serves_on(smollm_dir, tmp_pat
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
-def test_a_read_only_store_directory_faults_but_the_engine_serves_on(smollm_dir, tmp_path):
+def test_a_read_only_store_directory_faults_but_the_engine_serves_on(tiny_llama_dir, tmp_path):
     store = tmp_path / "ro"
     store.mkdir()
     store.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
-        llm = _engine(smollm_dir, kv_store_dir=str(store), kv_host_cache_bytes=0)
+        llm = _engine(tiny_llama_dir, kv_store_dir=str(store), kv_host_cache_bytes=0)
         assert _gen(llm)[1] == 0
         llm.engine.kv_store.flush()
         assert llm.engine.stats()["kv_store_tiers"]["dir"]["faults"] >= 1

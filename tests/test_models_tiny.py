@@ -11,10 +11,7 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.sampling_params import SamplingParams
-from tests.conftest import assert_pool_idle
-
-TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+from tests.conftest import TINY, assert_pool_idle
 
 VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),

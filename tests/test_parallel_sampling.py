@@ -1,4 +1,4 @@
-"""Parallel sampling (`SamplingParams.n` > 1) in the engine, with the real SmolLM2: n sequences from one prompt
+"""Parallel sampling (`SamplingParams.n` > 1) in the engine, on the tiny random Llama: n sequences from one prompt
 computed once (the others find its full blocks in the prefix cache and compute only the tail), seeded choices
 reproducible one by one, outputs folded into one RequestOutput per request (final, delta and cumulative), aborts
 and bad values leaving the engine as it was, and the multi-process front end."""
@@ -18,9 +18,9 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def llm16(smollm_dir):
+def llm16(tiny_llama_dir):
     """16-token blocks, so short prompts have full blocks to share."""
-    llm = LLM(str(smollm_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8)
     yield llm
     llm.shutdown()
 
@@ -143,8 +143,8 @@ def test_a_taken_sequence_id_is_refused_before_anything_is_queued(llm16):
     assert_pool_idle(eng)
 
 
-def test_without_prefix_caching_each_sequence_computes_the_prompt(smollm_dir):
-    llm = LLM(str(smollm_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8,
+def test_without_prefix_caching_each_sequence_computes_the_prompt(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8,
               enable_prefix_caching=False)
     try:
         ids = _prompt(llm, "nocache")
@@ -190,13 +190,13 @@ def test_the_multiprocess_front_end_runs_n_sequences_on_one_rank(tmp_path, smoll
         llm.shutdown()
 
 
-def test_async_scheduling_and_preemption_keep_every_sequence_right(smollm_dir, llm16):
+def test_async_scheduling_and_preemption_keep_every_sequence_right(tiny_llama_dir, llm16):
     """A pool too small for four sequences at once (they preempt each other, dropping their share of the prompt's
     blocks and recomputing), under async scheduling: each greedy sequence is still the single request's."""
     ids = _prompt(llm16, "preempt")
     ref = llm16.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM(str(smollm_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8, num_kv_blocks=12,
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", block_size=BS, max_num_seqs=8, num_kv_blocks=12,
               async_scheduling=True)
     try:
         out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(

@@ -1,4 +1,5 @@
-"""Sampling: exact masks, HF/vLLM penalties, seeded reproducibility across batches, stops, logprobs."""
+"""Sampling: exact masks, HF/vLLM penalties, seeded reproducibility across batches, stops, logprobs. (The engine
+runs the tiny random Llama where the property does not depend on what the weights say; EOS on SmolLM2.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from openinfer.sampling.sampler import apply_min_p, apply_penalties, apply_top_k
 from tests.conftest import assert_pool_idle
 
 NEG = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_seqs=16)
+    yield llm
+    llm.shutdown()
 
 
 def test_top_k_keeps_exactly_k():
@@ -120,7 +128,9 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(o.outputs[0].token_ids) >= 3 and first not in o.outputs[0].token_ids[:3]
 
 
-def test_eos_stops_unless_ignored(llm):
+def test_eos_stops_unless_ignored(smollm_dir):
+    """On SmolLM2: a real model's chat ends on its EOS token."""
+    llm = LLM(str(smollm_dir), device="cpu", dtype="float32")
     conv = [{"role": "user", "content": "Say hello."}]
     o = llm.chat(conv, SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
     assert o.finish_reason == "stop" and o.token_ids[-1] in llm.tokenizer.eos_token_ids
@@ -131,8 +141,8 @@ def test_eos_stops_unless_ignored(llm):
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_logprobs_are_log_softmax_of_the_logits_used(smollm_dir, mode):
-    llm = LLM(str(smollm_dir), device="cpu", logprobs_mode=mode)
+def test_logprobs_are_log_softmax_of_the_logits_used(tiny_llama_dir, mode):
+    llm = LLM(str(tiny_llama_dir), device="cpu", logprobs_mode=mode)
     captured = []
     execute = llm.engine.runner.execute
 

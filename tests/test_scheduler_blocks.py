@@ -1,4 +1,5 @@
-"""Scheduler and KV blocks: preemption instead of failure, no leaked blocks, LRU eviction of cached blocks."""
+"""Scheduler and KV blocks: preemption instead of failure, no leaked blocks, LRU eviction of cached blocks. (The
+engine runs the tiny random Llama: what is held here does not depend on what the weights say.)"""
 
 from __future__ import annotations
 
@@ -18,17 +19,24 @@ def _run(llm, prompts, **sp):
     return llm.generate(prompts, SamplingParams(temperature=0, ignore_eos=True, **sp), use_tqdm=False)
 
 
-def test_tiny_pool_preempts_and_matches_large_pool(llm, smollm_dir):
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_seqs=16)
+    yield llm
+    llm.shutdown()
+
+
+def test_tiny_pool_preempts_and_matches_large_pool(llm, tiny_llama_dir):
     expected = [o.outputs[0].token_ids for o in _run(llm, PROMPTS, max_tokens=32)]
-    tiny = LLM(str(smollm_dir), device="cpu", block_size=16, num_kv_blocks=12, enable_prefix_caching=False)
+    tiny = LLM(str(tiny_llama_dir), device="cpu", block_size=16, num_kv_blocks=12, enable_prefix_caching=False)
     outs = _run(tiny, PROMPTS, max_tokens=32)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_pool_idle(tiny.engine)
 
 
-def test_abort_running_and_waiting_frees_every_block(smollm_dir):
-    llm = LLM(str(smollm_dir), device="cpu", block_size=16, max_num_seqs=2)
+def test_abort_running_and_waiting_frees_every_block(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=16, max_num_seqs=2)
     eng = llm.engine
     ids = [eng.add_request(llm.tokenizer.encode(p), SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS]
     for _ in range(4):
@@ -114,8 +122,8 @@ def test_cached_hits_count_against_free_blocks():
 
 
 @pytest.mark.parametrize("budget", [1, 5])
-def test_step_respects_token_and_seat_budgets(smollm_dir, budget):
-    llm = LLM(str(smollm_dir), device="cpu", max_num_batched_tokens=budget, max_num_seqs=3, block_size=16)
+def test_step_respects_token_and_seat_budgets(tiny_llama_dir, budget):
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=budget, max_num_seqs=3, block_size=16)
     eng = llm.engine
     schedule, seen = eng.scheduler.schedule, []
 

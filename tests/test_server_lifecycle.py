@@ -1,6 +1,7 @@
 """`openinfer serve` as a real process (`python -m openinfer`), its engine core a process of its own: the KV pool is
 resident from the start; SIGTERM lets in-flight requests finish, refuses new ones, exits 0 and leaves no process;
-a core that dies makes the server answer 503 and exit 1, never hang."""
+a core that dies makes the server answer 503 and exit 1, never hang. (On the tiny random Llama: no property here
+reads the weights.)"""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from openinfer.benchmarks.soak import read_rss_mib
 from tests.live_server import _free_port, wait_healthy
 
 
-def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
+def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama_dir):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", "--model", str(smollm_dir),
-                             "--device", "cpu", "--port", str(port), "--served-model-name", "smollm2"],
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", "--model", str(tiny_llama_dir),
+                             "--device", "cpu", "--port", str(port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
@@ -35,7 +36,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
 
         def stream():
             text, finish = "", None
-            body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True,
+            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 256, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
@@ -67,10 +68,10 @@ def test_sigterm_finishes_in_flight_and_exits_zero(smollm_dir):
             proc.kill()
 
 
-def test_a_dead_engine_core_makes_the_server_answer_503_and_exit_1(smollm_dir):
+def test_a_dead_engine_core_makes_the_server_answer_503_and_exit_1(tiny_llama_dir):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", str(smollm_dir), "--device", "cpu",
-                             "--port", str(port), "--served-model-name", "smollm2", "--kv-cache-memory-bytes",
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", str(tiny_llama_dir), "--device", "cpu",
+                             "--port", str(port), "--served-model-name", "tiny", "--kv-cache-memory-bytes",
                              str(64 << 20)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
