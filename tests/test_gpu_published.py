@@ -40,10 +40,12 @@ def test_published_v4_cuda_follows_cpu_reference(published_dir, quantize_activat
 
 
 @pytest.mark.parametrize("table, route", [("EXPERT_KERNEL_BY_ROWS", "w4a8"), ("EXPERT_KERNEL_BY_ROWS", "w4a16"),
-                                          ("FP8_FINE_BLOCK_BY_M", "bf16"), ("FP8_FINE_BLOCK_BY_M", "fp8")])
+                                          ("EXPERT_KERNEL_BY_ROWS", "bf16_dequant"), ("FP8_FINE_BLOCK_BY_M", "bf16"),
+                                          ("FP8_FINE_BLOCK_BY_M", "fp8"), ("FP8_FINE_BLOCK_BY_M", "bf16_dequant")])
 def test_published_v4_every_kernel_route_follows_cpu_reference(published_dir, table, route, monkeypatch):
     """Each route of the per-size kernel tables (quantization/kernel_choice.py) forced at every size: the W4A8
-    expert kernel or W4A16 on rounded rows; the 32 x 32 FP8 linears on the FP8 or the bf16 tensor cores. Each
+    expert kernel, W4A16 or bf16 dequant + torch._grouped_mm on rounded rows; the 32 x 32 FP8 linears on the FP8
+    or the bf16 tensor cores, or dequantized to bf16 through cuBLAS. Each
     is as close to the CPU fp32 reference as CPU bf16 is."""
     from openinfer.quantization import kernel_choice
 

@@ -263,15 +263,15 @@ def test_fp8_bf16_core_linear_matches_reference(name, m):
 
 @pytest.mark.parametrize("m", [1, 300, 3000])
 def test_fp8_linear_routes_agree(m, monkeypatch):
-    """fp8_linear's two routes for 32-wide blocks (the W8A8 FP8 kernel, the bf16-core kernel on rounded
-    activations) compute the same values: each table entry forced in turn, both against the reference."""
+    """fp8_linear's routes for 32-wide blocks (the W8A8 FP8 kernel, the bf16-core kernel on rounded activations,
+    the weight dequantized to bf16 then cuBLAS on the same activations) compute the same values: each table entry forced in turn, both against the reference."""
     from openinfer.quantization import kernel_choice
 
     g = _gen()
     weight, scale = formats.quantize_fp8(torch.randn(2304, 5120, generator=g, device="cuda") * 0.05, 32)
     x = torch.randn(m, 5120, generator=g, device="cuda", dtype=torch.bfloat16)
     ref = reference.fp8_linear(x, weight, scale, 32)
-    for route in ("fp8", "bf16"):
+    for route in ("fp8", "bf16", "bf16_dequant"):
         monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, route),))
         assert _rel(tk.fp8_linear(x, weight, scale, 32), ref) < 1e-2
 

@@ -3,21 +3,24 @@ speeds: the one place these choices live, as data. Each table is (from this many
 increasing order; the last entry at or below the row count applies.
 
 The thresholds come from `benchmarks/gpu_expert_gemm.py`, which times every candidate per size and prints the
-table its measurements give (`recommended_tables` in its JSON). Not measured yet: until that run's tables are
-put here, each table keeps the kernel that ran before the alternative existed at every size (the W4A16 kernel,
-the W8A8 FP8 kernel), so an unmeasured route never slows a model down; tests force each route
-(tests/test_gpu_quant.py, tests/test_gpu_published.py).
+table its measurements give (`recommended_tables` in its JSON). A table not measured yet keeps the kernel that
+ran before the alternatives existed at every size (the expert table: the W4A16 kernel), so an unmeasured route
+never slows a model down; tests force each route (tests/test_gpu_quant.py, tests/test_gpu_published.py,
+tests/test_dequant_gemm.py).
 """
 
 from __future__ import annotations
 
 # MXFP4 routed experts with FP8-rounded activations (LayerOps.grouped_gemm_a8), by routed rows (tokens x top-k):
-# "w4a16" = round the rows, then the weight-only W4A16 kernel; "w4a8" = the FP8 tensor-core kernel
+# "w4a16" = round the rows, then the weight-only W4A16 kernel; "w4a8" = the FP8 tensor-core kernel; "bf16_dequant" =
+# round the rows, dequantize the experts to bf16 (bounded chunks), then torch._grouped_mm (dequant_gemm.py)
 EXPERT_KERNEL_BY_ROWS: tuple[tuple[int, str], ...] = ((0, "w4a16"),)
 # FP8 linears with blocks under 128 (V4.1's 32 x 32; cuBLAS' blockwise scaling takes only 128), by tokens: "fp8" =
 # the W8A8 Triton kernel (a rescale per block of K); "bf16" = weight tiles dequantized to bf16 inside a bf16 GEMM,
-# on activations rounded as W8A8 rounds them
-FP8_FINE_BLOCK_BY_M: tuple[tuple[int, str], ...] = ((0, "fp8"),)
+# on activations rounded as W8A8 rounds them; "bf16_dequant" = the same rounded activations, the weight dequantized
+# to a bf16 buffer, then cuBLAS (dequant_gemm.py). H200, V4.1 shapes: 255-263 TFLOP/s for "fp8" against 646-668
+# for "bf16_dequant" (dequant included) from 256 tokens on
+FP8_FINE_BLOCK_BY_M: tuple[tuple[int, str], ...] = ((0, "fp8"), (256, "bf16_dequant"))
 
 
 def choose(table: tuple[tuple[int, str], ...], m: int) -> str:

@@ -9,7 +9,8 @@
   hundred tokens on goes to cuBLAS' blockwise FP8 GEMM (torch._scaled_mm), which is faster there. Finer
   blocks (V4.1's 32) can instead take `fp8_bf16_gemm` on activations rounded to their FP8 values
   (`quantize_dequantize_activations`): weight tiles dequantized to bf16 inside a bf16 GEMM, no rescale per
-  block; which one runs at which M is `kernel_choice.py`'s table.
+  block; or (`dequant_gemm.py`) dequantize the whole weight to bf16 and call cuBLAS; which one runs at which M
+  is `kernel_choice.py`'s table.
 - `grouped_gemm`: MoE experts with weight-only dequantization in registers (W4A16 for MXFP4, W8A16 for FP8):
   packed weights are decoded to bf16 next to the dot, never written back. The row tiles per expert depend
   on the routing, so the grid is a static upper bound and each program finds its (expert, rows) from `offs`
@@ -274,15 +275,21 @@ def use_scaled_mm(m: int, n: int, k: int, block: int) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     """x [M, K] bf16 @ FP8 block-scaled weight [N, K] -> [M, N] (reference.fp8_linear, quantize_input=True).
-    Blocks under 128 (V4.1's 32) take the FP8 kernel or the bf16 one on rounded activations, by M, as
-    `kernel_choice` measured (the same values up to fp32 summation order)."""
+    Blocks under 128 (V4.1's 32) take the FP8 kernel, the bf16 one on rounded activations, or the same rounded
+    activations times the weight dequantized to bf16 through cuBLAS (`dequant_gemm`), by M, as `kernel_choice`
+    measured (the same values up to fp32 summation order)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.is_cuda and use_scaled_mm(m, n, k, block):
         return scaled_mm_fp8(x, weight, scale)
-    if block < 128 and kernel_choice.fp8_fine_block_kernel(m) == "bf16":
+    route = kernel_choice.fp8_fine_block_kernel(m) if block < 128 else "fp8"
+    if route == "bf16":
         return fp8_bf16_gemm(quantize_dequantize_activations(x, block), weight, scale, block,
                              fp8_bf16_config(m, n, k, block))
+    if route == "bf16_dequant":
+        from openinfer.quantization.dequant_gemm import fp8_linear_dequant   # it imports this module
+
+        return fp8_linear_dequant(x, weight, scale, block)
     return fp8_gemm(x, weight, scale, block, fp8_config(m, n, k, block, num_sms(x.device)))
 
 

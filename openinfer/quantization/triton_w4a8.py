@@ -19,8 +19,8 @@ decode is a few integer ops per byte and the MMA runs at the FP8 rate.
   finds its expert and rows from `offs` on the device; no host sync, CUDA-graph capturable.
 
 `grouped_gemm_a8` is the `LayerOps.grouped_gemm_a8` of the CUDA ops: per row count it takes this kernel or
-"round the activations, then the W4A16 kernel" (the same values up to fp32 summation order), by the measured
-table in `kernel_choice.py`.
+"round the activations, then the W4A16 kernel" or "round them, dequantize the experts to bf16, torch._grouped_mm"
+(`dequant_gemm.py`) (the same values up to fp32 summation order), by the measured table in `kernel_choice.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from openinfer.quantization import kernel_choice
+from openinfer.quantization.dequant_gemm import grouped_gemm_dequant
 from openinfer.quantization.formats import MXFP4_GROUP
 from openinfer.quantization.triton_kernels import (_e8m0_to_f32, _expert_row_tile, grouped_gemm,
                                                    quantize_activations, quantize_dequantize_activations)
@@ -144,8 +145,12 @@ def grouped_gemm_w4a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
 def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
                     block: int) -> torch.Tensor:
     """`LayerOps.grouped_gemm_a8` on CUDA: rows quantized per token in groups of `block`, then either the W4A8
-    kernel or the weight-only kernel on the rounded rows, whichever `kernel_choice` measured faster at this
-    row count (block-FP8 experts, and activation groups that are not whole 32-groups, always take the latter)."""
-    if fmt == "mxfp4" and block % MXFP4_GROUP == 0 and kernel_choice.expert_kernel(rows.shape[0]) == "w4a8":
+    kernel, the weight-only kernel on the rounded rows, or the rounded rows times the experts dequantized to bf16
+    through torch._grouped_mm (`dequant_gemm`), whichever `kernel_choice` measured faster at this row count
+    (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel)."""
+    route = kernel_choice.expert_kernel(rows.shape[0])
+    if fmt == "mxfp4" and block % MXFP4_GROUP == 0 and route == "w4a8":
         return grouped_gemm_w4a8(rows, offs, weight, scale, block)
+    if route == "bf16_dequant":
+        return grouped_gemm_dequant(quantize_dequantize_activations(rows, block), offs, weight, scale, fmt, block)
     return grouped_gemm(quantize_dequantize_activations(rows, block), offs, weight, scale, fmt, block)

@@ -1,0 +1,167 @@
+"""Prefill GEMMs on DeepSeek's quantized weights through cuBLAS: the weight is dequantized to bf16 by one Triton
+kernel (exact: an E4M3 or E2M1 value times a power of two fits bf16), then multiplied by cuBLAS' bf16 GEMM
+(`F.linear`) or grouped GEMM (`torch._grouped_mm`). The values are those of the reference (`reference.py`) up to
+fp32 summation order, as the fused Triton routes in `triton_kernels.py` / `triton_w4a8.py` compute them.
+
+Why: at prefill sizes the GEMM is compute-bound and cuBLAS' bf16 GEMM runs far closer to the bf16 peak than our
+fused kernels (H200, V4.1's 32 x 32 FP8 linears at M >= 256: 646-668 TFLOP/s including the dequant, against
+255-263 for the W8A8 Triton kernel); the dequant re-reads the weight once and writes it once per call, which
+only a large M amortizes. Which route runs at which size is `kernel_choice.py`'s table ("bf16_dequant").
+
+Memory (not in the KV pool's accounting; it comes out of the 1 GiB `cache_pool._kv_budget` keeps back for
+activations, and only while a call runs: the caching allocator reuses it):
+- `fp8_linear_dequant`: one bf16 copy of the weight, N x K x 2 bytes (V4.1's largest, wq_b and wo_b: 80 MiB).
+- `grouped_gemm_dequant`: bf16 experts in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, 1 GiB;
+  always at least one expert), one chunk alive at a time. Eager, it reads `offs` on the host (one sync per call),
+  dequantizes only experts that got rows, and runs one `torch._grouped_mm` per chunk on that chunk's rows.
+
+CUDA graphs: these routes are meant for eager / piecewise prefill, but capture does not break them. Allocation
+during capture comes from the graph's private pool. `fp8_linear_dequant` has no host sync. `grouped_gemm_dequant`
+cannot read `offs` while capturing: it then dequantizes every expert in one chunk and runs one grouped GEMM over
+all rows (no host values needed) when they fit `scratch_bytes`, else it runs the (capturable) W4A16 / W8A16
+Triton kernel, `triton_kernels.grouped_gemm`, which computes the same values.
+
+Known limit (as the Triton kernels): an E8M0 scale byte 0 (2^-127) dequantizes to 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from openinfer.quantization import triton_kernels as tk
+from openinfer.quantization.formats import MXFP4_GROUP
+
+SCRATCH_BYTES = 1 << 30
+
+
+# ---- dequantization kernels ---------------------------------------------------------------------------
+@triton.jit
+def _dequant_fp8_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                        stride_oe, stride_on, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (i, j, c): tile [i * BLOCK_N, j * BLOCK_K] of expert ids[c] -> out[c]: E4M3 value times its
+    BLOCK x BLOCK tile's E8M0 scale, computed in fp32 and stored as bf16 (exact)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    c = tl.program_id(2)
+    e = tl.load(ids_ptr + c).to(tl.int64)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    rn64 = rn.to(tl.int64)
+    v = tl.load(w_ptr + e * stride_we + rn64[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
+    s = tl.load(s_ptr + e * stride_se + (rn // BLOCK)[:, None] * stride_sn + (rk // BLOCK)[None, :], mask=mask,
+                other=0)
+    w = v.to(tl.float32) * tk._e8m0_to_f32(s)
+    tl.store(out_ptr + c.to(tl.int64) * stride_oe + rn64[:, None] * stride_on + rk[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """4-bit E2M1 codes (int32, bit 3 the sign) -> fp32 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives)."""
+    e = (code >> 1) & 3
+    f = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * f, (2.0 + f) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _dequant_mxfp4_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                          stride_oe, stride_on, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Program (i, j, c): output tile [i * BLOCK_N, j * BLOCK_K] of expert ids[c] (BLOCK_K / 2 packed bytes, the
+    even element in the low nibble) -> out[c]: E2M1 value times its group's E8M0 scale, fp32 then bf16 (exact)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    c = tl.program_id(2)
+    e = tl.load(ids_ptr + c).to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    n_mask = (rn < N)[:, None]
+    b = tl.load(w_ptr + e * stride_we + rn64[:, None] * stride_wn + kb[None, :],
+                mask=n_mask & (kb < K // 2)[None, :], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), (BLOCK_N, BLOCK_K))     # low nibble first
+    mask = n_mask & (rk < K)[None, :]
+    s = tl.load(s_ptr + e * stride_se + rn64[:, None] * stride_sn + (rk // GROUP)[None, :], mask=mask, other=0)
+    w = _e2m1_to_f32(codes) * tk._e8m0_to_f32(s)
+    tl.store(out_ptr + c.to(tl.int64) * stride_oe + rn64[:, None] * stride_on + rk[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_to_bf16(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: int,
+                       experts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored weight(s) -> bf16 of the logical shape, equal to `reference.dequantize_weight(...).to(bfloat16)`.
+
+    One weight ([N, K] FP8 / [N, K/2] MXFP4) gives [N, K]. Stacked experts ([E, N, ...]) give [C, N, K] for
+    `experts` (int32 [C] indices on the weight's device; all E when None), into `out` when given (a [C, N, K] bf16
+    buffer: the scratch the caller bounds). Scales must be E8M0 (float8_e8m0fnu or their uint8 bytes)."""
+    if fmt not in ("fp8", "mxfp4"):
+        raise ValueError(f"unknown quantized weight format {fmt!r} (fp8, mxfp4)")
+    single = weight.dim() == 2
+    w, s = (weight[None], scale[None]) if single else (weight, scale)
+    n = w.shape[1]
+    k = w.shape[2] * (2 if fmt == "mxfp4" else 1)
+    if experts is None:
+        experts = torch.arange(w.shape[0], dtype=torch.int32, device=w.device)
+    c = experts.shape[0]
+    if out is None:
+        out = torch.empty(c, n, k, dtype=torch.bfloat16, device=w.device)
+    elif out.shape != (c, n, k) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{c}, {n}, {k}] with unit stride along K, got {tuple(out.shape)}")
+    s = s.view(torch.uint8)
+    if c:
+        block_n, block_k = 32, 128
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), c)
+        args = (w.view(torch.uint8) if fmt == "mxfp4" else w, s, experts, out, n, k, w.stride(0), w.stride(1),
+                s.stride(0), s.stride(1), out.stride(0), out.stride(1))
+        if fmt == "fp8":
+            _dequant_fp8_kernel[grid](*args, BLOCK=block, BLOCK_N=block_n, BLOCK_K=block_k)
+        else:
+            _dequant_mxfp4_kernel[grid](*args, GROUP=MXFP4_GROUP, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out[0] if single else out
+
+
+# ---- the routes ---------------------------------------------------------------------------------------
+def fp8_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
+                       quantize_input: bool = True) -> torch.Tensor:
+    """x [M, K] @ FP8 block-scaled weight [N, K] -> [M, N] in x's dtype (`reference.fp8_linear`): the activations
+    rounded to their FP8 values as `triton_kernels.fp8_linear`'s "bf16" route rounds them
+    (`quantize_dequantize_activations`), the weight dequantized to a bf16 buffer, then cuBLAS."""
+    a = tk.quantize_dequantize_activations(x, block) if quantize_input else x
+    w = dequantize_to_bf16(weight, scale, "fp8", block)
+    return F.linear(a, w.to(a.dtype))
+
+
+def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         fmt: str, block: int, scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+    """rows [M, K] sorted by expert, offs [E] int32 cumulative counts -> [M, N] (`reference.grouped_gemm`,
+    weight-only): experts dequantized to bf16 in chunks of at most `scratch_bytes`, a `torch._grouped_mm` per
+    chunk (see the module docstring for memory and CUDA graphs). Rows past offs[-1] are left unwritten."""
+    m, k = rows.shape
+    e, n = weight.shape[:2]
+    chunk = max(1, scratch_bytes // (n * k * 2))
+    if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        if e > chunk:
+            return tk.grouped_gemm(rows, offs, weight, scale, fmt, block)
+        w = dequantize_to_bf16(weight, scale, fmt, block)
+        return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    ends = offs.tolist()                                   # the one host sync
+    starts = [0] + ends[:-1]
+    hit = [i for i in range(e) if ends[i] > starts[i]]      # experts with rows, in row order
+    if not hit:
+        return out
+    ids = torch.tensor(hit, dtype=torch.int32).to(rows.device)
+    scratch = torch.empty(min(chunk, len(hit)), n, k, dtype=torch.bfloat16, device=rows.device)
+    for i in range(0, len(hit), chunk):
+        part = hit[i:i + chunk]
+        r0, r1 = starts[part[0]], ends[part[-1]]
+        w = dequantize_to_bf16(weight, scale, fmt, block, ids[i:i + len(part)], scratch[:len(part)])
+        group_ends = torch.tensor([ends[j] - r0 for j in part], dtype=torch.int32).to(rows.device)
+        y = torch._grouped_mm(rows[r0:r1].to(torch.bfloat16), w.transpose(1, 2), offs=group_ends)
+        out[r0:r1] = y
+    return out

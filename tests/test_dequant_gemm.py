@@ -1,0 +1,45 @@
+"""The dequantize-to-bf16 routes (quantization/dequant_gemm.py) against the reference in Triton's interpreter on the
+CPU (tests/dequant_gemm_cases.py): dequantization bit for bit, the routes within the bf16 GEMM's bound. A
+subprocess: the interpreter is chosen when the kernels are defined. tests/test_gpu_dequant_gemm.py runs them on
+CUDA at DeepSeek's shapes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dequant_routes_equal_reference_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "dequant_gemm_cases.py"), "--quick"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "all cases pass" in r.stdout
+
+
+def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeypatch):
+    """fp8_linear and grouped_gemm_a8 call the dequant routes for the sizes the tables give them (with the
+    activations rounded as their other routes round them), and the other routes elsewhere."""
+    from openinfer.quantization import dequant_gemm, kernel_choice, triton_kernels, triton_w4a8
+
+    calls = []
+    monkeypatch.setattr(dequant_gemm, "fp8_linear_dequant", lambda *a: calls.append(("linear", a[-1])) or "dq")
+    monkeypatch.setattr(triton_w4a8, "grouped_gemm_dequant", lambda *a: calls.append(("experts", a[-1])) or "dq")
+    monkeypatch.setattr(triton_w4a8, "quantize_dequantize_activations", lambda x, block: x)
+    monkeypatch.setattr(triton_w4a8, "grouped_gemm", lambda *a: "w4a16")
+    monkeypatch.setattr(triton_kernels, "fp8_gemm", lambda *a: "fp8")
+    monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, "fp8"), (256, "bf16_dequant")))
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS", ((0, "w4a16"), (512, "bf16_dequant")))
+    import torch
+
+    w = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(2, 2, dtype=torch.uint8)
+    assert triton_kernels.fp8_linear(torch.zeros(255, 64), w, s, 32) == "fp8"
+    assert triton_kernels.fp8_linear(torch.zeros(256, 64), w, s, 32) == "dq"
+    we, se = torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.uint8)
+    offs = torch.zeros(2, dtype=torch.int32)
+    assert triton_w4a8.grouped_gemm_a8(torch.zeros(511, 64), offs, we, se, "mxfp4", 32) == "w4a16"
+    assert triton_w4a8.grouped_gemm_a8(torch.zeros(512, 64), offs, we, se, "mxfp4", 32) == "dq"
+    assert calls == [("linear", 32), ("experts", 32)]
