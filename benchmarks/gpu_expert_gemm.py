@@ -5,18 +5,29 @@
    rows M = 6T), both projections (gate_up N = 2I, K = H; down N = H, K = I) of V4-Flash (256 experts, H 4096,
    I 2048, activations 1 x 128) and V4.1-Flash (384 experts, H 5120, I 2304, activations 1 x 32): the two routes
    `LayerOps.grouped_gemm_a8` chooses between ("w4a16": rows rounded to FP8 values by one kernel, then the
-   weight-only W4A16 kernel; "w4a8": the activation quantization kernel, then the FP8 tensor-core GEMM), the
-   W4A16 kernel alone, and bf16 torch._grouped_mm on the dequantized experts;
+   weight-only W4A16 kernel; "w4a8": the activation quantization kernel, then the FP8 tensor-core GEMM;
+   "bf16_dequant": rows rounded, the experts with rows dequantized to bf16 in chunks of at most 1 GiB, then
+   torch._grouped_mm per chunk, quantization/dequant_gemm.py), the W4A16 kernel alone, and bf16
+   torch._grouped_mm on experts dequantized beforehand (the ceiling: no dequant in the time);
  - V4.1's FP8 linears with 32 x 32 blocks at its shapes, M = 1 .. 16K: the two routes of `fp8_linear` ("fp8":
    the W8A8 Triton kernel; "bf16": activations rounded by one kernel, then weight tiles dequantized to bf16
-   inside a bf16 GEMM), the bf16-core kernel alone (W8A16), and bf16 F.linear on the dequantized weight.
+   inside a bf16 GEMM; "bf16_dequant": activations rounded, the whole weight dequantized to a bf16 buffer, then
+   F.linear), the bf16-core kernel alone (W8A16), and bf16 F.linear on a weight dequantized beforehand.
 Throughput is TFLOP/s dense-equivalent (2 M N K over the time). Every time is the median of CUDA-event-timed
 replays of a CUDA graph holding one call per input copy, with enough copies (weights, routings) that the weights
-read exceed the L2 (benchmarks/gpu_quant_kernels.py's method). Last, the tables for
-openinfer/quantization/kernel_choice.py that these times give (`recommended_tables` in the JSON): from which
-row count each faster route wins at every larger measured size, summed over the shapes of a layer.
+read exceed the L2 (benchmarks/gpu_quant_kernels.py's method). The expert "bf16_dequant" route reads the routing on
+the host, which a graph would freeze (captured, it takes another path), so it is timed eagerly: CUDA events around
+the same calls run in sequence, its host sync and launch gaps included (a graph hides the others' launch costs:
+small against the milliseconds of prefill sizes, not against decode's microseconds). Last, the tables for openinfer/quantization/kernel_choice.py that these times give
+(`recommended_tables` in the JSON): the fastest route at each measured size, summed over the shapes of a layer,
+from the size where it starts winning.
 
     python benchmarks/gpu_expert_gemm.py [--out PATH] [--only experts|fp8] [--sweep] [--max-tokens N]
+    python benchmarks/gpu_expert_gemm.py --quick     # ~2 min on an H200: V4.1 shapes, M = 64 .. 16384 rows
+
+--quick times V4.1-Flash only (its FP8 32 x 32 linears, and its routed experts at M routed rows, top-6 routing of
+ceil(M / 6) tokens cut to M rows), the routes and the bf16 ceilings, M in QUICK_MS, no kernel-only peers, 20 graph
+replays per time instead of 50.
 """
 
 from __future__ import annotations
@@ -33,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import gpu_quant_kernels  # noqa: E402
 from benchmarks.gpu_quant_kernels import Saved, copies_for, graph_time, run_header, try_time  # noqa: E402
-from openinfer.quantization import formats, kernel_choice  # noqa: E402
+from openinfer.quantization import dequant_gemm, formats, kernel_choice  # noqa: E402
 from openinfer.quantization import triton_kernels as tk  # noqa: E402
 from openinfer.quantization import triton_w4a8  # noqa: E402
 
@@ -48,6 +60,7 @@ TOP_K = 6
 V41_FP8_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
                   "shared_w1": (2304, 5120), "shared_w2": (5120, 2304), "index_wq_b": (4096, 1280)}
 FP8_MS = [1, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+QUICK_MS = [64, 256, 1024, 4096, 16384]
 SWEEP_TOKENS = {128, 4096}
 SWEEP_MS = {1024, 4096}
 
@@ -70,10 +83,32 @@ def tflops(flops: float, t) -> float | str:
     return flops / t / 1e12 if isinstance(t, float) else t
 
 
+def eager_time(calls: list, reps: int = 7) -> float | str:
+    """Seconds per call, run eagerly (for routes that sync with the host): median over `reps` runs of `calls` in
+    sequence between two CUDA events."""
+    try:
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            for c in calls:
+                c()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2] / len(calls)
+    except Exception as e:                                 # a route that does not run on this shape
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 # ---- routed experts -----------------------------------------------------------------------------------
-def top6(tokens: int, experts: int, gen: torch.Generator) -> torch.Tensor:
-    """offs [E] int32 of a random top-6 routing of `tokens` (distinct experts per token)."""
-    idx = torch.rand(tokens, experts, generator=gen, device="cuda").argsort(-1)[:, :TOP_K].flatten()
+def top6(tokens: int, experts: int, gen: torch.Generator, rows: int | None = None) -> torch.Tensor:
+    """offs [E] int32 of a random top-6 routing of `tokens` (distinct experts per token), cut to the first
+    `rows` routed rows when given."""
+    idx = torch.rand(tokens, experts, generator=gen, device="cuda").argsort(-1)[:, :TOP_K].flatten()[:rows]
     return torch.bincount(idx, minlength=experts).cumsum(0).to(torch.int32)
 
 
@@ -89,30 +124,39 @@ def random_mxfp4(e: int, n: int, k: int, gen: torch.Generator):
     return w, s, dense
 
 
-def expert_variants(w, s, dense, act_block):
+EAGER_ROUTES = {"bf16_dequant"}        # timed by eager_time, the rest in CUDA graphs
+
+
+def expert_variants(w, s, dense, act_block, quick: bool = False):
     """name -> call(rows, offs): the routes and peers timed for the expert GEMM."""
     dt = dense.transpose(1, 2)
-    return {
+    out = {
         "w4a8": lambda x, o: triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block),
         "w4a16": lambda x, o: tk.grouped_gemm(tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4",
                                               act_block),
+        "bf16_dequant": lambda x, o: dequant_gemm.grouped_gemm_dequant(
+            tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4", act_block),
         "w4a16_kernel_only": lambda x, o: tk.grouped_gemm(x, o, w, s, "mxfp4", act_block),
         "bf16_grouped_mm": lambda x, o: torch._grouped_mm(x, dt, offs=o),
     }
+    if quick:
+        del out["w4a16_kernel_only"]
+    return out
 
 
-def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out) -> None:
+def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, quick: bool = False) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for model in models:
         e, h, inter, act_block = EXPERT_MODELS[model]
         for proj, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
             w, s, dense = random_mxfp4(e, n, k, gen)
             per_expert = n * k // 2 + n * k // 32
-            variants = expert_variants(w, s, dense, act_block)
-            for tokens in [t for t in TOKENS if t <= max_tokens]:
-                m = tokens * TOP_K
+            variants = expert_variants(w, s, dense, act_block, quick)
+            sizes = ([(-(-m // TOP_K), m) for m in QUICK_MS] if quick
+                     else [(t, t * TOP_K) for t in TOKENS if t <= max_tokens])
+            for tokens, m in sizes:
                 copies = copies_for(per_expert * min(e, m))
-                offs = [top6(tokens, e, gen) for _ in range(copies)]
+                offs = [top6(tokens, e, gen, m) for _ in range(copies)]
                 xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in offs]
                 flops = 2 * m * n * k
                 row = dict(op="expert_gemm", model=model, proj=proj, N=n, K=k, experts=e, act_block=act_block,
@@ -120,7 +164,8 @@ def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out) -> 
                            w4a16_config=tk.grouped_config(m, n, k, e, "mxfp4", act_block).__dict__,
                            route_now=kernel_choice.expert_kernel(m))
                 for name, fn in variants.items():
-                    t = try_time([lambda x=x, o=o, fn=fn: fn(x, o) for x, o in zip(xs, offs)])
+                    timer = eager_time if name in EAGER_ROUTES else try_time
+                    t = timer([lambda x=x, o=o, fn=fn: fn(x, o) for x, o in zip(xs, offs)])
                     row[name + "_us"] = t * 1e6 if isinstance(t, float) else t
                     row[name + "_TFLOPs"] = tflops(flops, t)
                 if sweep and tokens in SWEEP_TOKENS:
@@ -153,7 +198,7 @@ def sweep_w4a8(xs, offs, w, s, act_block, m, n, e) -> dict:
 
 
 # ---- V4.1's FP8 32 x 32 linears -----------------------------------------------------------------------
-def fp8_variants(w, s, dense):
+def fp8_variants(w, s, dense, quick: bool = False):
     def fp8_route(x):
         m, k = x.shape
         return tk.fp8_gemm(x, w, s, 32, tk.fp8_config(m, w.shape[0], k, 32, tk.num_sms(x.device)))
@@ -167,17 +212,21 @@ def fp8_variants(w, s, dense):
         m, k = x.shape
         return tk.fp8_bf16_gemm(x, w, s, 32, tk.fp8_bf16_config(m, w.shape[0], k, 32))
 
-    return {"fp8": fp8_route, "bf16": bf16_route, "bf16_core_kernel_only": bf16_core_only,
-            "bf16_linear": lambda x: F.linear(x, dense)}
+    out = {"fp8": fp8_route, "bf16": bf16_route,
+           "bf16_dequant": lambda x: dequant_gemm.fp8_linear_dequant(x, w, s, 32),
+           "bf16_core_kernel_only": bf16_core_only, "bf16_linear": lambda x: F.linear(x, dense)}
+    if quick:
+        del out["bf16_core_kernel_only"]
+    return out
 
 
-def bench_fp8(max_m: int, sweep: bool, rows_out) -> None:
+def bench_fp8(max_m: int, sweep: bool, rows_out, quick: bool = False) -> None:
     for name, (n, k) in V41_FP8_SHAPES.items():
         w, s = formats.quantize_fp8(torch.randn(n, k, device="cuda") * 0.05, 32)
         dense = formats.dequantize_fp8(w, s, 32).to(torch.bfloat16)
         copies = [(w.clone(), s.clone(), dense.clone()) for _ in range(copies_for(w.numel() + s.numel()))]
-        per_copy = [fp8_variants(*c) for c in copies]
-        for m in [m for m in FP8_MS if m <= max_m]:
+        per_copy = [fp8_variants(*c, quick=quick) for c in copies]
+        for m in [m for m in (QUICK_MS if quick else FP8_MS) if m <= max_m]:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in copies]
             flops = 2 * m * n * k
             row = dict(op="fp8_linear_b32", shape=name, N=n, K=k, M=m, route_now=kernel_choice.fp8_fine_block_kernel(m),
@@ -220,40 +269,40 @@ def fmt_tf(v) -> str:
     return f"{v:6.1f}" if isinstance(v, float) else f"n/a ({str(v)[:60]})"
 
 
-def threshold_table(sizes: dict[int, dict[str, float]], slow: str, fast: str) -> tuple[tuple[int, str], ...]:
-    """sizes: size -> {route: seconds summed over a layer's shapes}. `fast` from the smallest measured size at
-    and above which it wins at every measured size; `slow` below."""
-    start = None
-    for size in sorted(sizes, reverse=True):
-        if sizes[size].get(fast, float("inf")) < sizes[size].get(slow, float("inf")):
-            start = size
-        else:
-            break
-    if start is None:
-        return ((0, slow),)
-    return ((0, fast),) if start == min(sizes) else ((0, slow), (start, fast))
+def route_table(sizes: dict[int, dict[str, float]], routes: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    """sizes: size -> {route: seconds summed over a layer's shapes}. The fastest of `routes` at each measured size,
+    an entry where it changes (the smallest measured size's from 0): the table `kernel_choice.choose` reads."""
+    table: list[tuple[int, str]] = []
+    for size in sorted(sizes):
+        best = min(routes, key=lambda r: sizes[size].get(r, float("inf")))
+        if not table or table[-1][1] != best:
+            table.append((size if table else 0, best))
+    return tuple(table)
+
+
+def _summed(rows: list[dict], routes: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    sizes: dict[int, dict[str, float]] = {}
+    for r in rows:
+        for route in routes:
+            t = r.get(route + "_us")
+            d = sizes.setdefault(r["M"], {})
+            d[route] = d.get(route, 0.0) + t if isinstance(t, float) else float("inf")
+    return sizes
+
+
+EXPERT_ROUTES = ("w4a16", "w4a8", "bf16_dequant")
+FP8_ROUTES = ("fp8", "bf16", "bf16_dequant")
 
 
 def recommended_tables(result: dict) -> dict:
     out = {}
     for model in EXPERT_MODELS:
-        sizes: dict[int, dict[str, float]] = {}
-        for r in result.get("experts", []):
-            if r["model"] == model:
-                for route in ("w4a16", "w4a8"):
-                    t = r.get(route + "_us")
-                    d = sizes.setdefault(r["M"], {})
-                    d[route] = d.get(route, 0.0) + t if isinstance(t, float) else float("inf")
+        sizes = _summed([r for r in result.get("experts", []) if r["model"] == model], EXPERT_ROUTES)
         if sizes:
-            out[f"EXPERT_KERNEL_BY_ROWS ({model})"] = threshold_table(sizes, "w4a16", "w4a8")
-    sizes = {}
-    for r in result.get("fp8", []):
-        for route in ("fp8", "bf16"):
-            t = r.get(route + "_us")
-            d = sizes.setdefault(r["M"], {})
-            d[route] = d.get(route, 0.0) + t if isinstance(t, float) else float("inf")
+            out[f"EXPERT_KERNEL_BY_ROWS ({model})"] = route_table(sizes, EXPERT_ROUTES)
+    sizes = _summed(result.get("fp8", []), FP8_ROUTES)
     if sizes:
-        out["FP8_FINE_BLOCK_BY_M"] = threshold_table(sizes, "fp8", "bf16")
+        out["FP8_FINE_BLOCK_BY_M"] = route_table(sizes, FP8_ROUTES)
     return out
 
 
@@ -266,7 +315,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=max(TOKENS), help="largest T for the experts")
     ap.add_argument("--max-m", type=int, default=max(FP8_MS), help="largest M for the FP8 linears")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--quick", action="store_true", help="V4.1 shapes at M in QUICK_MS, the routes only (~2 min)")
     args = ap.parse_args()
+    if args.quick:
+        args.models = "v41_flash" if args.models == ",".join(EXPERT_MODELS) else args.models
+        if args.out == ap.get_default("out"):
+            args.out = f"benchmarks/results/gpu_expert_gemm_quick_{date}.json"
+        args.sweep = False
+        gpu_quant_kernels.REPLAYS = 20
     result = run_header(date)
     result["tables_in_code"] = {"EXPERT_KERNEL_BY_ROWS": kernel_choice.EXPERT_KERNEL_BY_ROWS,
                                 "FP8_FINE_BLOCK_BY_M": kernel_choice.FP8_FINE_BLOCK_BY_M}
@@ -275,8 +331,9 @@ def main():
           f"{fmt_tf(result['bf16_mm_TFLOPs'])} TFLOP/s  fp8 mm {fmt_tf(result['fp8_scaled_mm_TFLOPs'])} TFLOP/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = (("experts", lambda rows: bench_experts(args.models.split(","), args.max_tokens, args.sweep, rows)),
-             ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows)))
+    parts = (("experts", lambda rows: bench_experts(args.models.split(","), args.max_tokens, args.sweep, rows,
+                                                    args.quick)),
+             ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows, args.quick)))
     for part, fn in parts:
         if args.only and part != args.only:
             continue

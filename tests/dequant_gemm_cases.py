@@ -122,7 +122,8 @@ def run(seed: int = 0, quick: bool = False) -> None:
     reps = 3 if quick else 10
     every_code_case()
     print("every code: exact")
-    for name, case in (("fp8 dequant", lambda: fp8_dequant_case(rng)), ("mxfp4 dequant", lambda: mxfp4_dequant_case(rng))):
+    for name, case in (("fp8 dequant", lambda: fp8_dequant_case(rng)),
+                       ("mxfp4 dequant", lambda: mxfp4_dequant_case(rng))):
         for _ in range(reps):
             case()
         print(f"{name}: exact x{reps}")
