@@ -8,18 +8,23 @@ fused kernels (H200, V4.1's 32 x 32 FP8 linears at M >= 256: 646-668 TFLOP/s inc
 255-263 for the W8A8 Triton kernel); the dequant re-reads the weight once and writes it once per call, which
 only a large M amortizes. Which route runs at which size is `kernel_choice.py`'s table ("bf16_dequant").
 
-Memory (not in the KV pool's accounting; it comes out of the 1 GiB `cache_pool._kv_budget` keeps back for
-activations, and only while a call runs: the caching allocator reuses it):
-- `fp8_linear_dequant`: one bf16 copy of the weight, N x K x 2 bytes (V4.1's largest, wq_b and wo_b: 80 MiB).
+Memory, alive only while a call runs (the caching allocator hands it to the next call or layer):
+- `fp8_linear_dequant`: one bf16 copy of the weight, N x K x 2 bytes (V4.1's largest, wq_b and wo_b: 80 MiB),
+  beside the rounded activations (M x K x 2).
 - `grouped_gemm_dequant`: bf16 experts in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, 1 GiB;
-  always at least one expert), one chunk alive at a time. Eager, it reads `offs` on the host (one sync per call),
-  dequantizes only experts that got rows, and runs one `torch._grouped_mm` per chunk on that chunk's rows.
+  always at least one expert), one chunk alive at a time, plus a chunk's output rows. Eager, it reads `offs` on
+  the host (one sync per call), dequantizes only experts that got rows, and runs one `torch._grouped_mm` per chunk
+  on that chunk's rows.
+Neither is in the KV pool's accounting: `cache_pool._kv_budget` keeps back 1 GiB plus the logits for activations
+and (1 - gpu_memory_utilization) of the GPU. 80 MiB fits that; the experts' 1 GiB competes with a prefill's own
+activations, so when `kernel_choice` turns the expert route on, `SCRATCH_BYTES` belongs in that reserve.
 
-CUDA graphs: these routes are meant for eager / piecewise prefill, but capture does not break them. Allocation
-during capture comes from the graph's private pool. `fp8_linear_dequant` has no host sync. `grouped_gemm_dequant`
-cannot read `offs` while capturing: it then dequantizes every expert in one chunk and runs one grouped GEMM over
-all rows (no host values needed) when they fit `scratch_bytes`, else it runs the (capturable) W4A16 / W8A16
-Triton kernel, `triton_kernels.grouped_gemm`, which computes the same values.
+CUDA graphs: these routes are meant for prefill, which runs eagerly (the engine captures decode steps), but a
+capture does not break them (a decode batch of 256+ rows does capture `fp8_linear_dequant`, by the FP8 table).
+Allocation during capture comes from the graph's private pool. `fp8_linear_dequant` has no host sync.
+`grouped_gemm_dequant` cannot read `offs` while capturing: it then dequantizes every expert in one chunk and
+runs one grouped GEMM over all rows (no host values needed) when they fit `scratch_bytes`, else it runs the
+(capturable) W4A16 / W8A16 Triton kernel, `triton_kernels.grouped_gemm`, which computes the same values.
 
 Known limit (as the Triton kernels): an E8M0 scale byte 0 (2^-127) dequantizes to 0.
 """
@@ -112,7 +117,7 @@ def dequantize_to_bf16(weight: torch.Tensor, scale: torch.Tensor, fmt: str, bloc
         raise ValueError(f"out must be [{c}, {n}, {k}] with unit stride along K, got {tuple(out.shape)}")
     s = s.view(torch.uint8)
     if c:
-        block_n, block_k = 32, 128
+        block_n, block_k = 32, 256      # a row's slice is 128+ bytes of stored weight, 512 of bf16
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), c)
         args = (w.view(torch.uint8) if fmt == "mxfp4" else w, s, experts, out, n, k, w.stride(0), w.stride(1),
                 s.stride(0), s.stride(1), out.stride(0), out.stride(1))
@@ -163,5 +168,7 @@ def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.T
         w = dequantize_to_bf16(weight, scale, fmt, block, ids[i:i + len(part)], scratch[:len(part)])
         group_ends = torch.tensor([ends[j] - r0 for j in part], dtype=torch.int32).to(rows.device)
         y = torch._grouped_mm(rows[r0:r1].to(torch.bfloat16), w.transpose(1, 2), offs=group_ends)
+        if r0 == 0 and r1 == m and y.dtype == out.dtype:
+            return y                                        # one chunk over every row: no copy
         out[r0:r1] = y
     return out
