@@ -26,7 +26,7 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
 
     calls = []
     monkeypatch.setattr(dequant_gemm, "fp8_linear_dequant", lambda *a: calls.append(("linear", a[-1])) or "dq")
-    monkeypatch.setattr(triton_w4a8, "grouped_gemm_dequant", lambda *a: calls.append(("experts", a[-1])) or "dq")
+    monkeypatch.setattr(dequant_gemm, "grouped_gemm_dequant", lambda *a: calls.append(("experts", a[-1])) or "dq")
     monkeypatch.setattr(triton_w4a8, "quantize_dequantize_activations", lambda x, block: x)
     monkeypatch.setattr(triton_w4a8, "grouped_gemm", lambda *a: "w4a16")
     monkeypatch.setattr(triton_kernels, "fp8_gemm", lambda *a: "fp8")

@@ -157,10 +157,10 @@ def test_fp8_linear_dequant_route_forced(m, monkeypatch):
 
 
 @pytest.mark.parametrize("experts_fit", [True, False])
-def test_routes_captured_in_a_cuda_graph(experts_fit):
-    """Both routes captured once, replayed on new activations and new routings (with empty experts), each
-    replay against the reference. While capturing, `offs` cannot be read: the experts are dequantized whole
-    (they fit the scratch) or the capturable W4A16 kernel runs (they do not)."""
+def test_routes_captured_in_a_cuda_graph(experts_fit, monkeypatch):
+    """Both dispatchers with the dequant route forced, captured once, replayed on new activations and new routings
+    (with empty experts), each replay against the reference and the eager route. While capturing, `offs` cannot be
+    read: the experts are dequantized whole when they fit the scratch, else the capturable W4A16 kernel runs."""
     g = _gen()
     e, n, k = 8, 256, 1024
     w8, s8 = formats.quantize_fp8(torch.randn(512, k, generator=g, device="cuda") * 0.05, 32)
@@ -168,11 +168,13 @@ def test_routes_captured_in_a_cuda_graph(experts_fit):
     x = torch.randn(300, k, generator=g, device="cuda", dtype=torch.bfloat16)
     rows = torch.randn(24, k, generator=g, device="cuda", dtype=torch.bfloat16)
     offs = _offs([3, 0, 5, 0, 0, 16, 0, 0])
-    scratch = (e if experts_fit else 2) * n * k * 2
+    monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, "bf16_dequant"),))
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS", ((0, "bf16_dequant"),))
+    monkeypatch.setattr(dequant_gemm, "SCRATCH_BYTES", (e if experts_fit else 2) * n * k * 2)
+    assert dequant_gemm.fits_capture(w4, "mxfp4") == experts_fit
 
     def step():
-        return (dequant_gemm.fp8_linear_dequant(x, w8, s8, 32),
-                dequant_gemm.grouped_gemm_dequant(rows, offs, w4, s4, "mxfp4", 32, scratch_bytes=scratch))
+        return tk.fp8_linear(x, w8, s8, 32), triton_w4a8.grouped_gemm_a8(rows, offs, w4, s4, "mxfp4", 32)
 
     step()                                          # compile outside the capture
     tk.grouped_gemm(rows, offs, w4, s4, "mxfp4", 32)
@@ -186,5 +188,6 @@ def test_routes_captured_in_a_cuda_graph(experts_fit):
         offs.copy_(_offs(counts))
         graph.replay()
         assert _rel(y_lin, reference.fp8_linear(x, w8, s8, 32)) < 1e-2
-        assert _rel(y_grp, reference.grouped_gemm(rows, offs, w4, s4, "mxfp4", 32)) < 1e-2
-        assert _rel(y_grp, step()[1]) < 2e-3                     # and the eager route
+        assert _rel(y_grp, reference.grouped_gemm_a8(rows, offs, w4, s4, "mxfp4", 32)) < 1e-2
+        eager_lin, eager_grp = step()
+        assert _rel(y_lin, eager_lin) < 2e-3 and _rel(y_grp, eager_grp) < 2e-3

@@ -23,8 +23,9 @@ CUDA graphs: these routes are meant for prefill, which runs eagerly (the engine 
 capture does not break them (a decode batch of 256+ rows does capture `fp8_linear_dequant`, by the FP8 table).
 Allocation during capture comes from the graph's private pool. `fp8_linear_dequant` has no host sync.
 `grouped_gemm_dequant` cannot read `offs` while capturing: it then dequantizes every expert in one chunk and
-runs one grouped GEMM over all rows (no host values needed) when they fit `scratch_bytes`, else it runs the
-(capturable) W4A16 / W8A16 Triton kernel, `triton_kernels.grouped_gemm`, which computes the same values.
+runs one grouped GEMM over all rows (no host values needed) when they fit `scratch_bytes` (`fits_capture`), else
+refuses; its dispatcher (`triton_w4a8.grouped_gemm_a8`) then takes the capturable W4A16 / W8A16 Triton kernel,
+which computes the same values.
 
 Known limit (as the Triton kernels): an E8M0 scale byte 0 (2^-127) dequantizes to 0.
 """
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from openinfer.quantization import triton_kernels as tk
 from openinfer.quantization.formats import MXFP4_GROUP
+from openinfer.quantization.triton_act_quant import _e8m0_to_f32, quantize_dequantize_activations
 
 SCRATCH_BYTES = 1 << 30
 
@@ -57,7 +58,7 @@ def _dequant_fp8_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_
     v = tl.load(w_ptr + e * stride_we + rn64[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0)
     s = tl.load(s_ptr + e * stride_se + (rn // BLOCK)[:, None] * stride_sn + (rk // BLOCK)[None, :], mask=mask,
                 other=0)
-    w = v.to(tl.float32) * tk._e8m0_to_f32(s)
+    w = v.to(tl.float32) * _e8m0_to_f32(s)
     tl.store(out_ptr + c.to(tl.int64) * stride_oe + rn64[:, None] * stride_on + rk[None, :],
              w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -90,7 +91,7 @@ def _dequant_mxfp4_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, strid
     codes = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), (BLOCK_N, BLOCK_K))     # low nibble first
     mask = n_mask & (rk < K)[None, :]
     s = tl.load(s_ptr + e * stride_se + rn64[:, None] * stride_sn + (rk // GROUP)[None, :], mask=mask, other=0)
-    w = _e2m1_to_f32(codes) * tk._e8m0_to_f32(s)
+    w = _e2m1_to_f32(codes) * _e8m0_to_f32(s)
     tl.store(out_ptr + c.to(tl.int64) * stride_oe + rn64[:, None] * stride_on + rk[None, :],
              w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -134,22 +135,34 @@ def fp8_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """x [M, K] @ FP8 block-scaled weight [N, K] -> [M, N] in x's dtype (`reference.fp8_linear`): the activations
     rounded to their FP8 values as `triton_kernels.fp8_linear`'s "bf16" route rounds them
     (`quantize_dequantize_activations`), the weight dequantized to a bf16 buffer, then cuBLAS."""
-    a = tk.quantize_dequantize_activations(x, block) if quantize_input else x
+    a = quantize_dequantize_activations(x, block) if quantize_input else x
     w = dequantize_to_bf16(weight, scale, "fp8", block)
     return F.linear(a, w.to(a.dtype))
 
 
+def fits_capture(weight: torch.Tensor, fmt: str, scratch_bytes: int | None = None) -> bool:
+    """Whether `grouped_gemm_dequant` can run inside a CUDA-graph capture on these stacked experts: all of them
+    dequantized at once fit `scratch_bytes` (default `SCRATCH_BYTES`; the routing cannot be read on the host while
+    capturing)."""
+    scratch_bytes = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    e, n, k = weight.shape[0], weight.shape[1], weight.shape[2] * (2 if fmt == "mxfp4" else 1)
+    return e * n * k * 2 <= scratch_bytes
+
+
 def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         fmt: str, block: int, scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+                         fmt: str, block: int, scratch_bytes: int | None = None) -> torch.Tensor:
     """rows [M, K] sorted by expert, offs [E] int32 cumulative counts -> [M, N] (`reference.grouped_gemm`,
-    weight-only): experts dequantized to bf16 in chunks of at most `scratch_bytes`, a `torch._grouped_mm` per
+    weight-only): experts dequantized to bf16 in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, read
+    at the call), a `torch._grouped_mm` per
     chunk (see the module docstring for memory and CUDA graphs). Rows past offs[-1] are left unwritten."""
     m, k = rows.shape
     e, n = weight.shape[:2]
+    scratch_bytes = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     chunk = max(1, scratch_bytes // (n * k * 2))
     if rows.is_cuda and torch.cuda.is_current_stream_capturing():
-        if e > chunk:
-            return tk.grouped_gemm(rows, offs, weight, scale, fmt, block)
+        if not fits_capture(weight, fmt, scratch_bytes):
+            raise RuntimeError(f"grouped_gemm_dequant cannot be captured: {e} experts of {n} x {k} exceed "
+                               f"scratch_bytes={scratch_bytes} and the routing cannot be read while capturing")
         w = dequantize_to_bf16(weight, scale, fmt, block)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)

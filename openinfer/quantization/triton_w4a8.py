@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.quantization import kernel_choice
-from openinfer.quantization.dequant_gemm import grouped_gemm_dequant
+from openinfer.quantization import dequant_gemm, kernel_choice
 from openinfer.quantization.formats import MXFP4_GROUP
 from openinfer.quantization.triton_kernels import (_e8m0_to_f32, _expert_row_tile, grouped_gemm,
                                                    quantize_activations, quantize_dequantize_activations)
@@ -147,10 +146,13 @@ def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor
     """`LayerOps.grouped_gemm_a8` on CUDA: rows quantized per token in groups of `block`, then either the W4A8
     kernel, the weight-only kernel on the rounded rows, or the rounded rows times the experts dequantized to bf16
     through torch._grouped_mm (`dequant_gemm`), whichever `kernel_choice` measured faster at this row count
-    (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel)."""
+    (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel; inside a
+    CUDA-graph capture the dequant route runs only if every expert fits its scratch at once, W4A16 otherwise)."""
     route = kernel_choice.expert_kernel(rows.shape[0])
     if fmt == "mxfp4" and block % MXFP4_GROUP == 0 and route == "w4a8":
         return grouped_gemm_w4a8(rows, offs, weight, scale, block)
-    if route == "bf16_dequant":
-        return grouped_gemm_dequant(quantize_dequantize_activations(rows, block), offs, weight, scale, fmt, block)
+    capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()
+    if route == "bf16_dequant" and (not capturing or dequant_gemm.fits_capture(weight, fmt)):
+        return dequant_gemm.grouped_gemm_dequant(quantize_dequantize_activations(rows, block), offs, weight, scale,
+                                                 fmt, block)
     return grouped_gemm(quantize_dequantize_activations(rows, block), offs, weight, scale, fmt, block)
