@@ -116,7 +116,8 @@ def dequantize_to_bf16(weight: torch.Tensor, scale: torch.Tensor, fmt: str, bloc
         out = torch.empty(c, n, k, dtype=torch.bfloat16, device=w.device)
     elif out.shape != (c, n, k) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{c}, {n}, {k}] with unit stride along K, got {tuple(out.shape)}")
-    s = s.view(torch.uint8)
+    w = w if w.stride(-1) == 1 else w.contiguous()           # the kernels index the last dim with stride 1
+    s = s.view(torch.uint8) if s.stride(-1) == 1 else s.contiguous().view(torch.uint8)
     if c:
         block_n, block_k = 32, 256      # a row's slice is 128+ bytes of stored weight, 512 of bf16
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), c)
@@ -153,8 +154,8 @@ def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.T
                          fmt: str, block: int, scratch_bytes: int | None = None) -> torch.Tensor:
     """rows [M, K] sorted by expert, offs [E] int32 cumulative counts -> [M, N] (`reference.grouped_gemm`,
     weight-only): experts dequantized to bf16 in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, read
-    at the call), a `torch._grouped_mm` per
-    chunk (see the module docstring for memory and CUDA graphs). Rows past offs[-1] are left unwritten."""
+    at the call), a `torch._grouped_mm` per chunk (see the module docstring for memory and CUDA graphs). Rows past
+    offs[-1] are left unwritten."""
     m, k = rows.shape
     e, n = weight.shape[:2]
     scratch_bytes = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
