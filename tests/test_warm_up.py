@@ -10,14 +10,15 @@ import pytest
 
 from openinfer import EngineConfig
 from openinfer.engine.llm_engine import warm_up_token_counts
+from openinfer.quantization import kernel_choice
 from openinfer.quantization.triton_kernels import fp8_config, grouped_config
 
 
 @pytest.mark.parametrize("budget", [512, 2048, 8192])
 @pytest.mark.parametrize("experts", [8, 64, 256])
 def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
-    """Every step size up to the token budget picks a (FP8 GEMM config, grouped MoE GEMM config, M == 1,
-    M % 16 == 0) class — what makes Triton compile a new variant — that one of the warm-up's lengths picked."""
+    """Every step size up to the token budget picks a (FP8 GEMM config, grouped MoE GEMM config, kernel_choice
+    routes (top-6 routing), M == 1, M % 16 == 0) class — what makes Triton compile a new variant — that one of the warm-up's lengths picked."""
     counts = warm_up_token_counts(budget, 10**6)
     assert max(counts) == budget and len(counts) <= 40
 
@@ -27,6 +28,7 @@ def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
     def variant(m):
         return (fp8_variant(m, 4096, 7168, 128), fp8_variant(m, 512, 7168, 32),
                 grouped_config(m, 2048, 7168, experts, "mxfp4", 32), grouped_config(m, 2048, 7168, experts, "fp8", 128),
+                kernel_choice.fp8_fine_block_kernel(m), kernel_choice.expert_kernel(6 * m),   # the routes per size
                 m == 1, m % 16 == 0)
 
     seen = {variant(m) for m in counts}
