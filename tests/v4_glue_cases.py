@@ -1,0 +1,175 @@
+"""The fused DeepSeek-V4/V4.1 attention glue (layers/triton_v4_glue.v4_norm_rope) against the models' torch code it
+replaces (`RopeRows` with the torch ops: V4's `RMSNorm`, `unweighted_rms_norm`, `InterleavedRope.cos_sin`,
+`apply_rope`), on the same inputs.
+
+Used by tests/test_v4_glue.py: in Triton's interpreter on the CPU (a subprocess with TRITON_INTERPRET=1; `python
+tests/v4_glue_cases.py [kernels|models]` runs them and prints "all cases pass") and on CUDA (the `-m gpu` tests call
+the same functions). Each check raises AssertionError naming what differs and returns the largest error measured.
+
+What "equal" means: every element is the torch path's value, or (where the float32 value before the last rounding
+sits within float32 noise of a rounding boundary of the model dtype) its neighbour — at most one ulp of the model
+dtype apart, and such elements rare. The float32 noise: the sum of squares in another order, cos/sin of another
+library, CUDA's approximate rsqrt in torch, FMA contraction of the rotation on the GPU (triton_v4_glue's docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from openinfer.layers.basic import TORCH_OPS
+from openinfer.models.deepseek_v4.model import InterleavedRope, RMSNorm, RopeRows
+
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
+        "rope_theta": 10000.0}
+
+
+def fused_ops():
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    return TRITON_OPS_NEXT
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 1 - mant)
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, name: str, max_share: float = 0.02) -> dict:
+    """`got` is `ref` but for elements at most one ulp of the dtype away (plus float32 noise where rotated channels
+    cancel: 2^-20 of the row's largest value), and those (in a narrower dtype than float32) at most `max_share` of
+    all."""
+    g, r = got.float().reshape(-1, got.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    noise = r.abs().amax(-1, keepdim=True) * 2.0 ** -20
+    diff = (g - r).abs()
+    assert torch.isfinite(g).all(), f"{name}: non-finite values"
+    bad = diff > _ulp(r, ref.dtype) + noise
+    assert not bad.any(), (f"{name}: {int(bad.sum())} elements more than one ulp apart (largest difference "
+                           f"{diff.max().item():.3e})")
+    share = (diff > 0).float().mean().item()
+    # float32 results: a norm factor one ulp apart moves the whole row by an ulp, so only the bound above holds
+    assert share <= max_share or ref.dtype == torch.float32, f"{name}: {share:.2%} of the elements differ (at most {max_share:.0%} expected)"
+    return {"max_abs": diff.max().item(), "share_differing": share}
+
+
+def check_norm_rope(ops, device, dtype, T: int, H: int, D: int, rope_dim: int, seed: int = 0,
+                    cs_dtype: torch.dtype | None = None) -> dict:
+    """Every call shape the models make, on random rows at scattered positions: weighted norm then RoPE (kv), the
+    unweighted norm then RoPE (V4's query heads), RoPE alone (V4.1's queries, the indexer's), the inverse RoPE (the
+    output) and the weighted norm alone (q_a_norm, the layer norms); cos/sin in `cs_dtype` (V4: the model dtype;
+    V4.1: float32)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cs_dtype = cs_dtype or dtype
+    rope = InterleavedRope(YARN, rope_dim, 1 << 20).to(device)
+    rope.reset(torch.device(device))
+    positions = torch.randint(0, 1 << 20, (T,), generator=g).to(device)
+    positions[: min(T, 3)] = torch.tensor([0, 1, 65535])[: min(T, 3)].to(device)
+    norm = RMSNorm(D, 1e-6).to(device)
+    norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).to(device)       # float32, as the models keep it
+    x = (torch.randn(T, H, D, generator=g) * 3).to(device, dtype)
+    x2 = x[:, 0].contiguous()
+    fused_norm = RMSNorm(D, 1e-6, ops).to(device)
+    fused_norm.weight.data = norm.weight.data
+    ref_at = RopeRows(rope, positions, cs_dtype, TORCH_OPS)
+    got_at = RopeRows(rope, positions, cs_dtype, ops)
+    errs = {}
+    pairs = {
+        "kv: norm + rope": (lambda at, n: at(x2, n)),
+        "q heads: unweighted norm + rope": (lambda at, n: at(x, 1e-6)),
+        "queries: rope": (lambda at, n: at(x)),
+        "output: inverse rope": (lambda at, n: at(x, inverse=True)),
+        "norm alone": (lambda at, n: n(x2)),
+        "norm alone, [T, H, D]": (lambda at, n: n(x)),
+    }
+    for name, call in pairs.items():
+        ref = call(ref_at, norm)
+        got = call(got_at, fused_norm)
+        assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {got.shape} {got.dtype} vs {ref.shape}"
+        errs[name] = check_close(got, ref, f"{name} ({dtype}, T={T} H={H} D={D} rope={rope_dim})")
+    # a strided view of rows (the model's q_b output viewed as heads; CP's rows of this rank)
+    sub = torch.arange(0, T, 2, device=device)
+    errs["take"] = check_close(got_at.take(sub)(x[sub], 1e-6), ref_at.take(sub)(x[sub], 1e-6), f"take ({dtype})")
+    return errs
+
+
+def kernel_cases(ops, device: str) -> list:
+    return [
+        ("fp32, pow2 width", lambda: check_norm_rope(ops, device, torch.float32, 5, 3, 64, 16)),
+        ("bf16, pow2 width", lambda: check_norm_rope(ops, device, torch.bfloat16, 7, 4, 32, 8, seed=1)),
+        ("bf16, odd half width", lambda: check_norm_rope(ops, device, torch.bfloat16, 3, 2, 48, 16, seed=2)),
+        ("bf16, rope over all channels", lambda: check_norm_rope(ops, device, torch.bfloat16, 4, 1, 16, 16, seed=3)),
+        ("bf16, float32 cos/sin (V4.1)", lambda: check_norm_rope(ops, device, torch.bfloat16, 6, 3, 64, 16, seed=4,
+                                                                 cs_dtype=torch.float32)),
+        ("fp32, one row", lambda: check_norm_rope(ops, device, torch.float32, 1, 1, 24, 8, seed=5)),
+    ]
+
+
+def flash_cases(ops, device: str, T: int) -> list:
+    """The V4-Flash / V4.1-Flash call shapes: 64 query heads of 512 with 64 RoPE channels, the index queries (64 of
+    128), q_lora_rank 1024 (V4) and 1536 (V4.1) under the norm, hidden 4096 / 5120 (the layer norms)."""
+    return [
+        ("V4 flash heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 512, 64, seed=T)),
+        ("V4.1 flash heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 512, 64, seed=T,
+                                                     cs_dtype=torch.float32)),
+        ("index heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 128, 64, seed=T + 1)),
+        ("q_lora 1536", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 1, 1536, 64, seed=T + 2)),
+        ("hidden 5120", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 1, 5120, 64, seed=T + 3)),
+    ]
+
+
+def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4) -> dict:
+    """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops, and with `v4_norm_rope` added
+    to them: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched prefill and batched
+    decode steps that cross compression windows."""
+    from unittest import mock
+
+    from openinfer import LLM, SamplingParams
+    from openinfer.engine import llm_engine
+    from openinfer.layers.triton_v4_glue import v4_norm_rope
+
+    make_kernels = llm_engine.make_kernels
+
+    def glue_kernels(config):
+        backend, base = make_kernels(config)
+        return backend, dataclasses.replace(base, v4_norm_rope=v4_norm_rope)
+
+    prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
+    errs = {}
+    for model in ("deepseek-v4-tiny", "deepseek-v41-tiny"):
+        runs = []
+        for kernels in (make_kernels, glue_kernels):
+            with mock.patch.object(llm_engine, "make_kernels", kernels):
+                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False,
+                          **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
+                runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
+                llm.shutdown()
+        worst = 0.0
+        for ref, got in zip(*runs):
+            assert got.outputs[0].token_ids == ref.outputs[0].token_ids, f"{model}: greedy tokens differ"
+            pairs = [(a[t].logprob, b[t].logprob) for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:])
+                     for t in b]
+            pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs)
+                      for t in b]
+            worst = max([worst] + [abs(a - b) for a, b in pairs])
+        assert worst < tol, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
+        errs[model] = worst
+    return errs
+
+
+def run(which: str = "kernels") -> list[str]:
+    ops = fused_ops()
+    cases = kernel_cases(ops, "cpu") if which == "kernels" else [("tiny models", lambda: check_tiny_models())]
+    fails = []
+    for name, case in cases:
+        try:
+            print(f"{name}: ok {case()}", flush=True)
+        except AssertionError as e:
+            fails.append(f"{name}: {e}")
+    return fails
+
+
+if __name__ == "__main__":
+    fails = run(*sys.argv[1:2])
+    print("\n".join(fails) or "all cases pass")
