@@ -21,6 +21,7 @@ import torch
 
 from openinfer.layers.basic import TORCH_OPS
 from openinfer.models.deepseek_v4.model import InterleavedRope, RMSNorm, RopeRows
+from openinfer.quantization.kv_formats import Fp8BlockCodec
 
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
         "rope_theta": 10000.0}
@@ -87,14 +88,41 @@ def check_norm_rope(ops, device, dtype, T: int, H: int, D: int, rope_dim: int, s
         got = call(got_at, fused_norm)
         assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {got.shape} {got.dtype} vs {ref.shape}"
         errs[name] = check_close(got, ref, f"{name} ({dtype}, T={T} H={H} D={D} rope={rope_dim})")
+    if D % 32 == 0 and D & (D - 1) == 0:      # V4.1's window keys as its ring stores them (FP8, E8M0 per 32)
+        codec = Fp8BlockCodec(32)
+        got, plain = got_at(x2, fused_norm, codec=codec), got_at(x2, fused_norm)
+        ref, ref_plain = ref_at(x2, norm, codec=codec), ref_at(x2, norm)
+        errs["kv: norm + rope, FP8 rows"] = check_close(plain, ref_plain, f"kv before FP8 ({dtype})")
+        assert torch.equal(got, codec.encode(plain)), "FP8 rows: not the codec's bytes of the op's own values"
+        same = (plain == ref_plain).all(-1)
+        assert torch.equal(got[same], ref[same]), "FP8 rows: bytes differ where the values are equal"
     # a strided view of rows (the model's q_b output viewed as heads; CP's rows of this rank)
     sub = torch.arange(0, T, 2, device=device)
     errs["take"] = check_close(got_at.take(sub)(x[sub], 1e-6), ref_at.take(sub)(x[sub], 1e-6), f"take ({dtype})")
     return errs
 
 
+def check_fp8_rows(ops, device, seed: int = 0) -> dict:
+    """The op's FP8 packing alone (no norm, no RoPE) against `Fp8BlockCodec(32).encode`, byte for byte, over values
+    that reach every branch: groups of very different scales (the scale's floor, huge and tiny amax), E4M3
+    subnormals, exact rounding ties, zeros and negative zeros."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(6, 128, generator=g) * torch.logspace(-9, 4, 6)[:, None]
+    x[0, :32] = 0.0
+    x[0, 32:64] = -0.0
+    x[1, :32] = torch.arange(32) * 2.0 ** -9 * 0.5 * (1e-4 / 448)           # ties below the smallest subnormal
+    x[2, :16] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, 0.0146484375, 2 ** -10, 3 * 2 ** -10, 2 ** -6] * 2)
+    x[3, 64:96] *= 1e6
+    x = x.to(device)
+    got = ops.v4_norm_rope(x, fp8_block=32)
+    ref = Fp8BlockCodec(32).encode(x)
+    assert torch.equal(got, ref), f"FP8 rows: {int((got != ref).sum())} bytes differ from the codec's"
+    return {"bytes": got.numel()}
+
+
 def kernel_cases(ops, device: str) -> list:
     return [
+        ("FP8 rows", lambda: check_fp8_rows(ops, device)),
         ("fp32, pow2 width", lambda: check_norm_rope(ops, device, torch.float32, 5, 3, 64, 16)),
         ("bf16, pow2 width", lambda: check_norm_rope(ops, device, torch.bfloat16, 7, 4, 32, 8, seed=1)),
         ("bf16, odd half width", lambda: check_norm_rope(ops, device, torch.bfloat16, 3, 2, 48, 16, seed=2)),

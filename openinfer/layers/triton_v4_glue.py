@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.quantization.triton_kv_formats import round_to
+from openinfer.quantization.triton_kv_formats import fp8_store, round_to
 
 NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
@@ -28,12 +28,12 @@ NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 @triton.jit
 def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_scale, stride_xt, stride_xh, stride_ot,
                       stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr):
+                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     m = i < HALF
-    dt = out_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty
     src = x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh
     x_e = tl.load(src + 2 * i, mask=m, other=0.0).to(tl.float32)
     x_o = tl.load(src + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
@@ -55,25 +55,32 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_sc
         x_e, x_o = (tl.where(rot, round_to(x_e * c - x_o * s, dt), x_e),
                     tl.where(rot, round_to(x_o * c + x_e * s, dt), x_o))
     dst = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
-    tl.store(dst + 2 * i, x_e.to(dt), mask=m)
-    tl.store(dst + 2 * i + 1, x_o.to(dt), mask=m)
+    if FP8_BLOCK > 0:       # the row as Fp8BlockCodec(FP8_BLOCK) stores it (a power-of-two D: BLOCK == HALF)
+        fp8_store(dst, x_e, x_o, D, FP8_BLOCK)
+    else:
+        tl.store(dst + 2 * i, x_e.to(dt), mask=m)
+        tl.store(dst + 2 * i + 1, x_o.to(dt), mask=m)
 
 
 def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
-                 cs_dtype: torch.dtype | None = None, inverse: bool = False) -> torch.Tensor:
+                 cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0) -> torch.Tensor:
     """x [T, D] or [T, H, D] (unit last stride) -> a new tensor of its shape and dtype: each row (token, head) through
     the RMSNorm with `eps` (V4's `RMSNorm` with the float32 `weight`; without a weight `unweighted_rms_norm`; eps None:
     no norm), then the interleaved RoPE of `positions` [T] on its last 2 * len(inv_freq) channels, cos/sin scaled by
     `rope_scale` and rounded to `cs_dtype` as `InterleavedRope.cos_sin` gives them (`inverse`: sin negated, the
-    rotation back; inv_freq None: no RoPE)."""
+    rotation back; inv_freq None: no RoPE). `fp8_block`: the rows returned as `Fp8BlockCodec(fp8_block).encode` gives
+    them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype."""
     rows = x if x.dim() == 3 else x[:, None]
     T, H, D = rows.shape
     rope_half = 0 if inv_freq is None else inv_freq.numel()
     if D % 2 or rows.stride(-1) != 1 or rope_half > D // 2:
         raise ValueError(f"v4_norm_rope needs rows of an even width with unit stride and at most width/2 RoPE pairs "
                          f"(got width {D}, stride {rows.stride(-1)}, {rope_half} pairs)")
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if fp8_block and (D & (D - 1) or D % fp8_block or fp8_block % 2):
+        raise ValueError(f"FP8 rows need a power-of-two width divisible by the (even) block (got {D}, {fp8_block})")
+    width = D + D // fp8_block if fp8_block else D
+    out = torch.empty((T, H, width), dtype=torch.uint8 if fp8_block else x.dtype, device=x.device)
     norm = NO_NORM if eps is None else (UNWEIGHTED if weight is None else WEIGHTED)
     if T and H:
         cs = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[cs_dtype or x.dtype]
@@ -81,5 +88,5 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             rows, out, positions if positions is not None else out, weight if weight is not None else out,
             inv_freq if inv_freq is not None else out, 0.0 if eps is None else eps, rope_scale, rows.stride(0),
             rows.stride(1), out.stride(0), out.stride(1), D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
-            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs)
-    return out.view(x.shape)
+            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block)
+    return out.view(*x.shape[:-1], width)

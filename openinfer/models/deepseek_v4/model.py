@@ -50,6 +50,7 @@ from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
+from openinfer.quantization.kv_formats import Fp8BlockCodec, KVCodec
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
@@ -157,13 +158,17 @@ class RopeRows:
         tables = None if self.ops.v4_norm_rope is not None else tuple(t[index] for t in self.tables())
         return RopeRows(self.rope, self.positions[index], self.cs_dtype, self.ops, tables)
 
-    def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False,
+                 codec: KVCodec | None = None) -> torch.Tensor:
         """x [T, D] or [T, heads, D]: `norm` (an RMSNorm; a float: `unweighted_rms_norm` with that eps), then the RoPE
-        of the row's position (`inverse`: rotated back)."""
+        of the row's position (`inverse`: rotated back); `codec`: then encoded by it (the fused op packs
+        `Fp8BlockCodec` rows itself)."""
         weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, norm)
         if self.ops.v4_norm_rope is not None:
-            return self.ops.v4_norm_rope(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale,
-                                         self.cs_dtype, inverse)
+            fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
+            y = self.ops.v4_norm_rope(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale,
+                                      self.cs_dtype, inverse, fp8)
+            return y if codec is None or fp8 else codec.encode(y)
         if weight is not None:
             x = norm(x)
         elif eps is not None:
@@ -171,7 +176,8 @@ class RopeRows:
         cos, sin = self.tables()
         if x.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]
-        return apply_rope(x, cos, -sin if inverse else sin)
+        y = apply_rope(x, cos, -sin if inverse else sin)
+        return y if codec is None else codec.encode(y)
 
 
 # ---- paged entry addressing ---------------------------------------------------------------------------

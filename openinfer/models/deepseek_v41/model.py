@@ -256,7 +256,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(qx))
         T = qr.shape[0]
         q = q_at(self.wq_b(qr).view(T, self.n_heads, self.head_dim))
-        kv_stored = state["codecs"]["swa"].encode(at(self.wkv(x), self.kv_norm))
+        kv_stored = at(self.wkv(x), self.kv_norm, codec=state["codecs"]["swa"])
         # as every later step reads them (prefill chunks; decode rows read the ring in place)
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype) if meta.prefills else None
         rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
