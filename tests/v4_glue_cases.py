@@ -21,7 +21,7 @@ import torch
 
 from openinfer.layers.basic import TORCH_OPS
 from openinfer.models.deepseek_v4.model import InterleavedRope, RMSNorm, RopeRows
-from openinfer.quantization.kv_formats import Fp8BlockCodec
+from openinfer.quantization.kv_formats import Fp8BlockCodec, fp4_block_qdq
 
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
         "rope_theta": 10000.0}
@@ -96,6 +96,13 @@ def check_norm_rope(ops, device, dtype, T: int, H: int, D: int, rope_dim: int, s
         assert torch.equal(got, codec.encode(plain)), "FP8 rows: not the codec's bytes of the op's own values"
         same = (plain == ref_plain).all(-1)
         assert torch.equal(got[same], ref[same]), "FP8 rows: bytes differ where the values are equal"
+        # V4.1's indexer queries: RoPE, then FP4-rounded (E8M0 scale per 32)
+        got, plain = got_at(x, fp4_group=32), got_at(x)
+        ref, ref_plain = ref_at(x, fp4_group=32), ref_at(x)
+        errs["queries: rope, FP4-rounded"] = check_close(plain, ref_plain, f"queries before FP4 ({dtype})")
+        assert torch.equal(got, fp4_block_qdq(plain, 32, "e8m0")), "FP4 queries: not fp4_block_qdq of the op's values"
+        same = (plain == ref_plain).all(-1)
+        assert torch.equal(got[same], ref[same]), "FP4 queries: differ where the values before rounding are equal"
     # a strided view of rows (the model's q_b output viewed as heads; CP's rows of this rank)
     sub = torch.arange(0, T, 2, device=device)
     errs["take"] = check_close(got_at.take(sub)(x[sub], 1e-6), ref_at.take(sub)(x[sub], 1e-6), f"take ({dtype})")
@@ -120,8 +127,24 @@ def check_fp8_rows(ops, device, seed: int = 0) -> dict:
     return {"bytes": got.numel()}
 
 
+def check_fp4_qdq(ops, device, seed: int = 0) -> dict:
+    """The op's FP4 rounding alone against `fp4_block_qdq(x, 32, "e8m0")`, bit for bit: every E2M1 tie (0.25, 0.75,
+    1.25, 1.75, 2.5, 3.5, 5 times the scale), values past 6 x scale, zeros, negative zeros, the scale's floor."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(5, 64, generator=g) * torch.logspace(-30, 3, 5)[:, None]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -2.5, -5.0, 0.0, -0.0, 5.5, 4.5, 3.0])
+    x[0, :16], x[0, 16:32] = ties, -ties                  # amax 6: scale 1
+    x[1, 32:64] = 0.0
+    x = x.to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        got, ref = ops.v4_norm_rope(x.to(dtype), fp4_group=32), fp4_block_qdq(x.to(dtype), 32, "e8m0")
+        assert torch.equal(got, ref), f"FP4 rounding ({dtype}): {int((got != ref).sum())} values differ"
+    return {"values": x.numel()}
+
+
 def kernel_cases(ops, device: str) -> list:
     return [
+        ("FP4 rounding", lambda: check_fp4_qdq(ops, device)),
         ("FP8 rows", lambda: check_fp8_rows(ops, device)),
         ("fp32, pow2 width", lambda: check_norm_rope(ops, device, torch.float32, 5, 3, 64, 16)),
         ("bf16, pow2 width", lambda: check_norm_rope(ops, device, torch.bfloat16, 7, 4, 32, 8, seed=1)),

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.quantization.triton_kv_formats import fp8_store, round_to
+from openinfer.quantization.triton_kv_formats import fp4_qdq_e8m0, fp8_store, round_to
 
 NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
@@ -28,7 +28,8 @@ NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 @triton.jit
 def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_scale, stride_xt, stride_xh, stride_ot,
                       stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr):
+                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                      FP4_GROUP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -54,6 +55,8 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_sc
         s = SIGN * round_to(tl.sin(f) * rope_scale, CS_DT)
         x_e, x_o = (tl.where(rot, round_to(x_e * c - x_o * s, dt), x_e),
                     tl.where(rot, round_to(x_o * c + x_e * s, dt), x_o))
+    if FP4_GROUP > 0:       # fp4_block_qdq(., FP4_GROUP, "e8m0") of the row (a power-of-two D: BLOCK == HALF)
+        x_e, x_o = fp4_qdq_e8m0(x_e, x_o, D, FP4_GROUP)
     dst = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
     if FP8_BLOCK > 0:       # the row as Fp8BlockCodec(FP8_BLOCK) stores it (a power-of-two D: BLOCK == HALF)
         fp8_store(dst, x_e, x_o, D, FP8_BLOCK)
@@ -64,21 +67,25 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_sc
 
 def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
-                 cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0) -> torch.Tensor:
+                 cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0,
+                 fp4_group: int = 0) -> torch.Tensor:
     """x [T, D] or [T, H, D] (unit last stride) -> a new tensor of its shape and dtype: each row (token, head) through
     the RMSNorm with `eps` (V4's `RMSNorm` with the float32 `weight`; without a weight `unweighted_rms_norm`; eps None:
     no norm), then the interleaved RoPE of `positions` [T] on its last 2 * len(inv_freq) channels, cos/sin scaled by
     `rope_scale` and rounded to `cs_dtype` as `InterleavedRope.cos_sin` gives them (`inverse`: sin negated, the
     rotation back; inv_freq None: no RoPE). `fp8_block`: the rows returned as `Fp8BlockCodec(fp8_block).encode` gives
-    them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype."""
+    them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype. `fp4_group`: the
+    rows then through `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer queries); 0: not."""
     rows = x if x.dim() == 3 else x[:, None]
     T, H, D = rows.shape
     rope_half = 0 if inv_freq is None else inv_freq.numel()
     if D % 2 or rows.stride(-1) != 1 or rope_half > D // 2:
         raise ValueError(f"v4_norm_rope needs rows of an even width with unit stride and at most width/2 RoPE pairs "
                          f"(got width {D}, stride {rows.stride(-1)}, {rope_half} pairs)")
-    if fp8_block and (D & (D - 1) or D % fp8_block or fp8_block % 2):
-        raise ValueError(f"FP8 rows need a power-of-two width divisible by the (even) block (got {D}, {fp8_block})")
+    for block in (fp8_block, fp4_group):
+        if block and (D & (D - 1) or D % block or block % 2):
+            raise ValueError(f"FP8 rows and FP4 rounding need a power-of-two width divisible by the (even) block "
+                             f"(got {D}, {block})")
     width = D + D // fp8_block if fp8_block else D
     out = torch.empty((T, H, width), dtype=torch.uint8 if fp8_block else x.dtype, device=x.device)
     norm = NO_NORM if eps is None else (UNWEIGHTED if weight is None else WEIGHTED)
@@ -88,5 +95,6 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             rows, out, positions if positions is not None else out, weight if weight is not None else out,
             inv_freq if inv_freq is not None else out, 0.0 if eps is None else eps, rope_scale, rows.stride(0),
             rows.stride(1), out.stride(0), out.stride(1), D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
-            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block)
+            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block,
+            FP4_GROUP=fp4_group)
     return out.view(*x.shape[:-1], width)

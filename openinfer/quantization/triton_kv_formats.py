@@ -108,3 +108,22 @@ def fp8_store(row, x_e, x_o, D: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(row + 2 * i, tl.reshape(be, (D // 2,)))
     tl.store(row + 2 * i + 1, tl.reshape(bo, (D // 2,)))
     tl.store(row + D + tl.arange(0, NG), e.to(tl.uint8))
+
+
+@triton.jit
+def fp4_qdq_e8m0(x_e, x_o, D: tl.constexpr, GROUP: tl.constexpr):
+    """`fp4_block_qdq(x, GROUP, "e8m0")` of one row of D values given as its even and odd channels x_e, x_o [D/2]
+    (float32): each value rounded to E2M1 (nearest, ties to even) times its group's E8M0 scale, kept float32 (exact
+    in any dtype the row is then stored in)."""
+    NG: tl.constexpr = D // GROUP
+    ge = tl.reshape(x_e, (NG, GROUP // 2))
+    go = tl.reshape(x_o, (NG, GROUP // 2))
+    s, _ = _e8m0_scale(tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1)))
+    ve = tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -6.0), 6.0)
+    vo = tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -6.0), 6.0)
+    me, mo = tl.abs(ve), tl.abs(vo)
+    se = tl.where(me < 2, 0.5, tl.where(me < 4, 1.0, 2.0))
+    so = tl.where(mo < 2, 0.5, tl.where(mo < 4, 1.0, 2.0))
+    qe = tl.where(ve.to(tl.uint32, bitcast=True) >> 31 != 0, -1.0, 1.0) * (_rint(me / se) * se)
+    qo = tl.where(vo.to(tl.uint32, bitcast=True) >> 31 != 0, -1.0, 1.0) * (_rint(mo / so) * so)
+    return tl.reshape(qe * s[:, None], (D // 2,)), tl.reshape(qo * s[:, None], (D // 2,))

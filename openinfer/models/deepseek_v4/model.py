@@ -50,7 +50,7 @@ from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
-from openinfer.quantization.kv_formats import Fp8BlockCodec, KVCodec
+from openinfer.quantization.kv_formats import Fp8BlockCodec, KVCodec, fp4_block_qdq
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
@@ -159,15 +159,16 @@ class RopeRows:
         return RopeRows(self.rope, self.positions[index], self.cs_dtype, self.ops, tables)
 
     def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False,
-                 codec: KVCodec | None = None) -> torch.Tensor:
+                 codec: KVCodec | None = None, fp4_group: int = 0) -> torch.Tensor:
         """x [T, D] or [T, heads, D]: `norm` (an RMSNorm; a float: `unweighted_rms_norm` with that eps), then the RoPE
         of the row's position (`inverse`: rotated back); `codec`: then encoded by it (the fused op packs
-        `Fp8BlockCodec` rows itself)."""
+        `Fp8BlockCodec` rows itself); `fp4_group`: then `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer
+        queries)."""
         weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, norm)
         if self.ops.v4_norm_rope is not None:
             fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
             y = self.ops.v4_norm_rope(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale,
-                                      self.cs_dtype, inverse, fp8)
+                                      self.cs_dtype, inverse, fp8, fp4_group)
             return y if codec is None or fp8 else codec.encode(y)
         if weight is not None:
             x = norm(x)
@@ -177,6 +178,8 @@ class RopeRows:
         if x.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]
         y = apply_rope(x, cos, -sin if inverse else sin)
+        if fp4_group:
+            y = fp4_block_qdq(y, fp4_group, "e8m0")
         return y if codec is None else codec.encode(y)
 
 

@@ -58,7 +58,7 @@ from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
 from openinfer.multimodal import ImageSpan
-from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec
 
 
 # ---- the compressor -----------------------------------------------------------------------------------
@@ -161,8 +161,7 @@ class Indexer(nn.Module):
         return apply_rope(self.k_norm(self.wk(latents)), cos, sin)
 
     def queries(self, x, qr, at: RopeRows, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        q = at(self.wq_b(qr).view(-1, self.n_heads, self.head_dim))
-        q = fp4_block_qdq(q, 32, "e8m0") if quantize else q
+        q = at(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), fp4_group=32 if quantize else 0)
         return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
     @staticmethod
