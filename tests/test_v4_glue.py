@@ -39,11 +39,20 @@ def test_gpu_norm_rope_at_flash_widths(T):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_tiny_models_with_norm_rope():
-    """The engine in bf16 on CUDA (graphs captured, TRITON_OPS) with and without the op: the same greedy tokens, logprobs
-    within bf16 noise."""
+def test_gpu_tiny_models_with_norm_rope_float32():
+    """The engine in float32 on CUDA (TRITON_OPS) with and without the op: the same greedy tokens, logprobs within
+    float32 noise."""
     from tests.v4_glue_cases import check_tiny_models
-    print(check_tiny_models("cuda", "bfloat16", tol=5e-2))
+    print(check_tiny_models("cuda", "float32", tol=1e-3))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tiny_models_with_norm_rope_bf16():
+    """The engine in bf16 on CUDA (graphs captured, TRITON_OPS) with and without the op: prompt logprobs (and the
+    sampled ones until the tokens part, which a near-tie of the random model may make them do) within bf16 noise."""
+    from tests.v4_glue_cases import check_tiny_models
+    print(check_tiny_models("cuda", "bfloat16", tol=5e-2, same_tokens=False))
 
 
 @pytest.mark.gpu

@@ -169,10 +169,12 @@ def flash_cases(ops, device: str, T: int) -> list:
     ]
 
 
-def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4) -> dict:
+def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
     """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops, and with `v4_norm_rope` added
     to them: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched prefill and batched
-    decode steps that cross compression windows."""
+    decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU, where a last-bit difference
+    may flip a near-tie of the random model): the prompt logprobs within `tol`, the sampled ones up to the first
+    token that differs, and the share of equal tokens reported."""
     from unittest import mock
 
     from openinfer import LLM, SamplingParams
@@ -196,16 +198,19 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
                           **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
                 runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
                 llm.shutdown()
-        worst = 0.0
+        worst, equal, total = 0.0, 0, 0
         for ref, got in zip(*runs):
-            assert got.outputs[0].token_ids == ref.outputs[0].token_ids, f"{model}: greedy tokens differ"
+            gt, rt = got.outputs[0].token_ids, ref.outputs[0].token_ids
+            assert not same_tokens or gt == rt, f"{model}: greedy tokens differ"
+            k = next((i for i, (a, b) in enumerate(zip(gt, rt)) if a != b), len(rt))
+            equal, total = equal + k, total + len(rt)
             pairs = [(a[t].logprob, b[t].logprob) for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:])
                      for t in b]
-            pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs)
-                      for t in b]
+            pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs[:k + 1],
+                                                                   ref.outputs[0].logprobs[:k + 1]) for t in b if t in a]
             worst = max([worst] + [abs(a - b) for a, b in pairs])
         assert worst < tol, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
-        errs[model] = worst
+        errs[model] = {"max_logprob_diff": worst, "equal_token_prefix_share": equal / total}
     return errs
 
 

@@ -7,9 +7,10 @@ the indexer queries' RoPE and the output's inverse RoPE). `LayerOps.v4_norm_rope
 One program per row (token, head), the channels in registers as even/odd halves (the RoPE pairs are adjacent
 channels). Every rounding the torch code makes is made here in the same place (the norm factor, the weighted or
 unweighted product, cos/sin to their dtype, the rotated channels); the norm's divisions and square root round as
-torch's CPU ones do (IEEE). What may part from torch: the order of the sum of squares, cos/sin of the GPU (or numpy in
-the interpreter) against torch's, torch's approximate rsqrt on CUDA, and the GPU contracting the rotation's products
-and sums into FMAs — each a float32 last-bit difference, so the result is the torch path's within one rounding of the
+torch's CPU ones do (IEEE); cos/sin are libdevice's (CUDA's cosf/sinf with their full range reduction — positions
+run to 1M — which torch's CUDA kernels call too). What may part from torch: the order of the sum of squares, cos/sin
+against torch's CPU ones (numpy's in the interpreter), torch's approximate rsqrt on CUDA, and the GPU contracting the
+rotation's products and sums into FMAs — each a float32 last-bit difference, so the result is the torch path's within one rounding of the
 model dtype (bit-exact wherever that float32 value is not near a rounding boundary). Positions are a device tensor:
 no host synchronization (CUDA-graph capturable). Tested in tests/test_v4_glue.py.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
 
 from openinfer.quantization.triton_kv_formats import fp4_qdq_e8m0, fp8_store, round_to
 
@@ -29,7 +32,7 @@ NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_scale, stride_xt, stride_xh, stride_ot,
                       stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr,
                       NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                      FP4_GROUP: tl.constexpr):
+                      FP4_GROUP: tl.constexpr, LIBDEVICE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -51,8 +54,12 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_sc
         j = i - (HALF - ROPE_HALF)
         rot = (j >= 0) & m
         f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=rot, other=0.0)
-        c = round_to(tl.cos(f) * rope_scale, CS_DT)
-        s = SIGN * round_to(tl.sin(f) * rope_scale, CS_DT)
+        if LIBDEVICE:       # CUDA's cosf/sinf, as torch's kernels call them
+            c, s = libdevice.cos(f), libdevice.sin(f)
+        else:               # Triton's interpreter (numpy), which has no libdevice
+            c, s = tl.cos(f), tl.sin(f)
+        c = round_to(c * rope_scale, CS_DT)
+        s = SIGN * round_to(s * rope_scale, CS_DT)
         x_e, x_o = (tl.where(rot, round_to(x_e * c - x_o * s, dt), x_e),
                     tl.where(rot, round_to(x_o * c + x_e * s, dt), x_o))
     if FP4_GROUP > 0:       # fp4_block_qdq(., FP4_GROUP, "e8m0") of the row (a power-of-two D: BLOCK == HALF)
@@ -96,5 +103,5 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             inv_freq if inv_freq is not None else out, 0.0 if eps is None else eps, rope_scale, rows.stride(0),
             rows.stride(1), out.stride(0), out.stride(1), D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
             ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block,
-            FP4_GROUP=fp4_group)
+            FP4_GROUP=fp4_group, LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction))
     return out.view(*x.shape[:-1], width)
