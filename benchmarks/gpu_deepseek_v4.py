@@ -11,7 +11,10 @@ Measures, in the same run: the copy-bandwidth and bf16-matmul ceilings; then
      through a bf16 checkpoint: CUDA bf16 prompt logits vs the CPU fp32 path.
 Writes JSON to $OUT (or benchmarks/results/).
 
-    python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4]
+    python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4] [--ops next]
+
+`--ops next`: the engine's ops with the kernels of TRITON_OPS_NEXT not yet in TRITON_OPS (the attention glue,
+layers/triton_v4_glue.py); the default, the engine's own choice.
 """
 
 from __future__ import annotations
@@ -247,8 +250,25 @@ def fidelity(tokenizer_json: str) -> dict:
             "cuda_bf16_prefill_s": out["cuda_s"]}
 
 
+def use_next_ops() -> None:
+    """The engine's ops plus TRITON_OPS_NEXT's kernels not yet in TRITON_OPS (for every LLM this process builds)."""
+    import dataclasses
+
+    from openinfer.engine import llm_engine
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+
+    make = llm_engine.make_kernels
+
+    def kernels(config):
+        backend, ops = make(config)
+        return backend, dataclasses.replace(ops, v4_norm_rope=TRITON_OPS_NEXT.v4_norm_rope)
+    llm_engine.make_kernels = kernels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", choices=("engine", "next"), default="engine",
+                    help="next: add TRITON_OPS_NEXT's kernels (the V4 attention glue) to the engine's ops")
     ap.add_argument("--tokenizer-json", required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32,128")
@@ -262,9 +282,11 @@ def main() -> None:
     ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.ops == "next":
+        use_next_ops()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
-           "torch": torch.__version__, "config": {**FLASH_WIDTH, **layout(args.layers)}}
+           "torch": torch.__version__, "ops": args.ops, "config": {**FLASH_WIDTH, **layout(args.layers)}}
     if args.only_fidelity:
         res["fidelity"] = fidelity(args.tokenizer_json)
         print("fidelity", json.dumps(res["fidelity"]), flush=True)
@@ -282,7 +304,7 @@ def main() -> None:
             part = Path(tempfile.mkdtemp()) / "part.json"
             subprocess.run([sys.executable, __file__, "--tokenizer-json", args.tokenizer_json, "--layers",
                             str(args.layers), "--batches", args.batches, "--weights", weights, "--part-out", str(part),
-                            "--max-model-len", str(args.max_model_len),
+                            "--max-model-len", str(args.max_model_len), "--ops", args.ops,
                             *(["--skip-first-traffic"] if args.skip_first_traffic else []),
                             "--ceilings-json", json.dumps(ceil)], check=False)
             res.setdefault("runs", {})[weights] = (json.loads(part.read_text()) if part.is_file()
@@ -329,7 +351,7 @@ def main() -> None:
         print("fidelity", json.dumps(res["fidelity"]), flush=True)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_deepseek_v4_{res['date']}_{commit}.json").write_text(json.dumps(res, indent=1))
+    (out / f"gpu_deepseek_v4_{res['date']}_{commit}{'_next' if args.ops == 'next' else ''}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

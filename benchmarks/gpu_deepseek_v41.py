@@ -15,6 +15,9 @@
 
     python benchmarks/gpu_deepseek_v41.py --tokenizer-json PATH [--cpu-ref FILE] [--layers 8]
     python benchmarks/gpu_deepseek_v41.py --write-cpu-ref FILE          (CPU: the fidelity reference)
+
+`--ops next`: the engine's ops with TRITON_OPS_NEXT's kernels not yet in TRITON_OPS (the attention glue,
+layers/triton_v4_glue.py), for every engine of the run; the default, the engine's own choice.
 """
 
 from __future__ import annotations
@@ -284,7 +287,12 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=16384, help="bounds the context buckets captured at start")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: fidelity,flash,prefill,first_traffic")
+    ap.add_argument("--ops", choices=("engine", "next"), default="engine",
+                    help="next: add TRITON_OPS_NEXT's kernels (the attention glue) to the engine's ops")
     args = ap.parse_args()
+    if args.ops == "next":
+        from gpu_deepseek_v4 import use_next_ops
+        use_next_ops()
     global TINY
     TINY = args.tiny_dir or TINY
     if args.write_cpu_ref:
@@ -298,8 +306,8 @@ def main() -> None:
     commit = os.environ.get("OPENINFER_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"benchmark": "gpu_deepseek_v41", "device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
-           "commit": commit, "torch": torch.__version__}
-    path = out_dir / f"gpu_deepseek_v41_{commit}.json"
+           "commit": commit, "torch": torch.__version__, "ops": args.ops}
+    path = out_dir / f"gpu_deepseek_v41_{commit}{'_next' if args.ops == 'next' else ''}.json"
 
     def save():
         path.write_text(json.dumps(res, indent=1, default=str))

@@ -116,6 +116,9 @@ class LayerOps:
     v4_csa_decode: Callable | None = None
     v41_compress_decode: Callable | None = None
     v41_index_keys_decode: Callable | None = None
+    # DeepSeek-V4/V4.1 attention glue (layers/triton_v4_glue.py): (x, eps, weight, positions, inv_freq, rope_scale,
+    # cs_dtype, inverse) -> RMSNorm then interleaved RoPE of each row, one launch; None: the models' torch code
+    v4_norm_rope: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

@@ -7,11 +7,13 @@ DeepSeek's fused mHC (triton_mhc.py), MoE routing (triton_moe_routing.py) decode
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from openinfer.layers import triton_compressor, triton_indexer, triton_mhc, triton_moe_routing
+from openinfer.layers import triton_compressor, triton_indexer, triton_mhc, triton_moe_routing, triton_v4_glue
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.layers.triton_sparse_decode import sparse_decode_attention
@@ -267,3 +269,9 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
                       v41_compress_decode=triton_compressor.v41_compress_decode,
                       v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
+
+
+# TRITON_OPS and the kernels that pass their tests in the interpreter but have not run on a GPU yet: the attention glue
+# (triton_v4_glue.v4_norm_rope). Selected by the GPU tests and benchmarks (`--ops next`); it joins TRITON_OPS once
+# tests/test_v4_glue.py's GPU tests pass.
+TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, v4_norm_rope=triton_v4_glue.v4_norm_rope)

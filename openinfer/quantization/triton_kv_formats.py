@@ -76,3 +76,54 @@ def fp4_store(row, x_e, x_o, D: tl.constexpr, GROUP: tl.constexpr, E4M3: tl.cons
     co = _e2m1_codes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -6.0), 6.0))
     tl.store(row + tl.arange(0, D // 2), tl.reshape(ce | (co << 4), (D // 2,)))
     tl.store(row + D // 2 + tl.arange(0, NG), sbyte)
+
+
+@triton.jit
+def _e4m3_bytes(v):
+    """v in [-448, 448] (float32) -> float8_e4m3fn bytes of v rounded to nearest even (torch's cast), by the bits."""
+    mag = tl.abs(v)
+    bits = mag.to(tl.uint32, bitcast=True)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000                # 3 mantissa bits, to nearest even
+    normal = mag >= 0.015625                                               # 2^-6; below, multiples of 2^-9
+    sub = _rint(mag * 512.0)                                               # (8: the smallest normal's byte)
+    byte = tl.where(normal, (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7), sub.to(tl.uint32))
+    return (byte | ((v.to(tl.uint32, bitcast=True) >> 31) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def fp8_store(row, x_e, x_o, D: tl.constexpr, BLOCK: tl.constexpr):
+    """`Fp8BlockCodec(BLOCK).encode` of one row of D values given as its even and odd channels x_e, x_o [D/2] (float32),
+    stored at `row` (uint8): D E4M3 bytes, then one E8M0 scale byte (2^ceil(log2(max(amax, 1e-4) / 448))) per BLOCK
+    values."""
+    NG: tl.constexpr = D // BLOCK
+    ge = tl.reshape(x_e, (NG, BLOCK // 2))
+    go = tl.reshape(x_o, (NG, BLOCK // 2))
+    amax = tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1))
+    t = tl.maximum(amax, 1e-4) * 0.0022321429569274187                     # float32(1 / 448), as kv_formats
+    e = (t.to(tl.uint32, bitcast=True) + 0x7FFFFF) >> 23
+    s = (e << 23).to(tl.float32, bitcast=True)
+    be = _e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -448.0), 448.0))
+    bo = _e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -448.0), 448.0))
+    i = tl.arange(0, D // 2)
+    tl.store(row + 2 * i, tl.reshape(be, (D // 2,)))
+    tl.store(row + 2 * i + 1, tl.reshape(bo, (D // 2,)))
+    tl.store(row + D + tl.arange(0, NG), e.to(tl.uint8))
+
+
+@triton.jit
+def fp4_qdq_e8m0(x_e, x_o, D: tl.constexpr, GROUP: tl.constexpr):
+    """`fp4_block_qdq(x, GROUP, "e8m0")` of one row of D values given as its even and odd channels x_e, x_o [D/2]
+    (float32): each value rounded to E2M1 (nearest, ties to even) times its group's E8M0 scale, kept float32 (exact
+    in any dtype the row is then stored in)."""
+    NG: tl.constexpr = D // GROUP
+    ge = tl.reshape(x_e, (NG, GROUP // 2))
+    go = tl.reshape(x_o, (NG, GROUP // 2))
+    s, _ = _e8m0_scale(tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1)))
+    ve = tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -6.0), 6.0)
+    vo = tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -6.0), 6.0)
+    me, mo = tl.abs(ve), tl.abs(vo)
+    se = tl.where(me < 2, 0.5, tl.where(me < 4, 1.0, 2.0))
+    so = tl.where(mo < 2, 0.5, tl.where(mo < 4, 1.0, 2.0))
+    qe = tl.where(ve.to(tl.uint32, bitcast=True) >> 31 != 0, -1.0, 1.0) * (_rint(me / se) * se)
+    qo = tl.where(vo.to(tl.uint32, bitcast=True) >> 31 != 0, -1.0, 1.0) * (_rint(mo / so) * so)
+    return tl.reshape(qe * s[:, None], (D // 2,)), tl.reshape(qo * s[:, None], (D // 2,))

@@ -50,20 +50,24 @@ from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
+from openinfer.quantization.kv_formats import Fp8BlockCodec, KVCodec, fp4_block_qdq
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
 
 # ---- small ops ----------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Normalize in float32, scale by a float32 weight, cast back once (the V4 reference's order)."""
+    """Normalize in float32, scale by a float32 weight, cast back once (the V4 reference's order). `ops.v4_norm_rope`,
+    where the runtime chose it: in one launch."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops.v4_norm_rope is not None:
+            return self.ops.v4_norm_rope(x.reshape(-1, x.shape[-1]), self.eps, self.weight).view(x.shape)
         xf = x.float()
         return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
@@ -133,6 +137,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+class RopeRows:
+    """The attention's norm + RoPE glue for rows at `positions` (queries, keys, the output rotated back), cos/sin in
+    `cs_dtype`: with `ops.v4_norm_rope` each call is one launch (norm, rotation and casts); else the torch code above,
+    the cos/sin tables computed once, at first use, and shared by every call."""
+
+    def __init__(self, rope: InterleavedRope, positions: torch.Tensor, cs_dtype: torch.dtype, ops: LayerOps,
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.rope, self.positions, self.cs_dtype, self.ops, self._tables = rope, positions, cs_dtype, ops, tables
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = self.rope.cos_sin(self.positions, self.cs_dtype)
+        return self._tables
+
+    def take(self, index: torch.Tensor) -> "RopeRows":
+        """The rows `index` of these (context parallelism: this rank's queries)."""
+        tables = None if self.ops.v4_norm_rope is not None else tuple(t[index] for t in self.tables())
+        return RopeRows(self.rope, self.positions[index], self.cs_dtype, self.ops, tables)
+
+    def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False,
+                 codec: KVCodec | None = None, fp4_group: int = 0) -> torch.Tensor:
+        """x [T, D] or [T, heads, D]: `norm` (an RMSNorm; a float: `unweighted_rms_norm` with that eps), then the RoPE
+        of the row's position (`inverse`: rotated back); `codec`: then encoded by it (the fused op packs
+        `Fp8BlockCodec` rows itself); `fp4_group`: then `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer
+        queries)."""
+        weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, norm)
+        if self.ops.v4_norm_rope is not None:
+            fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
+            y = self.ops.v4_norm_rope(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale,
+                                      self.cs_dtype, inverse, fp8, fp4_group)
+            return y if codec is None or fp8 else codec.encode(y)
+        if weight is not None:
+            x = norm(x)
+        elif eps is not None:
+            x = unweighted_rms_norm(x, eps)
+        cos, sin = self.tables()
+        if x.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        y = apply_rope(x, cos, -sin if inverse else sin)
+        if fp4_group:
+            y = fp4_block_qdq(y, fp4_group, "e8m0")
+        return y if codec is None else codec.encode(y)
 
 
 # ---- paged entry addressing ---------------------------------------------------------------------------
@@ -333,8 +381,8 @@ class Indexer(OverlappingCompressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
 
-    def queries(self, x, q_residual, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        q = apply_rope(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim), cos[:, None], sin[:, None])
+    def queries(self, x, q_residual, at: RopeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        q = at(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim))
         return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
 
     def scores(self, q, weights, keys, num_closed) -> torch.Tensor:
@@ -405,10 +453,10 @@ class DeepseekV4Attention(nn.Module):
         self.o_groups = cfg.o_groups // tp          # this rank's output groups (all of them without TP)
         self.scale = self.head_dim ** -0.5
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.o_a_proj = nn.Linear(cfg.num_attention_heads * self.head_dim // cfg.o_groups,
                                   self.o_groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(self.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
@@ -425,24 +473,22 @@ class DeepseekV4Attention(nn.Module):
         """`cp` (context parallelism, distributed/context_parallel.py: ContextParallelStep): `x`, `positions` and
         `meta` are the whole step's; the KV side (window ring, compressors, indexer keys) runs on every row as one
         process does, queries and their attention only on this rank's rows, whose outputs are returned."""
-        cos, sin = rope.cos_sin(positions, x.dtype)
+        at = RopeRows(rope, positions, x.dtype, self.ops)
         q_residual = self.q_a_norm(self.q_a_proj(x))
-        qx, qcos, qsin = x, cos, sin
+        qx, q_at = x, at
         if cp is not None:
             mine = cp.local_index
-            qx, q_residual, qcos, qsin = x[mine], q_residual[mine], cos[mine], sin[mine]
+            qx, q_residual, q_at = x[mine], q_residual[mine], at.take(mine)
         T = qx.shape[0]
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim),
-                                self.cfg.rms_norm_eps)
-        q = apply_rope(q, qcos[:, None], qsin[:, None])
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = q_at(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
+        kv = at(self.kv_proj(x), self.kv_norm)
         comp = self.compressor
         rows = index_rows = index_q = None
         if comp is not None:
             rows = comp.rows(x, positions)
             if self.layer_type == CSA:
                 index_rows = comp.indexer.rows(x, positions)
-                index_q = comp.indexer.queries(qx, q_residual, qcos, qsin)
+                index_q = comp.indexer.queries(qx, q_residual, q_at)
         out = torch.empty_like(q)
         batched = self.ops.sparse_prefill_attention is not None and cp is None
         chunks = []
@@ -474,8 +520,7 @@ class DeepseekV4Attention(nn.Module):
                 out[qsl] = attend_v4(q[qsl], groups, self.sinks, self.scale, band=self.window if sel is None else None)
         if chunks:
             self._prefill(q, out, kv, positions, chunks, state)
-        o = apply_rope(out, qcos[:, None], -qsin[:, None]).reshape(T, self.o_groups,
-                                                                   self.num_heads * self.head_dim // self.o_groups)
+        o = q_at(out, inverse=True).reshape(T, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
     def _decode(self, q, out, kv, positions, rows, index_rows, index_q, rope, state, meta) -> None:
@@ -794,8 +839,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV4Attention(cfg, layer_type, moe_kwargs.get("parallel"), ops)
         self.mlp = MoE(cfg, mlp_type == "hash_moe", ops, **moe_kwargs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.attn_hc = HyperConnection(cfg, ops)
         self.ffn_hc = HyperConnection(cfg, ops)
 

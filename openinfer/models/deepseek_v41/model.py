@@ -52,13 +52,13 @@ from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
 from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
-from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, apply_rope,
-                                                entry_index)
+from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
+                                                apply_rope, entry_index)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
 from openinfer.multimodal import ImageSpan
-from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec
 
 
 # ---- the compressor -----------------------------------------------------------------------------------
@@ -160,9 +160,8 @@ class Indexer(nn.Module):
         """Index keys before their cache's rounding (FP4, groups of 32, E8M0: the cache codec's)."""
         return apply_rope(self.k_norm(self.wk(latents)), cos, sin)
 
-    def queries(self, x, qr, cos, sin, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
-        q = fp4_block_qdq(q, 32, "e8m0") if quantize else q
+    def queries(self, x, qr, at: RopeRows, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        q = at(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), fp4_group=32 if quantize else 0)
         return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
     @staticmethod
@@ -225,10 +224,10 @@ class Attention(nn.Module):
         self.ratio = cfg.ratio(layer)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
         self.wkv = nn.Linear(cfg.dim, D, bias=False)
-        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps, ops)
         self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False)
         backbone = layer < cfg.n_layers
@@ -251,16 +250,16 @@ class Attention(nn.Module):
         the KV side (window ring, compressor groups, indexer keys) runs on every row as one process does, queries,
         the indexer's picks and attention only on this rank's rows, whose outputs are returned."""
         rope = ropes["compress" if self.ratio else "main"]
-        cos, sin = rope.cos_sin(positions, torch.float32)
-        qx, qcos, qsin = (x, cos, sin) if cp is None else (x[cp.local_index], cos[cp.local_index], sin[cp.local_index])
+        at = RopeRows(rope, positions, torch.float32, self.ops)
+        qx, q_at = (x, at) if cp is None else (x[cp.local_index], at.take(cp.local_index))
         qr = self.q_norm(self.wq_a(qx))
         T = qr.shape[0]
-        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), qcos[:, None], qsin[:, None])
-        kv_stored = state["codecs"]["swa"].encode(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        q = q_at(self.wq_b(qr).view(T, self.n_heads, self.head_dim))
+        kv_stored = at(self.wkv(x), self.kv_norm, codec=state["codecs"]["swa"])
         # as every later step reads them (prefill chunks; decode rows read the ring in place)
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype) if meta.prefills else None
         rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
-        iq = self.indexer.queries(qx, qr, qcos, qsin, self.quantized_caches) if self.is_index_source else None
+        iq = self.indexer.queries(qx, qr, q_at, self.quantized_caches) if self.is_index_source else None
         out = torch.empty_like(q)
         codecs = state["codecs"]
         batched = self.ops.sparse_prefill_attention is not None and cp is None
@@ -291,8 +290,7 @@ class Attention(nn.Module):
                 out[qsl] = self._attend(q[qsl], win, comp)
         if chunks:
             self._prefill(q, out, kv, kv_stored, positions, chunks, state)
-        o = apply_rope(out, qcos[:, None], -qsin[:, None]).view(T, self.cfg.o_groups,
-                                                                self.n_heads * self.head_dim // self.cfg.o_groups)
+        o = q_at(out, inverse=True).view(T, self.cfg.o_groups, self.n_heads * self.head_dim // self.cfg.o_groups)
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
 
@@ -661,8 +659,8 @@ class Block(nn.Module):
         self.hc, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
         self.attn = Attention(cfg, layer, ops)
         self.ffn = MoE(cfg, layer, ops, **moe_kwargs)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
         for kind in ("attn", "ffn"):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, width)))

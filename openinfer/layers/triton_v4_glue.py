@@ -1,0 +1,107 @@
+"""DeepSeek-V4/V4.1 attention glue in one Triton launch per call: an RMSNorm of each row and the interleaved RoPE of
+its trailing channels, with the casts between them (issue 34: in torch these are ~25 small kernels per call, and a
+decode layer makes five such calls — q_a_norm / q_norm, the query heads' norm and RoPE, kv_norm and the key's RoPE,
+the indexer queries' RoPE and the output's inverse RoPE). `LayerOps.v4_norm_rope`; None runs the models' torch code
+(`deepseek_v4.model.RMSNorm`, `unweighted_rms_norm`, `InterleavedRope.cos_sin`, `apply_rope`), its reference.
+
+One program per row (token, head), the channels in registers as even/odd halves (the RoPE pairs are adjacent
+channels). Every rounding the torch code makes is made here in the same place (the norm factor, the weighted or
+unweighted product, cos/sin to their dtype, the rotated channels); the norm's divisions and square root round as
+torch's CPU ones do (IEEE); cos/sin are libdevice's (CUDA's cosf/sinf with their full range reduction — positions
+run to 1M — which torch's CUDA kernels call too). What may part from torch: the order of the sum of squares, cos/sin
+against torch's CPU ones (numpy's in the interpreter), torch's approximate rsqrt on CUDA, and the GPU contracting the
+rotation's products and sums into FMAs — each a float32 last-bit difference, so the result is the torch path's within one rounding of the
+model dtype (bit-exact wherever that float32 value is not near a rounding boundary). Positions are a device tensor:
+no host synchronization (CUDA-graph capturable). Tested in tests/test_v4_glue.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
+
+from openinfer.quantization.triton_kv_formats import fp4_qdq_e8m0, fp8_store, round_to
+
+NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_scale, stride_xt, stride_xh, stride_ot,
+                      stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr,
+                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                      FP4_GROUP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    dt = x_ptr.dtype.element_ty
+    src = x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh
+    x_e = tl.load(src + 2 * i, mask=m, other=0.0).to(tl.float32)
+    x_o = tl.load(src + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
+    if NORM != 0:
+        inv = tl.div_rn(1.0, tl.sqrt_rn((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / D + eps))
+        if NORM == 1:       # unweighted_rms_norm: the factor in the model dtype, times x there
+            inv = round_to(inv, dt)
+            x_e, x_o = round_to(x_e * inv, dt), round_to(x_o * inv, dt)
+        else:               # RMSNorm: float32 weight * (x * factor), rounded once
+            w_e = tl.load(w_ptr + 2 * i, mask=m, other=0.0).to(tl.float32)
+            w_o = tl.load(w_ptr + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
+            x_e, x_o = round_to(w_e * (x_e * inv), dt), round_to(w_o * (x_o * inv), dt)
+    if ROPE_HALF > 0:       # apply_rope on the last 2 * ROPE_HALF channels, cos/sin rounded to CS_DT
+        j = i - (HALF - ROPE_HALF)
+        rot = (j >= 0) & m
+        f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=rot, other=0.0)
+        if LIBDEVICE:       # CUDA's cosf/sinf, as torch's kernels call them
+            c, s = libdevice.cos(f), libdevice.sin(f)
+        else:               # Triton's interpreter (numpy), which has no libdevice
+            c, s = tl.cos(f), tl.sin(f)
+        c = round_to(c * rope_scale, CS_DT)
+        s = SIGN * round_to(s * rope_scale, CS_DT)
+        x_e, x_o = (tl.where(rot, round_to(x_e * c - x_o * s, dt), x_e),
+                    tl.where(rot, round_to(x_o * c + x_e * s, dt), x_o))
+    if FP4_GROUP > 0:       # fp4_block_qdq(., FP4_GROUP, "e8m0") of the row (a power-of-two D: BLOCK == HALF)
+        x_e, x_o = fp4_qdq_e8m0(x_e, x_o, D, FP4_GROUP)
+    dst = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh
+    if FP8_BLOCK > 0:       # the row as Fp8BlockCodec(FP8_BLOCK) stores it (a power-of-two D: BLOCK == HALF)
+        fp8_store(dst, x_e, x_o, D, FP8_BLOCK)
+    else:
+        tl.store(dst + 2 * i, x_e.to(dt), mask=m)
+        tl.store(dst + 2 * i + 1, x_o.to(dt), mask=m)
+
+
+def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
+                 cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0,
+                 fp4_group: int = 0) -> torch.Tensor:
+    """x [T, D] or [T, H, D] (unit last stride) -> a new tensor of its shape and dtype: each row (token, head) through
+    the RMSNorm with `eps` (V4's `RMSNorm` with the float32 `weight`; without a weight `unweighted_rms_norm`; eps None:
+    no norm), then the interleaved RoPE of `positions` [T] on its last 2 * len(inv_freq) channels, cos/sin scaled by
+    `rope_scale` and rounded to `cs_dtype` as `InterleavedRope.cos_sin` gives them (`inverse`: sin negated, the
+    rotation back; inv_freq None: no RoPE). `fp8_block`: the rows returned as `Fp8BlockCodec(fp8_block).encode` gives
+    them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype. `fp4_group`: the
+    rows then through `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer queries); 0: not."""
+    rows = x if x.dim() == 3 else x[:, None]
+    T, H, D = rows.shape
+    rope_half = 0 if inv_freq is None else inv_freq.numel()
+    if D % 2 or rows.stride(-1) != 1 or rope_half > D // 2:
+        raise ValueError(f"v4_norm_rope needs rows of an even width with unit stride and at most width/2 RoPE pairs "
+                         f"(got width {D}, stride {rows.stride(-1)}, {rope_half} pairs)")
+    for block in (fp8_block, fp4_group):
+        if block and (D & (D - 1) or D % block or block % 2):
+            raise ValueError(f"FP8 rows and FP4 rounding need a power-of-two width divisible by the (even) block "
+                             f"(got {D}, {block})")
+    width = D + D // fp8_block if fp8_block else D
+    out = torch.empty((T, H, width), dtype=torch.uint8 if fp8_block else x.dtype, device=x.device)
+    norm = NO_NORM if eps is None else (UNWEIGHTED if weight is None else WEIGHTED)
+    if T and H:
+        cs = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[cs_dtype or x.dtype]
+        _norm_rope_kernel[(T, H)](
+            rows, out, positions if positions is not None else out, weight if weight is not None else out,
+            inv_freq if inv_freq is not None else out, 0.0 if eps is None else eps, rope_scale, rows.stride(0),
+            rows.stride(1), out.stride(0), out.stride(1), D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
+            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block,
+            FP4_GROUP=fp4_group, LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction))
+    return out.view(*x.shape[:-1], width)

@@ -1,0 +1,231 @@
+"""The fused DeepSeek-V4/V4.1 attention glue (layers/triton_v4_glue.v4_norm_rope) against the models' torch code it
+replaces (`RopeRows` with the torch ops: V4's `RMSNorm`, `unweighted_rms_norm`, `InterleavedRope.cos_sin`,
+`apply_rope`), on the same inputs.
+
+Used by tests/test_v4_glue.py: in Triton's interpreter on the CPU (a subprocess with TRITON_INTERPRET=1; `python
+tests/v4_glue_cases.py [kernels|models]` runs them and prints "all cases pass") and on CUDA (the `-m gpu` tests call
+the same functions). Each check raises AssertionError naming what differs and returns the largest error measured.
+
+What "equal" means: every element is the torch path's value, or (where the float32 value before the last rounding
+sits within float32 noise of a rounding boundary of the model dtype) its neighbour — at most one ulp of the model
+dtype apart, and such elements rare. The float32 noise: the sum of squares in another order, cos/sin of another
+library, CUDA's approximate rsqrt in torch, FMA contraction of the rotation on the GPU (triton_v4_glue's docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from openinfer.layers.basic import TORCH_OPS
+from openinfer.models.deepseek_v4.model import InterleavedRope, RMSNorm, RopeRows
+from openinfer.quantization.kv_formats import Fp8BlockCodec, fp4_block_qdq
+
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
+        "rope_theta": 10000.0}
+
+
+def fused_ops():
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    return TRITON_OPS_NEXT
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 1 - mant)
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, name: str, max_share: float = 0.02) -> dict:
+    """`got` is `ref` but for elements at most one ulp of the dtype away (plus float32 noise where rotated channels
+    cancel: 2^-20 of the row's largest value), and those (in a narrower dtype than float32) at most `max_share` of
+    all."""
+    g, r = got.float().reshape(-1, got.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    noise = r.abs().amax(-1, keepdim=True) * 2.0 ** -20
+    diff = (g - r).abs()
+    assert torch.isfinite(g).all(), f"{name}: non-finite values"
+    bad = diff > _ulp(r, ref.dtype) + noise
+    assert not bad.any(), (f"{name}: {int(bad.sum())} elements more than one ulp apart (largest difference "
+                           f"{diff.max().item():.3e})")
+    share = (diff > 0).float().mean().item()
+    # float32 results: a norm factor one ulp apart moves the whole row by an ulp, so only the bound above holds
+    assert share <= max_share or ref.dtype == torch.float32, f"{name}: {share:.2%} of the elements differ (at most {max_share:.0%} expected)"
+    return {"max_abs": diff.max().item(), "share_differing": share}
+
+
+def check_norm_rope(ops, device, dtype, T: int, H: int, D: int, rope_dim: int, seed: int = 0,
+                    cs_dtype: torch.dtype | None = None) -> dict:
+    """Every call shape the models make, on random rows at scattered positions: weighted norm then RoPE (kv), the
+    unweighted norm then RoPE (V4's query heads), RoPE alone (V4.1's queries, the indexer's), the inverse RoPE (the
+    output) and the weighted norm alone (q_a_norm, the layer norms); cos/sin in `cs_dtype` (V4: the model dtype;
+    V4.1: float32)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cs_dtype = cs_dtype or dtype
+    rope = InterleavedRope(YARN, rope_dim, 1 << 20).to(device)
+    rope.reset(torch.device(device))
+    positions = torch.randint(0, 1 << 20, (T,), generator=g).to(device)
+    positions[: min(T, 3)] = torch.tensor([0, 1, 65535])[: min(T, 3)].to(device)
+    norm = RMSNorm(D, 1e-6).to(device)
+    norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).to(device)       # float32, as the models keep it
+    x = (torch.randn(T, H, D, generator=g) * 3).to(device, dtype)
+    x2 = x[:, 0].contiguous()
+    fused_norm = RMSNorm(D, 1e-6, ops).to(device)
+    fused_norm.weight.data = norm.weight.data
+    ref_at = RopeRows(rope, positions, cs_dtype, TORCH_OPS)
+    got_at = RopeRows(rope, positions, cs_dtype, ops)
+    errs = {}
+    pairs = {
+        "kv: norm + rope": (lambda at, n: at(x2, n)),
+        "q heads: unweighted norm + rope": (lambda at, n: at(x, 1e-6)),
+        "queries: rope": (lambda at, n: at(x)),
+        "output: inverse rope": (lambda at, n: at(x, inverse=True)),
+        "norm alone": (lambda at, n: n(x2)),
+        "norm alone, [T, H, D]": (lambda at, n: n(x)),
+    }
+    for name, call in pairs.items():
+        ref = call(ref_at, norm)
+        got = call(got_at, fused_norm)
+        assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {got.shape} {got.dtype} vs {ref.shape}"
+        errs[name] = check_close(got, ref, f"{name} ({dtype}, T={T} H={H} D={D} rope={rope_dim})")
+    if D % 32 == 0 and D & (D - 1) == 0:      # V4.1's window keys as its ring stores them (FP8, E8M0 per 32)
+        codec = Fp8BlockCodec(32)
+        got, plain = got_at(x2, fused_norm, codec=codec), got_at(x2, fused_norm)
+        ref, ref_plain = ref_at(x2, norm, codec=codec), ref_at(x2, norm)
+        errs["kv: norm + rope, FP8 rows"] = check_close(plain, ref_plain, f"kv before FP8 ({dtype})")
+        assert torch.equal(got, codec.encode(plain)), "FP8 rows: not the codec's bytes of the op's own values"
+        same = (plain == ref_plain).all(-1)
+        assert torch.equal(got[same], ref[same]), "FP8 rows: bytes differ where the values are equal"
+        # V4.1's indexer queries: RoPE, then FP4-rounded (E8M0 scale per 32)
+        got, plain = got_at(x, fp4_group=32), got_at(x)
+        ref, ref_plain = ref_at(x, fp4_group=32), ref_at(x)
+        errs["queries: rope, FP4-rounded"] = check_close(plain, ref_plain, f"queries before FP4 ({dtype})")
+        assert torch.equal(got, fp4_block_qdq(plain, 32, "e8m0")), "FP4 queries: not fp4_block_qdq of the op's values"
+        same = (plain == ref_plain).all(-1)
+        assert torch.equal(got[same], ref[same]), "FP4 queries: differ where the values before rounding are equal"
+    # a strided view of rows (the model's q_b output viewed as heads; CP's rows of this rank)
+    sub = torch.arange(0, T, 2, device=device)
+    errs["take"] = check_close(got_at.take(sub)(x[sub], 1e-6), ref_at.take(sub)(x[sub], 1e-6), f"take ({dtype})")
+    return errs
+
+
+def check_fp8_rows(ops, device, seed: int = 0) -> dict:
+    """The op's FP8 packing alone (no norm, no RoPE) against `Fp8BlockCodec(32).encode`, byte for byte, over values
+    that reach every branch: groups of very different scales (the scale's floor, huge and tiny amax), E4M3
+    subnormals, exact rounding ties, zeros and negative zeros."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(6, 128, generator=g) * torch.logspace(-9, 4, 6)[:, None]
+    x[0, :32] = 0.0
+    x[0, 32:64] = -0.0
+    x[1, :32] = torch.arange(32) * 2.0 ** -9 * 0.5 * (1e-4 / 448)           # ties below the smallest subnormal
+    x[2, :16] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, 0.0146484375, 2 ** -10, 3 * 2 ** -10, 2 ** -6] * 2)
+    x[3, 64:96] *= 1e6
+    x = x.to(device)
+    got = ops.v4_norm_rope(x, fp8_block=32)
+    ref = Fp8BlockCodec(32).encode(x)
+    assert torch.equal(got, ref), f"FP8 rows: {int((got != ref).sum())} bytes differ from the codec's"
+    return {"bytes": got.numel()}
+
+
+def check_fp4_qdq(ops, device, seed: int = 0) -> dict:
+    """The op's FP4 rounding alone against `fp4_block_qdq(x, 32, "e8m0")`, bit for bit: every E2M1 tie (0.25, 0.75,
+    1.25, 1.75, 2.5, 3.5, 5 times the scale), values past 6 x scale, zeros, negative zeros, the scale's floor."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(5, 64, generator=g) * torch.logspace(-30, 3, 5)[:, None]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -2.5, -5.0, 0.0, -0.0, 5.5, 4.5, 3.0])
+    x[0, :16], x[0, 16:32] = ties, -ties                  # amax 6: scale 1
+    x[1, 32:64] = 0.0
+    x = x.to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        got, ref = ops.v4_norm_rope(x.to(dtype), fp4_group=32), fp4_block_qdq(x.to(dtype), 32, "e8m0")
+        assert torch.equal(got, ref), f"FP4 rounding ({dtype}): {int((got != ref).sum())} values differ"
+    return {"values": x.numel()}
+
+
+def kernel_cases(ops, device: str) -> list:
+    return [
+        ("FP4 rounding", lambda: check_fp4_qdq(ops, device)),
+        ("FP8 rows", lambda: check_fp8_rows(ops, device)),
+        ("fp32, pow2 width", lambda: check_norm_rope(ops, device, torch.float32, 5, 3, 64, 16)),
+        ("bf16, pow2 width", lambda: check_norm_rope(ops, device, torch.bfloat16, 7, 4, 32, 8, seed=1)),
+        ("bf16, odd half width", lambda: check_norm_rope(ops, device, torch.bfloat16, 3, 2, 48, 16, seed=2)),
+        ("bf16, rope over all channels", lambda: check_norm_rope(ops, device, torch.bfloat16, 4, 1, 16, 16, seed=3)),
+        ("bf16, float32 cos/sin (V4.1)", lambda: check_norm_rope(ops, device, torch.bfloat16, 6, 3, 64, 16, seed=4,
+                                                                 cs_dtype=torch.float32)),
+        ("fp32, one row", lambda: check_norm_rope(ops, device, torch.float32, 1, 1, 24, 8, seed=5)),
+    ]
+
+
+def flash_cases(ops, device: str, T: int) -> list:
+    """The V4-Flash / V4.1-Flash call shapes: 64 query heads of 512 with 64 RoPE channels, the index queries (64 of
+    128), q_lora_rank 1024 (V4) and 1536 (V4.1) under the norm, hidden 4096 / 5120 (the layer norms)."""
+    return [
+        ("V4 flash heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 512, 64, seed=T)),
+        ("V4.1 flash heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 512, 64, seed=T,
+                                                     cs_dtype=torch.float32)),
+        ("index heads", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 64, 128, 64, seed=T + 1)),
+        ("q_lora 1536", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 1, 1536, 64, seed=T + 2)),
+        ("hidden 5120", lambda: check_norm_rope(ops, device, torch.bfloat16, T, 1, 5120, 64, seed=T + 3)),
+    ]
+
+
+def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
+    """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops, and with `v4_norm_rope` added
+    to them: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched prefill and batched
+    decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU, where a last-bit difference
+    may flip a near-tie of the random model): the prompt logprobs within `tol`, the sampled ones up to the first
+    token that differs, and the share of equal tokens reported."""
+    from unittest import mock
+
+    from openinfer import LLM, SamplingParams
+    from openinfer.engine import llm_engine
+    from openinfer.layers.triton_v4_glue import v4_norm_rope
+
+    make_kernels = llm_engine.make_kernels
+
+    def glue_kernels(config):
+        backend, base = make_kernels(config)
+        return backend, dataclasses.replace(base, v4_norm_rope=v4_norm_rope)
+
+    prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
+    errs = {}
+    for model in ("deepseek-v4-tiny", "deepseek-v41-tiny"):
+        runs = []
+        for kernels in (make_kernels, glue_kernels):
+            with mock.patch.object(llm_engine, "make_kernels", kernels):
+                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False,
+                          **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
+                runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
+                llm.shutdown()
+        worst, equal, total = 0.0, 0, 0
+        for ref, got in zip(*runs):
+            gt, rt = got.outputs[0].token_ids, ref.outputs[0].token_ids
+            assert not same_tokens or gt == rt, f"{model}: greedy tokens differ"
+            k = next((i for i, (a, b) in enumerate(zip(gt, rt)) if a != b), len(rt))
+            equal, total = equal + k, total + len(rt)
+            pairs = [(a[t].logprob, b[t].logprob) for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:])
+                     for t in b]
+            pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs[:k + 1],
+                                                                   ref.outputs[0].logprobs[:k + 1]) for t in b if t in a]
+            worst = max([worst] + [abs(a - b) for a, b in pairs])
+        assert worst < tol, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
+        errs[model] = {"max_logprob_diff": worst, "equal_token_prefix_share": equal / total}
+    return errs
+
+
+def run(which: str = "kernels") -> list[str]:
+    ops = fused_ops()
+    cases = kernel_cases(ops, "cpu") if which == "kernels" else [("tiny models", lambda: check_tiny_models())]
+    fails = []
+    for name, case in cases:
+        try:
+            print(f"{name}: ok {case()}", flush=True)
+        except AssertionError as e:
+            fails.append(f"{name}: {e}")
+    return fails
+
+
+if __name__ == "__main__":
+    fails = run(*sys.argv[1:2])
+    print("\n".join(fails) or "all cases pass")
