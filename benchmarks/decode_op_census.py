@@ -10,7 +10,7 @@ decoder layer it ran in (forward hooks on `model.layers`; the rest is "outside l
 
 What reflects the CUDA path and what does not:
 - `--ops triton` (the default) gives the model TRITON_OPS, as `make_kernels` does on CUDA; `--ops next` gives it
-  TRITON_OPS_NEXT (TRITON_OPS plus the kernels that have not run on a GPU yet); `--ops torch` the torch reference.
+  TRITON_OPS_NEXT (TRITON_OPS plus the kernels that have not passed their GPU tests yet); `--ops torch` the torch reference.
 - the routed experts take their CUDA path (the grouped GEMM: `Experts.grouped` is forced on for bf16 weights,
   torch._grouped_mm runs on the CPU; `QuantizedExperts.grouped` for the tiny V4.1's MXFP4 experts, through the
   W4A8 Triton GEMM) instead of the CPU's loop over the experts hit;

@@ -13,8 +13,8 @@ Writes JSON to $OUT (or benchmarks/results/).
 
     python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4] [--ops next]
 
-`--ops next`: the engine's ops with the kernels of TRITON_OPS_NEXT not yet in TRITON_OPS (the attention glue,
-layers/triton_v4_glue.py); the default, the engine's own choice.
+`--ops next`: the engine's ops with the kernels of TRITON_OPS_NEXT not yet in TRITON_OPS (layers/triton_ops.py says
+which); the default, the engine's own choice.
 """
 
 from __future__ import annotations
@@ -255,20 +255,22 @@ def use_next_ops() -> None:
     import dataclasses
 
     from openinfer.engine import llm_engine
-    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    from openinfer.layers.triton_ops import TRITON_OPS, TRITON_OPS_NEXT
 
+    pending = {f.name: getattr(TRITON_OPS_NEXT, f.name) for f in dataclasses.fields(TRITON_OPS)
+               if getattr(TRITON_OPS_NEXT, f.name) is not getattr(TRITON_OPS, f.name)}
     make = llm_engine.make_kernels
 
     def kernels(config):
         backend, ops = make(config)
-        return backend, dataclasses.replace(ops, v4_norm_rope=TRITON_OPS_NEXT.v4_norm_rope)
+        return backend, dataclasses.replace(ops, **pending)
     llm_engine.make_kernels = kernels
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", choices=("engine", "next"), default="engine",
-                    help="next: add TRITON_OPS_NEXT's kernels (the V4 attention glue) to the engine's ops")
+                    help="next: add TRITON_OPS_NEXT's kernels (not yet in TRITON_OPS) to the engine's ops")
     ap.add_argument("--tokenizer-json", required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32,128")

@@ -16,8 +16,8 @@
     python benchmarks/gpu_deepseek_v41.py --tokenizer-json PATH [--cpu-ref FILE] [--layers 8]
     python benchmarks/gpu_deepseek_v41.py --write-cpu-ref FILE          (CPU: the fidelity reference)
 
-`--ops next`: the engine's ops with TRITON_OPS_NEXT's kernels not yet in TRITON_OPS (the attention glue,
-layers/triton_v4_glue.py), for every engine of the run; the default, the engine's own choice.
+`--ops next`: the engine's ops with TRITON_OPS_NEXT's kernels not yet in TRITON_OPS (layers/triton_ops.py says
+which), for every engine of the run; the default, the engine's own choice.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=16384, help="bounds the context buckets captured at start")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: fidelity,flash,prefill,first_traffic")
     ap.add_argument("--ops", choices=("engine", "next"), default="engine",
-                    help="next: add TRITON_OPS_NEXT's kernels (the attention glue) to the engine's ops")
+                    help="next: add TRITON_OPS_NEXT's kernels (not yet in TRITON_OPS) to the engine's ops")
     args = ap.parse_args()
     if args.ops == "next":
         from gpu_deepseek_v4 import use_next_ops

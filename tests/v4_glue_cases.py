@@ -28,8 +28,8 @@ YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings":
 
 
 def fused_ops():
-    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
-    return TRITON_OPS_NEXT
+    from openinfer.layers.triton_ops import TRITON_OPS
+    return TRITON_OPS
 
 
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -170,9 +170,9 @@ def flash_cases(ops, device: str, T: int) -> list:
 
 
 def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
-    """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops, and with `v4_norm_rope` added
-    to them: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched prefill and batched
-    decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU, where a last-bit difference
+    """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops without `v4_norm_rope` (the
+    models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched
+    prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU, where a last-bit difference
     may flip a near-tie of the random model): the prompt logprobs within `tol`, the sampled ones up to the first
     token that differs, and the share of equal tokens reported."""
     from unittest import mock
@@ -187,12 +187,16 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
         backend, base = make_kernels(config)
         return backend, dataclasses.replace(base, v4_norm_rope=v4_norm_rope)
 
+    def torch_glue_kernels(config):      # the runtime's ops with the models' torch glue (TRITON_OPS includes the op)
+        backend, base = make_kernels(config)
+        return backend, dataclasses.replace(base, v4_norm_rope=None)
+
     prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
     errs = {}
     for model in ("deepseek-v4-tiny", "deepseek-v41-tiny"):
         runs = []
-        for kernels in (make_kernels, glue_kernels):
+        for kernels in (torch_glue_kernels, glue_kernels):
             with mock.patch.object(llm_engine, "make_kernels", kernels):
                 llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False,
                           **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))

@@ -17,6 +17,7 @@ from openinfer.layers import triton_compressor, triton_indexer, triton_mhc, trit
 from openinfer.layers.basic import LayerOps
 from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.layers.triton_sparse_decode import sparse_decode_attention
+from openinfer.layers.triton_sparse_prefill import sparse_prefill_attention
 from openinfer.quantization import triton_kernels as quant_kernels
 from openinfer.quantization import triton_w4a8
 
@@ -254,9 +255,6 @@ def _bf16_io(kernel):
     return run
 
 
-# The batched prefill attention (triton_sparse_prefill.sparse_prefill_attention) equals its contract in the interpreter
-# and has not run on a GPU yet: it joins (sparse_prefill_attention=...) once tests/test_sparse_prefill_attention.py's
-# GPU tests pass; until then prefill chunks take the models' per-chunk torch path.
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),
@@ -268,10 +266,13 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
                       v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
                       v41_compress_decode=triton_compressor.v41_compress_decode,
-                      v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
+                      v41_index_keys_decode=triton_compressor.v41_index_keys_decode,
+                      v4_norm_rope=triton_v4_glue.v4_norm_rope)
 
 
-# TRITON_OPS and the kernels that pass their tests in the interpreter but have not run on a GPU yet: the attention glue
-# (triton_v4_glue.v4_norm_rope). Selected by the GPU tests and benchmarks (`--ops next`); it joins TRITON_OPS once
-# tests/test_v4_glue.py's GPU tests pass.
-TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, v4_norm_rope=triton_v4_glue.v4_norm_rope)
+# TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU, selected by the GPU tests and
+# benchmarks (`--ops next`), joining TRITON_OPS once their GPU tests pass: the batched prefill attention
+# (triton_sparse_prefill.sparse_prefill_attention). On the H200 (2026-12-03) it ran the tiny engines in float32 within
+# 5e-7 of the per-chunk path, but tests/test_sparse_prefill_attention.py's bf16 engine bound (0.02) failed at 0.034 on
+# one request, and the kernel-vs-contract case sweep failed on a case not yet identified (BENCHMARKS.md, issue 35).
+TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, sparse_prefill_attention=sparse_prefill_attention)
