@@ -171,10 +171,10 @@ def flash_cases(ops, device: str, T: int) -> list:
 
 def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
     """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops without `v4_norm_rope` (the
-    models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a batched
-    prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU, where a last-bit difference
-    may flip a near-tie of the random model): the prompt logprobs within `tol`, the sampled ones up to the first
-    token that differs, and the share of equal tokens reported."""
+    models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a
+    batched prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU,
+    where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
+    sampled ones up to the first token that differs, and the share of equal tokens reported."""
     from unittest import mock
 
     from openinfer import LLM, SamplingParams

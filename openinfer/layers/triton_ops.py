@@ -270,8 +270,8 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       v4_norm_rope=triton_v4_glue.v4_norm_rope)
 
 
-# TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU, selected by the GPU tests and
-# benchmarks (`--ops next`), joining TRITON_OPS once their GPU tests pass: the batched prefill attention
+# TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU, selected by the GPU tests
+# and benchmarks (`--ops next`), joining TRITON_OPS once their GPU tests pass: the batched prefill attention
 # (triton_sparse_prefill.sparse_prefill_attention). On the H200 (2026-12-03) it ran the tiny engines in float32 within
 # 5e-7 of the per-chunk path, but tests/test_sparse_prefill_attention.py's bf16 engine bound (0.02) failed at 0.034 on
 # one request, and the kernel-vs-contract case sweep failed on a case not yet identified (BENCHMARKS.md, issue 35).
