@@ -271,17 +271,40 @@ def compare_engines(model: str, device: str, dtype: str, tol: float) -> list[str
     return compare_engine_ops(model, device, dtype, tol, fused)
 
 
+BF16_MARGIN = 1.5      # as tests/sparse_decode_cases.py: the bf16 kernel engine vs the bf16 per-sequence engine,
+#                        both against the per-sequence engine in float32
+
+
 def compare_engine_ops(model: str, device: str, dtype: str, tol: float, op) -> list[str]:
+    """float32: every step's logits within `tol` (relative norm) of the per-sequence engine's, up to the first
+    differing token. bfloat16: both bf16 engines are held against the per-sequence engine in float32 (the exact
+    oracle), and the op's may be no farther from it than `BF16_MARGIN` x the per-sequence bf16 engine's + `tol` (a
+    random tiny model amplifies bf16 roundings, and a flipped near-tie moves a whole request: on the H200 the direct
+    bf16 comparison gave 0.034 on one request whose first token flipped, with float32 at 2.5e-7)."""
     tok_k, lg_k, calls = engine_prefill(model, device, dtype, op)
     tok_r, lg_r, _ = engine_prefill(model, device, dtype, None)
+    oracle = engine_prefill(model, device, "float32", None) if dtype == "bfloat16" else None
     failures = [] if calls else [f"{model}: the batched op never ran"]
     for req, (tk, tr, a, b) in enumerate(zip(tok_k, tok_r, lg_k, lg_r)):
         same = next((i for i, (x, y) in enumerate(zip(tk, tr)) if x != y), len(tr))
         worst = max(((a[i] - b[i]).norm() / b[i].norm()).item() for i in range(min(same + 1, len(a))))
         print(f"{model} {dtype} request {req}: tokens agree for {same}/{len(tr)}, worst relative logit error "
               f"{worst:.3g}", flush=True)
-        if not worst <= tol:
-            failures.append(f"{model} {dtype} request {req}: relative logit error {worst:.3g} > {tol}")
+        if oracle is None:
+            if not worst <= tol:
+                failures.append(f"{model} {dtype} request {req}: relative logit error {worst:.3g} > {tol}")
+            continue
+        to, o = oracle[0][req], oracle[1][req]
+        upto = min(next((i for i, (x, y) in enumerate(zip(tr, to)) if x != y), len(to)),
+                   next((i for i, (x, y) in enumerate(zip(tk, to)) if x != y), len(to)))
+        steps = range(min(upto + 1, len(a), len(b), len(o)))
+        err_k = max(((a[i].float() - o[i].float()).norm() / o[i].float().norm()).item() for i in steps)
+        err_r = max(((b[i].float() - o[i].float()).norm() / o[i].float().norm()).item() for i in steps)
+        print(f"{model} {dtype} request {req}: vs float32 over {len(steps)} steps: op {err_k:.3g}, per-sequence "
+              f"{err_r:.3g}", flush=True)
+        if not err_k <= BF16_MARGIN * err_r + tol:
+            failures.append(f"{model} {dtype} request {req}: the op's error vs float32 {err_k:.3g} > "
+                            f"{BF16_MARGIN} x the per-sequence engine's {err_r:.3g} + {tol}")
     return failures
 
 
