@@ -22,6 +22,22 @@ from openinfer.quantization import formats, reference
 from openinfer.quantization import triton_w4a8
 
 
+def every_code_weight(fmt: str, block: int, k: int, g: torch.Generator, device: str):
+    """(weight [1, 64, K] stored as `fmt`, its E8M0 scales) holding every byte value — every E2M1 pair (MXFP4), every
+    non-NaN E4M3 code (FP8) — with scales drawn over a wide range (2^-107 .. 2^72): the exact-decoding cases of the
+    GPU tests (test_gpu_quant.py, test_gpu_dequant_gemm.py)."""
+    if fmt == "mxfp4":
+        weight = torch.arange(256, device=device, dtype=torch.uint8).repeat(64, k // 512)[None]
+        scale = torch.randint(20, 200, (1, 64, k // 32), generator=g, device=device, dtype=torch.uint8)
+    else:
+        codes = torch.arange(256, device=device, dtype=torch.uint8).repeat(64, k // 256)
+        codes[(codes & 0x7F) == 0x7F] = 0                                                     # no NaNs
+        weight = codes.view(torch.float8_e4m3fn)[None]
+        scale = torch.randint(20, 200, (1, -(-64 // block), k // block), generator=g, device=device,
+                              dtype=torch.uint8)
+    return weight, scale.view(torch.float8_e8m0fnu)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 from openinfer.quantization import dequant_gemm, formats, kernel_choice, reference  # noqa: E402
 from openinfer.quantization import triton_kernels as tk  # noqa: E402
+from tests.quant_kernel_cases import every_code_weight  # noqa: E402
 from openinfer.quantization import triton_w4a8  # noqa: E402
 
 # V4.1-Flash's FP8 linears (N, K) with 32 x 32 blocks; V4-Flash's with 128 x 128 (dim 4096)
@@ -66,16 +67,7 @@ def test_fp8_dequant_is_bit_exact(block, shapes):
 def test_dequant_decodes_every_code_exactly(fmt, block):
     g = _gen()
     k = 512
-    if fmt == "mxfp4":
-        weight = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 1)[None]     # [1, 64, 256]
-        scale = torch.randint(20, 200, (1, 64, k // 32), generator=g, device="cuda", dtype=torch.uint8)
-    else:
-        codes = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 2)
-        codes[(codes & 0x7F) == 0x7F] = 0                                                     # no NaNs
-        weight = codes.view(torch.float8_e4m3fn)[None]
-        scale = torch.randint(20, 200, (1, -(-64 // block), k // block), generator=g, device="cuda",
-                              dtype=torch.uint8)
-    scale = scale.view(torch.float8_e8m0fnu)
+    weight, scale = every_code_weight(fmt, block, k, g, "cuda")
     got = dequant_gemm.dequantize_to_bf16(weight, scale, fmt, block)
     assert torch.equal(got.float(), reference.dequantize_weight(weight, scale, fmt, block))
 

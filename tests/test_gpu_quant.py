@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from openinfer.quantization import formats, reference  # noqa: E402
 from openinfer.quantization import triton_kernels as tk  # noqa: E402
+from tests.quant_kernel_cases import every_code_weight  # noqa: E402
 
 
 def _gen():
@@ -103,16 +104,7 @@ def test_grouped_gemm_decodes_every_code_exactly(fmt, block):
     through a bf16 subnormal on its way)."""
     g = _gen()
     k = 512
-    if fmt == "mxfp4":
-        weight = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 1)[None]     # [1, 64, 256]
-        scale = torch.randint(20, 200, (1, 64, k // 32), generator=g, device="cuda", dtype=torch.uint8)
-    else:
-        codes = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(64, 2)
-        codes[(codes & 0x7F) == 0x7F] = 0                                                     # no NaNs
-        weight = codes.view(torch.float8_e4m3fn)[None]
-        scale = torch.randint(20, 200, (1, -(-64 // block), k // block), generator=g, device="cuda",
-                              dtype=torch.uint8)
-    scale = scale.view(torch.float8_e8m0fnu)
+    weight, scale = every_code_weight(fmt, block, k, g, "cuda")
     eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
     out = tk.grouped_gemm(eye, torch.tensor([k], device="cuda", dtype=torch.int32), weight, scale, fmt, block)
     assert torch.equal(out.float(), reference.dequantize_weight(weight[0], scale[0], fmt, block).T)
