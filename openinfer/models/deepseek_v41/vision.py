@@ -89,7 +89,15 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = (t.view(n, self.n_heads, self.head_dim) for t in self.wqkv(x).chunk(3, dim=-1))
         q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        if x.is_cuda:
+            # [1, H, N, d]: torch's fused SDPA kernels (flash, memory-efficient) take 4-D inputs only; 3-D ones run
+            # the math path, which materializes the [H, N, N] scores (the H200 tower ran at 5-12% of its matmul
+            # floor so). On the CPU the math path stays: in bf16 it gives DeepSeek's reference's bits, the CPU
+            # flash kernel other roundings
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)
         return self.wo(out.transpose(0, 1).reshape(n, -1))
 
 
