@@ -32,6 +32,11 @@ def fused_ops():
     return TRITON_OPS
 
 
+def next_ops():
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    return TRITON_OPS_NEXT
+
+
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
     return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 1 - mant)
@@ -142,6 +147,69 @@ def check_fp4_qdq(ops, device, seed: int = 0) -> dict:
     return {"values": x.numel()}
 
 
+def check_kv_ring(ops, device, dtype, T: int, n_ring: int, R: int, D: int, rope_dim: int, fp8: bool = False,
+                  seed: int = 0, cs_dtype: torch.dtype | None = None, slots: int = 5) -> dict:
+    """`ops.v4_kv_ring` (the window keys' norm + RoPE with the decode rows' ring write in its epilogue) against
+    `ops.v4_norm_rope` then the models' torch write `ring[slots, positions % R] = kv[:n]` (V4: `.to(ring.dtype)`; V4.1:
+    the FP8 rows): the returned rows and every byte of the ring equal, rows past the decode rows and other slots and
+    ring rows untouched; and the rows within one rounding of the torch path (`RopeRows` with TORCH_OPS). Positions
+    past R (the ring wraps), slots in any order."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cs_dtype = cs_dtype or dtype
+    rope = InterleavedRope(YARN, rope_dim, 1 << 20).to(device)
+    rope.reset(torch.device(device))
+    positions = torch.randint(0, 1 << 20, (T,), generator=g)
+    positions[: min(T, 3)] = torch.tensor([0, R - 1, R])[: min(T, 3)]
+    positions = positions.to(device)
+    norm = RMSNorm(D, 1e-6).to(device)
+    norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).to(device)
+    x = (torch.randn(T, D, generator=g) * 3).to(device, dtype)
+    slot_ids = torch.randperm(slots, generator=g)[:n_ring].to(device)
+    codec = Fp8BlockCodec(32) if fp8 else None
+    width = D + D // 32 if fp8 else D
+    if fp8:
+        ring = torch.randint(0, 256, (slots, R, width), generator=g, dtype=torch.uint8).to(device)
+    else:
+        ring = torch.randn(slots, R, width, generator=g).to(device, dtype)
+    got_ring, ref_ring = ring.clone(), ring.clone()
+    at = RopeRows(rope, positions, cs_dtype, ops)
+    got = at(x, norm, codec=codec, ring=(got_ring, slot_ids))
+    ref = at(x, norm, codec=codec)               # the same op without the ring, then the models' torch write
+    ref_ring[slot_ids, positions[:n_ring] % R] = ref[:n_ring].to(ring.dtype)
+    name = f"kv ring ({dtype}, T={T} n={n_ring} R={R} D={D} fp8={fp8})"
+    assert torch.equal(got, ref), f"{name}: the rows differ from v4_norm_rope's"
+    changed = int((got_ring != ring).any(-1).sum())
+    assert torch.equal(got_ring, ref_ring), (f"{name}: {int((got_ring != ref_ring).any(-1).sum())} ring rows differ "
+                                             f"from the torch write ({changed} rows written)")
+    plain = RopeRows(rope, positions, cs_dtype, TORCH_OPS)(x, norm)
+    mine = at(x, norm)
+    err = check_close(mine, plain, f"{name} against the torch path")
+    return {"ring_rows_written": changed, **err}
+
+
+def ring_cases(ops, device: str) -> list:
+    return [
+        ("kv ring, fp32", lambda: check_kv_ring(ops, device, torch.float32, 5, 3, 7, 64, 16)),
+        ("kv ring, bf16, all rows decode", lambda: check_kv_ring(ops, device, torch.bfloat16, 4, 4, 6, 32, 8, seed=1)),
+        ("kv ring, bf16, odd half width", lambda: check_kv_ring(ops, device, torch.bfloat16, 6, 2, 5, 48, 16, seed=2)),
+        ("kv ring, no decode rows", lambda: check_kv_ring(ops, device, torch.bfloat16, 3, 0, 4, 32, 8, seed=3)),
+        ("kv ring, bf16 FP8 rows, float32 cos/sin (V4.1)",
+         lambda: check_kv_ring(ops, device, torch.bfloat16, 6, 5, 9, 64, 16, fp8=True, seed=4, cs_dtype=torch.float32)),
+        ("kv ring, fp32 FP8 rows, one row", lambda: check_kv_ring(ops, device, torch.float32, 1, 1, 3, 128, 64, fp8=True,
+                                                                  seed=5, cs_dtype=torch.float32)),
+    ]
+
+
+def flash_ring_cases(ops, device: str, T: int) -> list:
+    """The Flash window keys (512 wide, 64 RoPE channels; V4.1's as FP8 rows) into a ring of 128 + 7 rows."""
+    return [
+        ("V4 flash kv ring", lambda: check_kv_ring(ops, device, torch.bfloat16, T, T, 135, 512, 64, seed=T,
+                                                   slots=max(T, 2))),
+        ("V4.1 flash kv ring, FP8", lambda: check_kv_ring(ops, device, torch.bfloat16, T, max(T - 1, 1), 135, 512, 64,
+                                                          fp8=True, seed=T, cs_dtype=torch.float32, slots=max(T, 2))),
+    ]
+
+
 def kernel_cases(ops, device: str) -> list:
     return [
         ("FP4 rounding", lambda: check_fp4_qdq(ops, device)),
@@ -169,27 +237,33 @@ def flash_cases(ops, device: str, T: int) -> list:
     ]
 
 
-def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
+def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True,
+                      op: str = "v4_norm_rope", engine_kwargs: dict | None = None) -> dict:
     """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops without `v4_norm_rope` (the
     models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a
     batched prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU,
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
-    sampled ones up to the first token that differs, and the share of equal tokens reported."""
+    sampled ones up to the first token that differs, and the share of equal tokens reported.
+
+    `op` "v4_kv_ring": both runs with `v4_norm_rope`, one with that op and one without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
+    max_num_batched_tokens makes steps that mix decode rows and prefill chunks)."""
     from unittest import mock
 
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
-    from openinfer.layers.triton_v4_glue import v4_norm_rope
+    from openinfer.layers.triton_v4_glue import v4_kv_ring, v4_norm_rope
 
     make_kernels = llm_engine.make_kernels
+    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring}[op]
+    common = {"v4_norm_rope": v4_norm_rope} if op != "v4_norm_rope" else {}
 
     def glue_kernels(config):
         backend, base = make_kernels(config)
-        return backend, dataclasses.replace(base, v4_norm_rope=v4_norm_rope)
+        return backend, dataclasses.replace(base, **common, **{op: fused})
 
     def torch_glue_kernels(config):      # the runtime's ops with the models' torch glue (TRITON_OPS includes the op)
         backend, base = make_kernels(config)
-        return backend, dataclasses.replace(base, v4_norm_rope=None)
+        return backend, dataclasses.replace(base, **common, **{op: None})
 
     prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
@@ -198,7 +272,7 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
         runs = []
         for kernels in (torch_glue_kernels, glue_kernels):
             with mock.patch.object(llm_engine, "make_kernels", kernels):
-                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False,
+                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, **(engine_kwargs or {}),
                           **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
                 runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
                 llm.shutdown()
@@ -213,14 +287,22 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
             pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs[:k + 1],
                                                                    ref.outputs[0].logprobs[:k + 1]) for t in b if t in a]
             worst = max([worst] + [abs(a - b) for a, b in pairs])
-        assert worst < tol, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
+        assert worst < tol or worst == tol == 0, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
         errs[model] = {"max_logprob_diff": worst, "equal_token_prefix_share": equal / total}
     return errs
 
 
 def run(which: str = "kernels") -> list[str]:
     ops = fused_ops()
-    cases = kernel_cases(ops, "cpu") if which == "kernels" else [("tiny models", lambda: check_tiny_models())]
+    cases = {
+        "kernels": lambda: kernel_cases(ops, "cpu"),
+        "models": lambda: [("tiny models", lambda: check_tiny_models())],
+        "ring_kernels": lambda: ring_cases(next_ops(), "cpu"),
+        # the same bytes in the ring: the logprobs equal exactly; then steps mixing decode rows and prefill chunks
+        "ring_models": lambda: [("tiny models, kv ring", lambda: check_tiny_models(tol=0.0, op="v4_kv_ring")),
+                                ("tiny models, kv ring, mixed steps", lambda: check_tiny_models(
+                                    tol=0.0, op="v4_kv_ring", engine_kwargs={"max_num_batched_tokens": 8}))],
+    }[which]()
     fails = []
     for name, case in cases:
         try:

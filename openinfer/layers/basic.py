@@ -119,6 +119,10 @@ class LayerOps:
     # DeepSeek-V4/V4.1 attention glue (layers/triton_v4_glue.py): (x, eps, weight, positions, inv_freq, rope_scale,
     # cs_dtype, inverse) -> RMSNorm then interleaved RoPE of each row, one launch; None: the models' torch code
     v4_norm_rope: Callable | None = None
+    # ... and the window keys' call with the decode rows' ring write in its epilogue: (x, eps, weight, positions,
+    # inv_freq, rope_scale, cs_dtype, ring, slots, fp8_block) -> v4_norm_rope's rows, the first len(slots) of them also
+    # stored at ring[slots, positions % R]; None: the models store them in torch (`_decode`)
+    v4_kv_ring: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)
