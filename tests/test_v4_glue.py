@@ -16,12 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("which", ["kernels", "models", "ring_kernels", "ring_models"])
+@pytest.mark.parametrize("which", ["kernels", "models", "ring_kernels", "ring_models", "decode_glue_kernels",
+                                   "decode_glue_models"])
 def test_norm_rope_equals_the_torch_path_in_interpreter(which):
     """"kernels": the op against `RopeRows` / `RMSNorm` with the torch ops; "models": the tiny V4 and V4.1 through the
     engine give the same tokens and logprobs with the op as without it. "ring_kernels": `v4_kv_ring` (the ring write in
     the kernel's epilogue) stores the bytes the models' torch write stores; "ring_models": the tiny engines with it
-    give the same tokens and exactly the same logprobs as without it (decode-only and mixed steps)."""
+    give the same tokens and exactly the same logprobs as without it (decode-only and mixed steps).
+    "decode_glue_kernels": `v4_compressor_rows` bit-exact against the models' torch code; "decode_glue_models": the
+    tiny engines with it give the same tokens and exactly the same logprobs."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "v4_glue_cases.py"), which], env=env,
                        capture_output=True, text=True, timeout=900)
@@ -148,3 +151,47 @@ def test_gpu_kv_ring_replays_in_a_cuda_graph(fp8):
     assert torch.equal(out, run(eager))
     assert torch.equal(ring, eager)
 
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", (1, 7, 128))
+def test_gpu_compressor_rows(T):
+    """`v4_compressor_rows` (TRITON_OPS_NEXT) bit-exact against the models' torch code on CUDA, at
+    the tiny cases' and the Flash widths."""
+    from tests.v4_glue_cases import decode_glue_cases, flash_decode_glue_cases, next_ops
+    for name, case in decode_glue_cases(next_ops(), "cuda") + flash_decode_glue_cases(next_ops(), "cuda", T):
+        print(name, case())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("op", ("v4_compressor_rows",))
+def test_gpu_tiny_models_with_decode_glue_float32(op):
+    """The engine in float32 on CUDA with `v4_norm_rope`, with and without the op: bit-exact ops, so the same greedy
+    tokens and logprobs (the bound only admits run-to-run GPU noise)."""
+    from tests.v4_glue_cases import check_tiny_models
+    print(check_tiny_models("cuda", "float32", tol=1e-6, op=op))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compressor_rows_replay_in_a_cuda_graph():
+    """No host sync: `v4_compressor_rows` captures in a CUDA graph; a replay with new inputs gives the eager result."""
+    from openinfer.layers.triton_compressor import v4_compressor_rows
+
+    kv = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn_like(kv)
+    bias = torch.randn(4, 1024, device="cuda")
+    pos = torch.randint(0, 1 << 20, (4,), device="cuda")
+    run = lambda: v4_compressor_rows(kv, gate, bias, pos, 4)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    for t in (kv, gate):
+        t.copy_(torch.randn_like(t))
+    pos.copy_(torch.randint(0, 1 << 20, (4,), device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run())

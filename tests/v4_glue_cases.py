@@ -210,6 +210,62 @@ def flash_ring_cases(ops, device: str, T: int) -> list:
     ]
 
 
+def check_compressor_rows(ops, device, dtype, T: int, hidden: int, dim: int, ratio: int, overlapping: bool,
+                          bias_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """`ops.v4_compressor_rows` through V4's `Compressor.rows` against the same module's torch code (`TORCH_OPS`), on
+    the same weights: every float32 bit equal. The position bias float32 (as the models keep it: the sum in float32)
+    or in the model dtype (the sum rounded to it); positions in every window slot, past 2^20."""
+    from openinfer.models.deepseek_v4.model import OverlappingCompressor, RunningCompressor
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kind = OverlappingCompressor if overlapping else RunningCompressor
+    ref_mod, got_mod = kind(hidden, dim, ratio, 1e-6), kind(hidden, dim, ratio, 1e-6, ops)
+    for m in (ref_mod, got_mod):
+        m.to(device, dtype)
+    ref_mod.position_bias.data = torch.randn(ratio, ref_mod.width, generator=g).to(device, bias_dtype)
+    for name in ("kv_proj", "gate_proj"):
+        getattr(ref_mod, name).weight.data = (torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5).to(
+            device, dtype)
+    got_mod.load_state_dict(ref_mod.state_dict())
+    got_mod.position_bias.data = ref_mod.position_bias.data
+    x = (torch.randn(T, hidden, generator=g) * 2).to(device, dtype)
+    positions = torch.randint(0, 1 << 21, (T,), generator=g)
+    positions[: min(T, ratio)] = torch.arange(min(T, ratio))
+    positions = positions.to(device)
+    ref, got = ref_mod.rows(x, positions), got_mod.rows(x, positions)
+    name = f"compressor rows ({dtype}, bias {bias_dtype}, T={T} width={ref_mod.width} ratio={ratio})"
+    assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape, f"{name}: {got.shape} {got.dtype}"
+    diff = got != ref
+    assert not diff.any(), f"{name}: {int(diff.sum())} values differ (largest {(got - ref).abs().max().item():.3e})"
+    return {"values": got.numel()}
+
+
+def decode_glue_cases(ops, device: str) -> list:
+    """The compressor rows, at the tiny models' shapes and some wider ones."""
+    return [
+        ("compressor rows, CSA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 9, 64, 16, 4, True)),
+        ("compressor rows, HCA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 5, 64, 16, 8, False,
+                                                                     seed=1)),
+        ("compressor rows, bf16 bias", lambda: check_compressor_rows(ops, device, torch.bfloat16, 6, 32, 24, 4, True,
+                                                                     bias_dtype=torch.bfloat16, seed=2)),
+        ("compressor rows, fp32", lambda: check_compressor_rows(ops, device, torch.float32, 3, 48, 40, 4, True,
+                                                                seed=3)),
+        ("compressor rows, one row, width past a block", lambda: check_compressor_rows(
+            ops, device, torch.bfloat16, 1, 16, 600, 4, False, seed=4)),
+    ]
+
+
+def flash_decode_glue_cases(ops, device: str, T: int) -> list:
+    """Flash widths: hidden 4096, CSA compressor 2 x 512 (ratio 4), its indexer 2 x 128, HCA 512 (ratio 128)."""
+    return [
+        ("flash CSA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 4, True, seed=T)),
+        ("flash indexer rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 128, 4, True,
+                                                             seed=T + 1)),
+        ("flash HCA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 128, False,
+                                                         seed=T + 2)),
+    ]
+
+
 def kernel_cases(ops, device: str) -> list:
     return [
         ("FP4 rounding", lambda: check_fp4_qdq(ops, device)),
@@ -245,16 +301,18 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
     sampled ones up to the first token that differs, and the share of equal tokens reported.
 
-    `op` "v4_kv_ring": both runs with `v4_norm_rope`, one with that op and one without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
+    `op` "v4_kv_ring" ("v4_compressor_rows"): both runs with `v4_norm_rope`, one with that op and one
+    without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
     max_num_batched_tokens makes steps that mix decode rows and prefill chunks)."""
     from unittest import mock
 
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
+    from openinfer.layers.triton_compressor import v4_compressor_rows
     from openinfer.layers.triton_v4_glue import v4_kv_ring, v4_norm_rope
 
     make_kernels = llm_engine.make_kernels
-    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring}[op]
+    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring, "v4_compressor_rows": v4_compressor_rows}[op]
     common = {"v4_norm_rope": v4_norm_rope} if op != "v4_norm_rope" else {}
 
     def glue_kernels(config):
@@ -302,6 +360,10 @@ def run(which: str = "kernels") -> list[str]:
         "ring_models": lambda: [("tiny models, kv ring", lambda: check_tiny_models(tol=0.0, op="v4_kv_ring")),
                                 ("tiny models, kv ring, mixed steps", lambda: check_tiny_models(
                                     tol=0.0, op="v4_kv_ring", engine_kwargs={"max_num_batched_tokens": 8}))],
+        "decode_glue_kernels": lambda: decode_glue_cases(next_ops(), "cpu"),
+        # bit-exact ops: the logprobs equal exactly
+        "decode_glue_models": lambda: [(f"tiny models, {op}", lambda op=op: check_tiny_models(tol=0.0, op=op))
+                                       for op in ("v4_compressor_rows",)],
     }[which]()
     fails = []
     for name, case in cases:

@@ -123,6 +123,9 @@ class LayerOps:
     # inv_freq, rope_scale, cs_dtype, ring, slots, fp8_block) -> v4_norm_rope's rows, the first len(slots) of them also
     # stored at ring[slots, positions % R]; None: the models store them in torch (`_decode`)
     v4_kv_ring: Callable | None = None
+    # DeepSeek-V4's compressor input rows after the two projections, one launch (triton_compressor.v4_compressor_rows):
+    # (kv, gate, position_bias, positions, ratio) -> float32 [T, 2W] = [kv | gate + position_bias[positions % ratio]]
+    v4_compressor_rows: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

@@ -224,7 +224,11 @@ class Compressor(nn.Module):
         self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias."""
+        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the projections
+        one launch with `ops.v4_compressor_rows`)."""
+        if self.ops.v4_compressor_rows is not None:
+            return self.ops.v4_compressor_rows(self.kv_proj(x), self.gate_proj(x), self.position_bias, positions,
+                                               self.ratio)
         gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
         return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
 
