@@ -23,8 +23,8 @@ def test_norm_rope_equals_the_torch_path_in_interpreter(which):
     engine give the same tokens and logprobs with the op as without it. "ring_kernels": `v4_kv_ring` (the ring write in
     the kernel's epilogue) stores the bytes the models' torch write stores; "ring_models": the tiny engines with it
     give the same tokens and exactly the same logprobs as without it (decode-only and mixed steps).
-    "decode_glue_kernels": `v4_compressor_rows` bit-exact against the models' torch code; "decode_glue_models": the
-    tiny engines with it give the same tokens and exactly the same logprobs."""
+    "decode_glue_kernels": `v4_compressor_rows` and `entry_rows` bit-exact against the models' torch code;
+    "decode_glue_models": the tiny engines with each give the same tokens and exactly the same logprobs."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "v4_glue_cases.py"), which], env=env,
                        capture_output=True, text=True, timeout=900)
@@ -155,8 +155,8 @@ def test_gpu_kv_ring_replays_in_a_cuda_graph(fp8):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T", (1, 7, 128))
-def test_gpu_compressor_rows(T):
-    """`v4_compressor_rows` (TRITON_OPS_NEXT) bit-exact against the models' torch code on CUDA, at
+def test_gpu_compressor_and_entry_rows(T):
+    """`v4_compressor_rows` and `entry_rows` (TRITON_OPS_NEXT) bit-exact against the models' torch code on CUDA, at
     the tiny cases' and the Flash widths."""
     from tests.v4_glue_cases import decode_glue_cases, flash_decode_glue_cases, next_ops
     for name, case in decode_glue_cases(next_ops(), "cuda") + flash_decode_glue_cases(next_ops(), "cuda", T):
@@ -165,7 +165,7 @@ def test_gpu_compressor_rows(T):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("op", ("v4_compressor_rows",))
+@pytest.mark.parametrize("op", ("v4_compressor_rows", "entry_rows"))
 def test_gpu_tiny_models_with_decode_glue_float32(op):
     """The engine in float32 on CUDA with `v4_norm_rope`, with and without the op: bit-exact ops, so the same greedy
     tokens and logprobs (the bound only admits run-to-run GPU noise)."""
@@ -175,15 +175,18 @@ def test_gpu_tiny_models_with_decode_glue_float32(op):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_compressor_rows_replay_in_a_cuda_graph():
-    """No host sync: `v4_compressor_rows` captures in a CUDA graph; a replay with new inputs gives the eager result."""
+def test_gpu_decode_glue_replays_in_a_cuda_graph():
+    """No host sync: `v4_compressor_rows` and `entry_rows` capture in a CUDA graph; replays with new inputs give the
+    eager results."""
     from openinfer.layers.triton_compressor import v4_compressor_rows
+    from openinfer.layers.triton_v4_glue import entry_rows
 
     kv = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
     gate = torch.randn_like(kv)
     bias = torch.randn(4, 1024, device="cuda")
     pos = torch.randint(0, 1 << 20, (4,), device="cuda")
-    run = lambda: v4_compressor_rows(kv, gate, bias, pos, 4)  # noqa: E731
+    tables = torch.randint(0, 1000, (4, 64), device="cuda", dtype=torch.int32)
+    run = lambda: (v4_compressor_rows(kv, gate, bias, pos, 4), entry_rows(tables[:, :40], 2500, 64))  # noqa: E731
     run()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -192,6 +195,8 @@ def test_gpu_compressor_rows_replay_in_a_cuda_graph():
     for t in (kv, gate):
         t.copy_(torch.randn_like(t))
     pos.copy_(torch.randint(0, 1 << 20, (4,), device="cuda"))
+    tables.copy_(torch.randint(0, 1000, (4, 64), device="cuda", dtype=torch.int32))
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, run())
+    for a, b in zip(out, run()):
+        assert torch.equal(a, b)

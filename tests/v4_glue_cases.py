@@ -240,8 +240,23 @@ def check_compressor_rows(ops, device, dtype, T: int, hidden: int, dim: int, rat
     return {"values": got.numel()}
 
 
+def check_entry_rows(ops, device, T: int, W: int, n: int, epb: int, dtype=torch.int32, seed: int = 0) -> dict:
+    """`ops.entry_rows` against `entry_index(tables, arange(n).expand(T, n), epb)`, on a strided view of a wider
+    block table (the runner's tables are the first columns of a padded one), every value equal."""
+    from openinfer.models.deepseek_v4.model import entry_index
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    wide = torch.randint(0, 5000, (T, W + 3), generator=g).to(device, dtype)
+    tables = wide[:, :W]
+    got = ops.entry_rows(tables, n, epb)
+    ref = entry_index(tables, torch.arange(n, device=device).expand(T, -1), epb)
+    assert got.dtype == ref.dtype and got.shape == ref.shape, f"entry rows: {got.shape} {got.dtype} vs {ref.shape}"
+    assert torch.equal(got, ref), f"entry rows (T={T} n={n} epb={epb}): {int((got != ref).sum())} differ"
+    return {"values": got.numel()}
+
+
 def decode_glue_cases(ops, device: str) -> list:
-    """The compressor rows, at the tiny models' shapes and some wider ones."""
+    """The compressor rows and the entry rows, at the tiny models' shapes and some wider ones."""
     return [
         ("compressor rows, CSA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 9, 64, 16, 4, True)),
         ("compressor rows, HCA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 5, 64, 16, 8, False,
@@ -252,17 +267,22 @@ def decode_glue_cases(ops, device: str) -> list:
                                                                 seed=3)),
         ("compressor rows, one row, width past a block", lambda: check_compressor_rows(
             ops, device, torch.bfloat16, 1, 16, 600, 4, False, seed=4)),
+        ("entry rows", lambda: check_entry_rows(ops, device, 3, 4, 10, 4)),
+        ("entry rows, one block", lambda: check_entry_rows(ops, device, 2, 1, 1, 32, seed=1)),
+        ("entry rows, int64, long", lambda: check_entry_rows(ops, device, 4, 5, 600, 128, torch.int64, seed=2)),
     ]
 
 
 def flash_decode_glue_cases(ops, device: str, T: int) -> list:
-    """Flash widths: hidden 4096, CSA compressor 2 x 512 (ratio 4), its indexer 2 x 128, HCA 512 (ratio 128)."""
+    """Flash widths: hidden 4096, CSA compressor 2 x 512 (ratio 4), its indexer 2 x 128, HCA 512 (ratio 128); entry
+    rows of 1M-token contexts (256K CSA entries, 64 per block)."""
     return [
         ("flash CSA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 4, True, seed=T)),
         ("flash indexer rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 128, 4, True,
                                                              seed=T + 1)),
         ("flash HCA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 128, False,
                                                          seed=T + 2)),
+        ("1M-context entry rows", lambda: check_entry_rows(ops, device, T, 4096, 1 << 18, 64, seed=T)),
     ]
 
 
@@ -301,7 +321,7 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
     sampled ones up to the first token that differs, and the share of equal tokens reported.
 
-    `op` "v4_kv_ring" ("v4_compressor_rows"): both runs with `v4_norm_rope`, one with that op and one
+    `op` "v4_kv_ring" ("v4_compressor_rows", "entry_rows"): both runs with `v4_norm_rope`, one with that op and one
     without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
     max_num_batched_tokens makes steps that mix decode rows and prefill chunks)."""
     from unittest import mock
@@ -309,10 +329,11 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
     from openinfer.layers.triton_compressor import v4_compressor_rows
-    from openinfer.layers.triton_v4_glue import v4_kv_ring, v4_norm_rope
+    from openinfer.layers.triton_v4_glue import entry_rows, v4_kv_ring, v4_norm_rope
 
     make_kernels = llm_engine.make_kernels
-    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring, "v4_compressor_rows": v4_compressor_rows}[op]
+    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring, "v4_compressor_rows": v4_compressor_rows,
+             "entry_rows": entry_rows}[op]
     common = {"v4_norm_rope": v4_norm_rope} if op != "v4_norm_rope" else {}
 
     def glue_kernels(config):
@@ -363,7 +384,7 @@ def run(which: str = "kernels") -> list[str]:
         "decode_glue_kernels": lambda: decode_glue_cases(next_ops(), "cpu"),
         # bit-exact ops: the logprobs equal exactly
         "decode_glue_models": lambda: [(f"tiny models, {op}", lambda op=op: check_tiny_models(tol=0.0, op=op))
-                                       for op in ("v4_compressor_rows",)],
+                                       for op in ("v4_compressor_rows", "entry_rows")],
     }[which]()
     fails = []
     for name, case in cases:

@@ -141,3 +141,24 @@ def v4_kv_ring(x: torch.Tensor, eps: float, weight: torch.Tensor, positions: tor
     return v4_norm_rope(x, eps, weight, positions, inv_freq, rope_scale, cs_dtype, fp8_block=fp8_block, ring=ring,
                         ring_slots=slots)
 
+
+@triton.jit(do_not_specialize=["stride_tb", "n"])
+def _entry_rows_kernel(tables_ptr, out_ptr, n, epb, stride_tb, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = e < n
+    page = tl.load(tables_ptr + t.to(tl.int64) * stride_tb + e // epb, mask=m, other=0).to(tl.int64)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + e, page * epb + e % epb, mask=m)
+
+
+def entry_rows(tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
+    """Decode rows' compressed entries 0 .. n-1 as flat rows of their paged cache (`LayerOps.entry_rows`): tables
+    [T, W] (each row's block table) -> [T, n] int64 (as torch promotes), `deepseek_v4.model.entry_index(tables,
+    arange(n).expand(T, n), entries_per_block)` (an arange and five integer kernels) in one launch. Integers: exact."""
+    T = tables.shape[0]
+    out = torch.empty(T, n, dtype=torch.int64, device=tables.device)
+    if T and n:
+        block = 256         # one variant for every context length (n is not specialized either)
+        _entry_rows_kernel[(T, triton.cdiv(n, block))](tables, out, n, entries_per_block, tables.stride(0),
+                                                       out.stride(0), BLOCK=block)
+    return out

@@ -204,6 +204,14 @@ def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_bloc
     return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
 
 
+def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
+    """Flat rows [T, n] of entries 0 .. n-1 for each decode row's block table (tables [T, W]): `entry_index`, or
+    `ops.entry_rows` (one launch) where the runtime chose it."""
+    if ops.entry_rows is not None:
+        return ops.entry_rows(tables, n, entries_per_block)
+    return entry_index(tables, torch.arange(n, device=tables.device).expand(tables.shape[0], -1), entries_per_block)
+
+
 # ---- compressors (CSA / HCA pooling) ------------------------------------------------------------------
 class Compressor(nn.Module):
     """One compressed entry per `ratio` source tokens: a per-channel softmax-gated sum of projected rows,
@@ -607,7 +615,7 @@ class DeepseekV4Attention(nn.Module):
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
             comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
             n = max(meta.max_decode_context_len // r, 1)
-            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1), epb)
+            flat = decode_entry_rows(self.ops, tables, n, epb)
         else:
             comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p)
             n = max(p.context_len // r, 1)

@@ -53,7 +53,7 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
-                                                apply_rope, entry_index, ring_in_glue)
+                                                apply_rope, decode_entry_rows, entry_index, ring_in_glue)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
@@ -373,8 +373,7 @@ class Attention(nn.Module):
         if p is None:
             tables = meta.decode_block_tables
             n = max(meta.max_decode_context_len // r, 1)
-            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1),
-                               state["ckv"].shape[1])
+            flat = decode_entry_rows(self.ops, tables, n, state["ckv"].shape[1])
         else:
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
