@@ -379,8 +379,9 @@ def v4_compressor_rows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torc
                          f"channel strides (got {tuple(kv.shape)}, {tuple(gate.shape)}, {tuple(position_bias.shape)})")
     out = torch.empty(T, 2 * W, dtype=torch.float32, device=kv.device)
     if T:
+        # torch's promotion over these dtypes (computed here: torch.promote_types is a dispatched ATen op)
         sum_dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
-            torch.promote_types(gate.dtype, position_bias.dtype)]
+            gate.dtype if gate.dtype == position_bias.dtype else torch.float32]
         block = min(triton.next_power_of_2(W), 1024)
         _v4_rows_kernel[(T, triton.cdiv(W, block))](kv, gate, position_bias, positions, out, ratio, W, kv.stride(0),
                                                     gate.stride(0), position_bias.stride(0), out.stride(0),

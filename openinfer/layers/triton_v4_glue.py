@@ -13,6 +13,11 @@ against torch's CPU ones (numpy's in the interpreter), torch's approximate rsqrt
 rotation's products and sums into FMAs — each a float32 last-bit difference, so the result is the torch path's within one rounding of the
 model dtype (bit-exact wherever that float32 value is not near a rounding boundary). Positions are a device tensor:
 no host synchronization (CUDA-graph capturable). Tested in tests/test_v4_glue.py.
+
+Two more pieces of the decode glue (issue 34), each exact: `v4_kv_ring` (`LayerOps.v4_kv_ring`), the window keys'
+call with the decode rows' ring write (`ring[slots, positions % R] = kv`, two kernels) in its epilogue, the bytes the
+returned rows hold; and `entry_rows` (`LayerOps.entry_rows`), the decode rows' compressed-entry addresses
+(`deepseek_v4.model.entry_index` over entries 0 .. n-1, six kernels) in one launch.
 """
 
 from __future__ import annotations
