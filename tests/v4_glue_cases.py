@@ -32,6 +32,11 @@ def fused_ops():
     return TRITON_OPS
 
 
+def next_ops():
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    return TRITON_OPS_NEXT
+
+
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
     return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 1 - mant)
@@ -142,6 +147,145 @@ def check_fp4_qdq(ops, device, seed: int = 0) -> dict:
     return {"values": x.numel()}
 
 
+def check_kv_ring(ops, device, dtype, T: int, n_ring: int, R: int, D: int, rope_dim: int, fp8: bool = False,
+                  seed: int = 0, cs_dtype: torch.dtype | None = None, slots: int = 5) -> dict:
+    """`ops.v4_kv_ring` (the window keys' norm + RoPE with the decode rows' ring write in its epilogue) against
+    `ops.v4_norm_rope` then the models' torch write `ring[slots, positions % R] = kv[:n]` (V4: `.to(ring.dtype)`; V4.1:
+    the FP8 rows): the returned rows and every byte of the ring equal, rows past the decode rows and other slots and
+    ring rows untouched; and the rows within one rounding of the torch path (`RopeRows` with TORCH_OPS). Positions
+    past R (the ring wraps), slots in any order."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cs_dtype = cs_dtype or dtype
+    rope = InterleavedRope(YARN, rope_dim, 1 << 20).to(device)
+    rope.reset(torch.device(device))
+    positions = torch.randint(0, 1 << 20, (T,), generator=g)
+    positions[: min(T, 3)] = torch.tensor([0, R - 1, R])[: min(T, 3)]
+    positions = positions.to(device)
+    norm = RMSNorm(D, 1e-6).to(device)
+    norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).to(device)
+    x = (torch.randn(T, D, generator=g) * 3).to(device, dtype)
+    slot_ids = torch.randperm(slots, generator=g)[:n_ring].to(device)
+    codec = Fp8BlockCodec(32) if fp8 else None
+    width = D + D // 32 if fp8 else D
+    if fp8:
+        ring = torch.randint(0, 256, (slots, R, width), generator=g, dtype=torch.uint8).to(device)
+    else:
+        ring = torch.randn(slots, R, width, generator=g).to(device, dtype)
+    got_ring, ref_ring = ring.clone(), ring.clone()
+    at = RopeRows(rope, positions, cs_dtype, ops)
+    got = at(x, norm, codec=codec, ring=(got_ring, slot_ids))
+    ref = at(x, norm, codec=codec)               # the same op without the ring, then the models' torch write
+    ref_ring[slot_ids, positions[:n_ring] % R] = ref[:n_ring].to(ring.dtype)
+    name = f"kv ring ({dtype}, T={T} n={n_ring} R={R} D={D} fp8={fp8})"
+    assert torch.equal(got, ref), f"{name}: the rows differ from v4_norm_rope's"
+    changed = int((got_ring != ring).any(-1).sum())
+    assert torch.equal(got_ring, ref_ring), (f"{name}: {int((got_ring != ref_ring).any(-1).sum())} ring rows differ "
+                                             f"from the torch write ({changed} rows written)")
+    plain = RopeRows(rope, positions, cs_dtype, TORCH_OPS)(x, norm)
+    mine = at(x, norm)
+    err = check_close(mine, plain, f"{name} against the torch path")
+    return {"ring_rows_written": changed, **err}
+
+
+def ring_cases(ops, device: str) -> list:
+    return [
+        ("kv ring, fp32", lambda: check_kv_ring(ops, device, torch.float32, 5, 3, 7, 64, 16)),
+        ("kv ring, bf16, all rows decode", lambda: check_kv_ring(ops, device, torch.bfloat16, 4, 4, 6, 32, 8, seed=1)),
+        ("kv ring, bf16, odd half width", lambda: check_kv_ring(ops, device, torch.bfloat16, 6, 2, 5, 48, 16, seed=2)),
+        ("kv ring, no decode rows", lambda: check_kv_ring(ops, device, torch.bfloat16, 3, 0, 4, 32, 8, seed=3)),
+        ("kv ring, bf16 FP8 rows, float32 cos/sin (V4.1)",
+         lambda: check_kv_ring(ops, device, torch.bfloat16, 6, 5, 9, 64, 16, fp8=True, seed=4, cs_dtype=torch.float32)),
+        ("kv ring, fp32 FP8 rows, one row", lambda: check_kv_ring(ops, device, torch.float32, 1, 1, 3, 128, 64, fp8=True,
+                                                                  seed=5, cs_dtype=torch.float32)),
+    ]
+
+
+def flash_ring_cases(ops, device: str, T: int) -> list:
+    """The Flash window keys (512 wide, 64 RoPE channels; V4.1's as FP8 rows) into a ring of 128 + 7 rows."""
+    return [
+        ("V4 flash kv ring", lambda: check_kv_ring(ops, device, torch.bfloat16, T, T, 135, 512, 64, seed=T,
+                                                   slots=max(T, 2))),
+        ("V4.1 flash kv ring, FP8", lambda: check_kv_ring(ops, device, torch.bfloat16, T, max(T - 1, 1), 135, 512, 64,
+                                                          fp8=True, seed=T, cs_dtype=torch.float32, slots=max(T, 2))),
+    ]
+
+
+def check_compressor_rows(ops, device, dtype, T: int, hidden: int, dim: int, ratio: int, overlapping: bool,
+                          bias_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """`ops.v4_compressor_rows` through V4's `Compressor.rows` against the same module's torch code (`TORCH_OPS`), on
+    the same weights: every float32 bit equal. The position bias float32 (as the models keep it: the sum in float32)
+    or in the model dtype (the sum rounded to it); positions in every window slot, past 2^20."""
+    from openinfer.models.deepseek_v4.model import OverlappingCompressor, RunningCompressor
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kind = OverlappingCompressor if overlapping else RunningCompressor
+    ref_mod, got_mod = kind(hidden, dim, ratio, 1e-6), kind(hidden, dim, ratio, 1e-6, ops)
+    for m in (ref_mod, got_mod):
+        m.to(device, dtype)
+    ref_mod.position_bias.data = torch.randn(ratio, ref_mod.width, generator=g).to(device, bias_dtype)
+    for name in ("kv_proj", "gate_proj"):
+        getattr(ref_mod, name).weight.data = (torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5).to(
+            device, dtype)
+    got_mod.load_state_dict(ref_mod.state_dict())
+    got_mod.position_bias.data = ref_mod.position_bias.data
+    x = (torch.randn(T, hidden, generator=g) * 2).to(device, dtype)
+    positions = torch.randint(0, 1 << 21, (T,), generator=g)
+    positions[: min(T, ratio)] = torch.arange(min(T, ratio))
+    positions = positions.to(device)
+    ref, got = ref_mod.rows(x, positions), got_mod.rows(x, positions)
+    name = f"compressor rows ({dtype}, bias {bias_dtype}, T={T} width={ref_mod.width} ratio={ratio})"
+    assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape, f"{name}: {got.shape} {got.dtype}"
+    diff = got != ref
+    assert not diff.any(), f"{name}: {int(diff.sum())} values differ (largest {(got - ref).abs().max().item():.3e})"
+    return {"values": got.numel()}
+
+
+def check_entry_rows(ops, device, T: int, W: int, n: int, epb: int, dtype=torch.int32, seed: int = 0) -> dict:
+    """`ops.entry_rows` against `entry_index(tables, arange(n).expand(T, n), epb)`, on a strided view of a wider
+    block table (the runner's tables are the first columns of a padded one), every value equal."""
+    from openinfer.models.deepseek_v4.model import entry_index
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    wide = torch.randint(0, 5000, (T, W + 3), generator=g).to(device, dtype)
+    tables = wide[:, :W]
+    got = ops.entry_rows(tables, n, epb)
+    ref = entry_index(tables, torch.arange(n, device=device).expand(T, -1), epb)
+    assert got.dtype == ref.dtype and got.shape == ref.shape, f"entry rows: {got.shape} {got.dtype} vs {ref.shape}"
+    assert torch.equal(got, ref), f"entry rows (T={T} n={n} epb={epb}): {int((got != ref).sum())} differ"
+    return {"values": got.numel()}
+
+
+def decode_glue_cases(ops, device: str) -> list:
+    """The compressor rows and the entry rows, at the tiny models' shapes and some wider ones."""
+    return [
+        ("compressor rows, CSA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 9, 64, 16, 4, True)),
+        ("compressor rows, HCA, bf16", lambda: check_compressor_rows(ops, device, torch.bfloat16, 5, 64, 16, 8, False,
+                                                                     seed=1)),
+        ("compressor rows, bf16 bias", lambda: check_compressor_rows(ops, device, torch.bfloat16, 6, 32, 24, 4, True,
+                                                                     bias_dtype=torch.bfloat16, seed=2)),
+        ("compressor rows, fp32", lambda: check_compressor_rows(ops, device, torch.float32, 3, 48, 40, 4, True,
+                                                                seed=3)),
+        ("compressor rows, one row, width past a block", lambda: check_compressor_rows(
+            ops, device, torch.bfloat16, 1, 16, 600, 4, False, seed=4)),
+        ("entry rows", lambda: check_entry_rows(ops, device, 3, 4, 10, 4)),
+        ("entry rows, one block", lambda: check_entry_rows(ops, device, 2, 1, 1, 32, seed=1)),
+        ("entry rows, int64, long", lambda: check_entry_rows(ops, device, 4, 5, 600, 128, torch.int64, seed=2)),
+    ]
+
+
+def flash_decode_glue_cases(ops, device: str, T: int) -> list:
+    """Flash widths: hidden 4096, CSA compressor 2 x 512 (ratio 4), its indexer 2 x 128, HCA 512 (ratio 128); entry
+    rows of 1M-token contexts (256K CSA entries, 64 per block)."""
+    return [
+        ("flash CSA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 4, True, seed=T)),
+        ("flash indexer rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 128, 4, True,
+                                                             seed=T + 1)),
+        ("flash HCA rows", lambda: check_compressor_rows(ops, device, torch.bfloat16, T, 4096, 512, 128, False,
+                                                         seed=T + 2)),
+        ("1M-context entry rows", lambda: check_entry_rows(ops, device, T, 4096, 1 << 18, 64, seed=T)),
+    ]
+
+
 def kernel_cases(ops, device: str) -> list:
     return [
         ("FP4 rounding", lambda: check_fp4_qdq(ops, device)),
@@ -169,27 +313,36 @@ def flash_cases(ops, device: str, T: int) -> list:
     ]
 
 
-def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True) -> dict:
+def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 1e-4, same_tokens: bool = True,
+                      op: str = "v4_norm_rope", engine_kwargs: dict | None = None) -> dict:
     """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops without `v4_norm_rope` (the
     models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a
     batched prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU,
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
-    sampled ones up to the first token that differs, and the share of equal tokens reported."""
+    sampled ones up to the first token that differs, and the share of equal tokens reported.
+
+    `op` "v4_kv_ring" ("v4_compressor_rows", "entry_rows"): both runs with `v4_norm_rope`, one with that op and one
+    without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
+    max_num_batched_tokens makes steps that mix decode rows and prefill chunks)."""
     from unittest import mock
 
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
-    from openinfer.layers.triton_v4_glue import v4_norm_rope
+    from openinfer.layers.triton_compressor import v4_compressor_rows
+    from openinfer.layers.triton_v4_glue import entry_rows, v4_kv_ring, v4_norm_rope
 
     make_kernels = llm_engine.make_kernels
+    fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring, "v4_compressor_rows": v4_compressor_rows,
+             "entry_rows": entry_rows}[op]
+    common = {"v4_norm_rope": v4_norm_rope} if op != "v4_norm_rope" else {}
 
     def glue_kernels(config):
         backend, base = make_kernels(config)
-        return backend, dataclasses.replace(base, v4_norm_rope=v4_norm_rope)
+        return backend, dataclasses.replace(base, **common, **{op: fused})
 
     def torch_glue_kernels(config):      # the runtime's ops with the models' torch glue (TRITON_OPS includes the op)
         backend, base = make_kernels(config)
-        return backend, dataclasses.replace(base, v4_norm_rope=None)
+        return backend, dataclasses.replace(base, **common, **{op: None})
 
     prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
@@ -198,7 +351,7 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
         runs = []
         for kernels in (torch_glue_kernels, glue_kernels):
             with mock.patch.object(llm_engine, "make_kernels", kernels):
-                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False,
+                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, **(engine_kwargs or {}),
                           **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
                 runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False))
                 llm.shutdown()
@@ -213,14 +366,26 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
             pairs += [(a[t].logprob, b[t].logprob) for a, b in zip(got.outputs[0].logprobs[:k + 1],
                                                                    ref.outputs[0].logprobs[:k + 1]) for t in b if t in a]
             worst = max([worst] + [abs(a - b) for a, b in pairs])
-        assert worst < tol, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
+        assert worst < tol or worst == tol == 0, f"{model}: logprobs differ by {worst:.2e} (bound {tol:.0e})"
         errs[model] = {"max_logprob_diff": worst, "equal_token_prefix_share": equal / total}
     return errs
 
 
 def run(which: str = "kernels") -> list[str]:
     ops = fused_ops()
-    cases = kernel_cases(ops, "cpu") if which == "kernels" else [("tiny models", lambda: check_tiny_models())]
+    cases = {
+        "kernels": lambda: kernel_cases(ops, "cpu"),
+        "models": lambda: [("tiny models", lambda: check_tiny_models())],
+        "ring_kernels": lambda: ring_cases(next_ops(), "cpu"),
+        # the same bytes in the ring: the logprobs equal exactly; then steps mixing decode rows and prefill chunks
+        "ring_models": lambda: [("tiny models, kv ring", lambda: check_tiny_models(tol=0.0, op="v4_kv_ring")),
+                                ("tiny models, kv ring, mixed steps", lambda: check_tiny_models(
+                                    tol=0.0, op="v4_kv_ring", engine_kwargs={"max_num_batched_tokens": 8}))],
+        "decode_glue_kernels": lambda: decode_glue_cases(next_ops(), "cpu"),
+        # bit-exact ops: the logprobs equal exactly
+        "decode_glue_models": lambda: [(f"tiny models, {op}", lambda op=op: check_tiny_models(tol=0.0, op=op))
+                                       for op in ("v4_compressor_rows", "entry_rows")],
+    }[which]()
     fails = []
     for name, case in cases:
         try:

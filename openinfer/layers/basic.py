@@ -119,6 +119,16 @@ class LayerOps:
     # DeepSeek-V4/V4.1 attention glue (layers/triton_v4_glue.py): (x, eps, weight, positions, inv_freq, rope_scale,
     # cs_dtype, inverse) -> RMSNorm then interleaved RoPE of each row, one launch; None: the models' torch code
     v4_norm_rope: Callable | None = None
+    # ... and the window keys' call with the decode rows' ring write in its epilogue: (x, eps, weight, positions,
+    # inv_freq, rope_scale, cs_dtype, ring, slots, fp8_block) -> v4_norm_rope's rows, the first len(slots) of them also
+    # stored at ring[slots, positions % R]; None: the models store them in torch (`_decode`)
+    v4_kv_ring: Callable | None = None
+    # DeepSeek-V4's compressor input rows after the two projections, one launch (triton_compressor.v4_compressor_rows):
+    # (kv, gate, position_bias, positions, ratio) -> float32 [T, 2W] = [kv | gate + position_bias[positions % ratio]]
+    v4_compressor_rows: Callable | None = None
+    # DeepSeek-V4/V4.1 decode rows' compressed entries 0 .. n-1 as flat cache rows, one launch
+    # (triton_v4_glue.entry_rows): (tables [T, W], n, entries_per_block) -> int64 [T, n] (`entry_index` of each)
+    entry_rows: Callable | None = None
 
 
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)

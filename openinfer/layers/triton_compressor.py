@@ -346,3 +346,44 @@ def v41_index_keys_decode(cache, keys, positions, tables, norm_weight, eps, inv_
         _v41_index_keys_kernel[(T,)](cache, keys, positions, tables, norm_weight, inv_freq, eps, rope_scale, ratio,
                                      cache.shape[1], keys.stride(0), tables.stride(0), D=D, HALF=D // 2,
                                      ROPE_HALF=inv_freq.numel(), ROW=cache.shape[-1], FP4=fp4)
+
+
+# ---- DeepSeek-V4: a compressor's input rows ---------------------------------------------------------------------
+@triton.jit
+def _v4_rows_kernel(kv_ptr, gate_ptr, bias_ptr, pos_ptr, out_ptr, ratio, W, stride_kt, stride_gt, stride_bt,
+                    stride_ot, SUM_DT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < W
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    bias = bias_ptr + ((p % ratio + ratio) % ratio) * stride_bt
+    kv = tl.load(kv_ptr + t.to(tl.int64) * stride_kt + c, mask=m, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + t.to(tl.int64) * stride_gt + c, mask=m, other=0.0).to(tl.float32)
+    gate = round_to(gate + tl.load(bias + c, mask=m, other=0.0).to(tl.float32), SUM_DT)
+    out = out_ptr + t.to(tl.int64) * stride_ot
+    tl.store(out + c, kv, mask=m)
+    tl.store(out + W + c, gate, mask=m)
+
+
+def v4_compressor_rows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, positions: torch.Tensor,
+                       ratio: int) -> torch.Tensor:
+    """V4's `Compressor.rows` after its two projections, in one launch: kv, gate [T, W] (the projections' outputs),
+    position_bias [ratio, W], positions [T] -> float32 [T, 2W] = [kv | gate + position_bias[positions % ratio]], the
+    sum rounded to the dtype torch's addition gives (the model dtype, or float32 where either term is float32), as
+    `torch.cat((kv.float(), (gate + bias[...]).float()), -1)` (the remainder, gather, add, casts and cat: five
+    kernels). Bit-exact: the sum of two values widened to float32 is rounded once, as torch's kernels do."""
+    T, W = kv.shape
+    if gate.shape != kv.shape or position_bias.shape != (ratio, W) or kv.stride(-1) != 1 or gate.stride(-1) != 1 \
+            or not position_bias.is_contiguous():
+        raise ValueError(f"compressor rows need kv and gate [T, W] and a contiguous position bias [ratio, W] with unit "
+                         f"channel strides (got {tuple(kv.shape)}, {tuple(gate.shape)}, {tuple(position_bias.shape)})")
+    out = torch.empty(T, 2 * W, dtype=torch.float32, device=kv.device)
+    if T:
+        # torch's promotion over these dtypes (computed here: torch.promote_types is a dispatched ATen op)
+        sum_dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+            gate.dtype if gate.dtype == position_bias.dtype else torch.float32]
+        block = min(triton.next_power_of_2(W), 1024)
+        _v4_rows_kernel[(T, triton.cdiv(W, block))](kv, gate, position_bias, positions, out, ratio, W, kv.stride(0),
+                                                    gate.stride(0), position_bias.stride(0), out.stride(0),
+                                                    SUM_DT=sum_dt, BLOCK=block)
+    return out

@@ -275,4 +275,10 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
 # (triton_sparse_prefill.sparse_prefill_attention). On the H200 (2026-12-03) it ran the tiny engines in float32 within
 # 5e-7 of the per-chunk path, but tests/test_sparse_prefill_attention.py's bf16 engine bound (0.02) failed at 0.034 on
 # one request, and the kernel-vs-contract case sweep failed on a case not yet identified (BENCHMARKS.md, issue 35).
-TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, sparse_prefill_attention=sparse_prefill_attention)
+# Also the decode glue fused after it (issue 34), interpreter-tested, GPU tests written (tests/test_v4_glue.py): the
+# window keys' ring write in v4_norm_rope's epilogue (triton_v4_glue.v4_kv_ring), V4's compressor rows
+# (triton_compressor.v4_compressor_rows) and the decode rows' entry addresses (triton_v4_glue.entry_rows).
+TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, sparse_prefill_attention=sparse_prefill_attention,
+                                      v4_kv_ring=triton_v4_glue.v4_kv_ring,
+                                      v4_compressor_rows=triton_compressor.v4_compressor_rows,
+                                      entry_rows=triton_v4_glue.entry_rows)

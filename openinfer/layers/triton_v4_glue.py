@@ -13,6 +13,11 @@ against torch's CPU ones (numpy's in the interpreter), torch's approximate rsqrt
 rotation's products and sums into FMAs — each a float32 last-bit difference, so the result is the torch path's within one rounding of the
 model dtype (bit-exact wherever that float32 value is not near a rounding boundary). Positions are a device tensor:
 no host synchronization (CUDA-graph capturable). Tested in tests/test_v4_glue.py.
+
+Two more pieces of the decode glue (issue 34), each exact: `v4_kv_ring` (`LayerOps.v4_kv_ring`), the window keys'
+call with the decode rows' ring write (`ring[slots, positions % R] = kv`, two kernels) in its epilogue, the bytes the
+returned rows hold; and `entry_rows` (`LayerOps.entry_rows`), the decode rows' compressed-entry addresses
+(`deepseek_v4.model.entry_index` over entries 0 .. n-1, six kernels) in one launch.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_scale, stride_xt, stride_xh, stride_ot,
-                      stride_oh, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      NORM: tl.constexpr, SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                      FP4_GROUP: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, ring_ptr, slot_ptr, n_ring, ring_len, eps,
+                      rope_scale, stride_xt, stride_xh, stride_ot, stride_oh, stride_rs, stride_rr, D: tl.constexpr,
+                      HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr, NORM: tl.constexpr,
+                      SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr, FP4_GROUP: tl.constexpr,
+                      RING: tl.constexpr, LIBDEVICE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -70,19 +76,32 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, eps, rope_sc
     else:
         tl.store(dst + 2 * i, x_e.to(dt), mask=m)
         tl.store(dst + 2 * i + 1, x_o.to(dt), mask=m)
+    if RING:                # rows [0, n_ring) (the decode rows, one head) also into ring[slot, position % ring_len]
+        if t < n_ring:
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+            row = ((pos % ring_len) + ring_len) % ring_len
+            rdst = ring_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_rs + row * stride_rr
+            if FP8_BLOCK > 0:
+                fp8_store(rdst, x_e, x_o, D, FP8_BLOCK)
+            else:           # as `kv.to(ring.dtype)` (the row's values are already rounded to the model dtype)
+                tl.store(rdst + 2 * i, x_e.to(dt).to(ring_ptr.dtype.element_ty), mask=m)
+                tl.store(rdst + 2 * i + 1, x_o.to(dt).to(ring_ptr.dtype.element_ty), mask=m)
 
 
 def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
                  cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0,
-                 fp4_group: int = 0) -> torch.Tensor:
+                 fp4_group: int = 0, ring: torch.Tensor | None = None,
+                 ring_slots: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D] or [T, H, D] (unit last stride) -> a new tensor of its shape and dtype: each row (token, head) through
     the RMSNorm with `eps` (V4's `RMSNorm` with the float32 `weight`; without a weight `unweighted_rms_norm`; eps None:
     no norm), then the interleaved RoPE of `positions` [T] on its last 2 * len(inv_freq) channels, cos/sin scaled by
     `rope_scale` and rounded to `cs_dtype` as `InterleavedRope.cos_sin` gives them (`inverse`: sin negated, the
     rotation back; inv_freq None: no RoPE). `fp8_block`: the rows returned as `Fp8BlockCodec(fp8_block).encode` gives
     them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype. `fp4_group`: the
-    rows then through `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer queries); 0: not."""
+    rows then through `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer queries); 0: not. `ring` [slots, R, width]
+    (x [T, D] only): the first len(ring_slots) rows are also stored at ring[ring_slots, positions % R] as the returned
+    rows hold them (cast to the ring's dtype), as the models' decode step stores its window keys (`v4_kv_ring`)."""
     rows = x if x.dim() == 3 else x[:, None]
     T, H, D = rows.shape
     rope_half = 0 if inv_freq is None else inv_freq.numel()
@@ -94,14 +113,57 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             raise ValueError(f"FP8 rows and FP4 rounding need a power-of-two width divisible by the (even) block "
                              f"(got {D}, {block})")
     width = D + D // fp8_block if fp8_block else D
+    n_ring = 0 if ring is None else ring_slots.numel()
+    if ring is not None and (H != 1 or positions is None or ring.dim() != 3 or ring.shape[2] != width
+                             or ring.stride(2) != 1 or n_ring > T
+                             or (ring.dtype == torch.uint8) != bool(fp8_block)):
+        raise ValueError(f"the ring write needs one row per token, positions, a ring [slots, R, {width}] with unit "
+                         f"last stride ({'uint8' if fp8_block else 'not uint8'}) and at most {T} slots (got rows "
+                         f"{tuple(rows.shape)}, ring {tuple(ring.shape)} {ring.dtype}, {n_ring} slots)")
     out = torch.empty((T, H, width), dtype=torch.uint8 if fp8_block else x.dtype, device=x.device)
     norm = NO_NORM if eps is None else (UNWEIGHTED if weight is None else WEIGHTED)
     if T and H:
         cs = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[cs_dtype or x.dtype]
         _norm_rope_kernel[(T, H)](
             rows, out, positions if positions is not None else out, weight if weight is not None else out,
-            inv_freq if inv_freq is not None else out, 0.0 if eps is None else eps, rope_scale, rows.stride(0),
-            rows.stride(1), out.stride(0), out.stride(1), D=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
-            ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0, CS_DT=cs, FP8_BLOCK=fp8_block,
-            FP4_GROUP=fp4_group, LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction))
+            inv_freq if inv_freq is not None else out, out if ring is None else ring,
+            out if ring is None else ring_slots, n_ring, 1 if ring is None else ring.shape[1],
+            0.0 if eps is None else eps, rope_scale, rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
+            0 if ring is None else ring.stride(0), 0 if ring is None else ring.stride(1), D=D, HALF=D // 2,
+            BLOCK=triton.next_power_of_2(D // 2), ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0,
+            CS_DT=cs, FP8_BLOCK=fp8_block, FP4_GROUP=fp4_group, RING=ring is not None,
+            LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction))
     return out.view(*x.shape[:-1], width)
+
+
+def v4_kv_ring(x: torch.Tensor, eps: float, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               rope_scale: float, cs_dtype: torch.dtype, ring: torch.Tensor, slots: torch.Tensor,
+               fp8_block: int = 0) -> torch.Tensor:
+    """The window keys' glue with the decode step's ring write in its epilogue (`LayerOps.v4_kv_ring`): `v4_norm_rope`
+    of the key rows x [T, D] (RMSNorm, RoPE, FP8 rows where `fp8_block`), the first len(slots) of them (the decode rows)
+    also stored at ring[slots, positions % R] — the models' `ring[slots, positions % R] = kv` (2 kernels) in the same
+    launch, the same bytes."""
+    return v4_norm_rope(x, eps, weight, positions, inv_freq, rope_scale, cs_dtype, fp8_block=fp8_block, ring=ring,
+                        ring_slots=slots)
+
+
+@triton.jit(do_not_specialize=["stride_tb", "n"])
+def _entry_rows_kernel(tables_ptr, out_ptr, n, epb, stride_tb, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = e < n
+    page = tl.load(tables_ptr + t.to(tl.int64) * stride_tb + e // epb, mask=m, other=0).to(tl.int64)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + e, page * epb + e % epb, mask=m)
+
+
+def entry_rows(tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
+    """Decode rows' compressed entries 0 .. n-1 as flat rows of their paged cache (`LayerOps.entry_rows`): tables
+    [T, W] (each row's block table) -> [T, n] int64 (as torch promotes), `deepseek_v4.model.entry_index(tables,
+    arange(n).expand(T, n), entries_per_block)` (an arange and five integer kernels) in one launch. Integers: exact."""
+    T = tables.shape[0]
+    out = torch.empty(T, n, dtype=torch.int64, device=tables.device)
+    if T and n:
+        block = 256         # one variant for every context length (n is not specialized either)
+        _entry_rows_kernel[(T, triton.cdiv(n, block))](tables, out, n, entries_per_block, tables.stride(0),
+                                                       out.stride(0), BLOCK=block)
+    return out

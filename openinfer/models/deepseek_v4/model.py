@@ -50,7 +50,7 @@ from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
-from openinfer.quantization.kv_formats import Fp8BlockCodec, KVCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp8BlockCodec, IdentityCodec, KVCodec, fp4_block_qdq
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
@@ -159,12 +159,19 @@ class RopeRows:
         return RopeRows(self.rope, self.positions[index], self.cs_dtype, self.ops, tables)
 
     def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False,
-                 codec: KVCodec | None = None, fp4_group: int = 0) -> torch.Tensor:
+                 codec: KVCodec | None = None, fp4_group: int = 0,
+                 ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, D] or [T, heads, D]: `norm` (an RMSNorm; a float: `unweighted_rms_norm` with that eps), then the RoPE
         of the row's position (`inverse`: rotated back); `codec`: then encoded by it (the fused op packs
         `Fp8BlockCodec` rows itself); `fp4_group`: then `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer
-        queries)."""
+        queries). `ring` (ring, slots), only where the runtime chose `ops.v4_kv_ring` (the window keys): rows
+        [0, len(slots)) also stored at ring[slots, positions % R] in the same launch (`ring_in_glue` says when)."""
         weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, norm)
+        if ring is not None:
+            fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
+            y = self.ops.v4_kv_ring(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale, self.cs_dtype,
+                                    ring[0], ring[1], fp8)
+            return y if codec is None or fp8 else codec.encode(y)
         if self.ops.v4_norm_rope is not None:
             fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
             y = self.ops.v4_norm_rope(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale,
@@ -183,10 +190,26 @@ class RopeRows:
         return y if codec is None else codec.encode(y)
 
 
+def ring_in_glue(ops: LayerOps, meta: AttentionMetadata, codec: KVCodec | None = None) -> bool:
+    """Whether this step's decode rows store their window keys through `ops.v4_kv_ring` (the kernel that makes the
+    keys) rather than in `_decode`: where the runtime chose it, the step has decode rows, and the ring holds the keys
+    as the kernel writes them (the model dtype, an `IdentityCodec`, or `Fp8BlockCodec` rows)."""
+    return (ops.v4_kv_ring is not None and meta.num_decode_tokens > 0
+            and (codec is None or isinstance(codec, (Fp8BlockCodec, IdentityCodec))))
+
+
 # ---- paged entry addressing ---------------------------------------------------------------------------
 def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_block: int) -> torch.Tensor:
     """Flat row of compressed entry `entry` in a [num_blocks * entries_per_block, D] view of a paged cache."""
     return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
+
+
+def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
+    """Flat rows [T, n] of entries 0 .. n-1 for each decode row's block table (tables [T, W]): `entry_index`, or
+    `ops.entry_rows` (one launch) where the runtime chose it."""
+    if ops.entry_rows is not None:
+        return ops.entry_rows(tables, n, entries_per_block)
+    return entry_index(tables, torch.arange(n, device=tables.device).expand(tables.shape[0], -1), entries_per_block)
 
 
 # ---- compressors (CSA / HCA pooling) ------------------------------------------------------------------
@@ -209,7 +232,11 @@ class Compressor(nn.Module):
         self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias."""
+        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the projections
+        one launch with `ops.v4_compressor_rows`)."""
+        if self.ops.v4_compressor_rows is not None:
+            return self.ops.v4_compressor_rows(self.kv_proj(x), self.gate_proj(x), self.position_bias, positions,
+                                               self.ratio)
         gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
         return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
 
@@ -481,7 +508,8 @@ class DeepseekV4Attention(nn.Module):
             qx, q_residual, q_at = x[mine], q_residual[mine], at.take(mine)
         T = qx.shape[0]
         q = q_at(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
-        kv = at(self.kv_proj(x), self.kv_norm)
+        stored = ring_in_glue(self.ops, meta)        # the decode rows' window keys stored as they are made
+        kv = at(self.kv_proj(x), self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None)
         comp = self.compressor
         rows = index_rows = index_q = None
         if comp is not None:
@@ -497,7 +525,7 @@ class DeepseekV4Attention(nn.Module):
             irows = None if index_rows is None else index_rows[sl]
             iq = None if index_q is None else (index_q[0][qsl], index_q[1][qsl])
             if p is None:               # decode rows: keys read in place, one fused launch on CUDA
-                self._decode(q[qsl], out[qsl], kv[sl], positions[sl], crows, irows, iq, rope, state, meta)
+                self._decode(q[qsl], out[qsl], kv[sl], positions[sl], crows, irows, iq, rope, state, meta, stored)
                 continue
             if batched:                 # entries closed and picked now; attention for every chunk at once below
                 picks = None
@@ -523,12 +551,13 @@ class DeepseekV4Attention(nn.Module):
         o = q_at(out, inverse=True).reshape(T, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
-    def _decode(self, q, out, kv, positions, rows, index_rows, index_q, rope, state, meta) -> None:
-        """Decode rows (one token each): store their window keys in the ring and close the compressed entries they
-        complete (picking the indexer's top-k on CSA layers), then attend over the ring's last W positions, the
-        entries and the sinks into `out`."""
+    def _decode(self, q, out, kv, positions, rows, index_rows, index_q, rope, state, meta, stored=False) -> None:
+        """Decode rows (one token each): store their window keys in the ring (`stored`: `ops.v4_kv_ring` did) and
+        close the compressed entries they complete (picking the indexer's top-k on CSA layers), then attend over the
+        ring's last W positions, the entries and the sinks into `out`."""
         ring, slots = state["swa"], meta.decode_state_slots
-        ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
+        if not stored:
+            ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
         comp = {}
         if self.compressor is not None:
             flat, picked, valid = self._compressed_entries(positions, rows, index_rows, index_q, rope, state, meta,
@@ -586,7 +615,7 @@ class DeepseekV4Attention(nn.Module):
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
             comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
             n = max(meta.max_decode_context_len // r, 1)
-            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1), epb)
+            flat = decode_entry_rows(self.ops, tables, n, epb)
         else:
             comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p)
             n = max(p.context_len // r, 1)

@@ -53,7 +53,7 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
-                                                apply_rope, entry_index)
+                                                apply_rope, decode_entry_rows, entry_index, ring_in_glue)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
@@ -255,7 +255,9 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(qx))
         T = qr.shape[0]
         q = q_at(self.wq_b(qr).view(T, self.n_heads, self.head_dim))
-        kv_stored = at(self.wkv(x), self.kv_norm, codec=state["codecs"]["swa"])
+        stored = ring_in_glue(self.ops, meta, state["codecs"]["swa"])    # decode rows' keys stored as they are made
+        kv_stored = at(self.wkv(x), self.kv_norm, codec=state["codecs"]["swa"],
+                       ring=(state["swa"], meta.decode_state_slots) if stored else None)
         # as every later step reads them (prefill chunks; decode rows read the ring in place)
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype) if meta.prefills else None
         rows = self.compressor.rows(x) if self.is_kv_source and close_groups else None
@@ -268,7 +270,7 @@ class Attention(nn.Module):
             crows, siq = (None if rows is None else rows[sl]), (None if iq is None else (iq[0][qsl], iq[1][qsl]))
             if p is None:               # decode rows: keys read in place, one fused launch on CUDA
                 self._decode(q[qsl], out[qsl], kv_stored[sl], positions[sl], crows, siq, x[sl], rope, state, meta,
-                             shared, span, close_groups)
+                             shared, span, close_groups, stored)
                 continue
             if batched:                 # groups closed and picked now; attention for every chunk at once below
                 picks = None
@@ -295,12 +297,13 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
 
     def _decode(self, q, out, kv_stored, positions, rows, iq, x, rope, state, meta, shared: StepShared, span: int,
-                close_groups: bool) -> None:
-        """Decode rows (one token each): store their window keys in the ring and (compressed layers) close the
-        groups they complete and pick, then attend over the ring's last W positions, the picked entries and the
-        sinks into `out`."""
+                close_groups: bool, stored: bool = False) -> None:
+        """Decode rows (one token each): store their window keys in the ring (`stored`: `ops.v4_kv_ring` did) and
+        (compressed layers) close the groups they complete and pick, then attend over the ring's last W positions, the
+        picked entries and the sinks into `out`."""
         ring, slots, codecs = state["swa"], meta.decode_state_slots, state["codecs"]
-        ring[slots, positions % ring.shape[1]] = kv_stored
+        if not stored:
+            ring[slots, positions % ring.shape[1]] = kv_stored
         comp = {}
         if self.ratio:
             flat, picks, valid = self._compressed(positions, rows, iq, x, rope, state, meta, None, shared, span,
@@ -370,8 +373,7 @@ class Attention(nn.Module):
         if p is None:
             tables = meta.decode_block_tables
             n = max(meta.max_decode_context_len // r, 1)
-            flat = entry_index(tables, torch.arange(n, device=positions.device).expand(len(positions), -1),
-                               state["ckv"].shape[1])
+            flat = decode_entry_rows(self.ops, tables, n, state["ckv"].shape[1])
         else:
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
