@@ -149,7 +149,8 @@ def check_all(device: str, quick: bool = False) -> list[str]:
     for name, case in cases(device, quick):
         for tuning in (None, {"BLOCK_N": 16, "BLOCK_H": 16}):
             fail, err = check(case, tuning)
-            print(f"{name} tuning={tuning}: max |kernel - contract| {err:.3g}", flush=True)
+            print(f"{name} tuning={tuning}: max |kernel - contract| {err:.3g}" + (f" FAIL: {fail}" if fail else ""),
+                  flush=True)
             if fail:
                 failures.append(f"{name} tuning={tuning}: {fail}")
     return failures

@@ -97,6 +97,29 @@ def test_grouped_gemm_top6_of_256_experts(tokens):
     assert _rel(out, reference.grouped_gemm(rows, offs, weight, scale, "mxfp4", 32)) < 1e-2
 
 
+@pytest.mark.parametrize("fmt, block", [("mxfp4", 32), ("fp8", 128)])
+@pytest.mark.parametrize("counts", [[0, 1, 0, 0], [1, 0, 3, 2], [0, 17, 0, 0], [40, 0, 129, 7]])
+@pytest.mark.parametrize("bm, bn, bk", [(16, 64, 256), (16, 128, 128), (32, 128, 128), (64, 128, 128)])
+def test_grouped_gemm_swapped_product_equals_the_plain_one(counts, fmt, block, bm, bn, bk):
+    """SWAP_AB (w @ x^T, stored transposed) against the plain tile order at the same tiles: the same products
+    and sums, and both against the reference."""
+    g = _gen()
+    n, k = 256, 512
+    weight, scale = _experts(fmt, len(counts), n, k, block, g)
+    m = sum(counts)
+    rows = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(counts)
+    plain = tk.grouped_gemm_with(rows, offs, weight, scale, fmt, block, tk.GroupedConfig(bm, bn, bk, 4, 3))
+    swapped = tk.grouped_gemm_with(rows, offs, weight, scale, fmt, block, tk.GroupedConfig(bm, bn, bk, 4, 3, True))
+    assert _rel(swapped, plain) < 1e-5
+    assert _rel(swapped, reference.grouped_gemm(rows, offs, weight, scale, fmt, block)) < 1e-2
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    weight, scale = every_code_weight(fmt, block, k, g, "cuda")
+    one = torch.tensor([k], device="cuda", dtype=torch.int32)
+    out = tk.grouped_gemm_with(eye, one, weight, scale, fmt, block, tk.GroupedConfig(bm, bn, bk, 4, 3, True))
+    assert torch.equal(out.float(), reference.dequantize_weight(weight[0], scale[0], fmt, block).T)
+
+
 @pytest.mark.parametrize("fmt, block", [("mxfp4", 32), ("fp8", 32), ("fp8", 128)])
 def test_grouped_gemm_decodes_every_code_exactly(fmt, block):
     """Every byte value (every E2M1 pair; every non-NaN E4M3 code) times scales over a wide range: one-hot

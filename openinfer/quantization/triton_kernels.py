@@ -280,7 +280,7 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
                          stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                          MXFP4: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP_K: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """Program (t, j): the t-th row tile over all experts (experts in order, ceil(count / BLOCK_M) tiles
     each) times output columns [j * BLOCK_N, (j + 1) * BLOCK_N). Programs past the last real tile exit.
 
@@ -288,7 +288,10 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
     s [E, N/block, K/block]. A scale
     covers SCALE_N rows x SCALE_K columns of the weight; the tile applies it per GROUP_K columns
     (min(SCALE_K, BLOCK_K)). The weight tile is dequantized to bf16 in registers and multiplied with the
-    bf16 rows, fp32 accumulation (every product of the reference's float32 arithmetic is exact in it)."""
+    bf16 rows, fp32 accumulation (every product of the reference's float32 arithmetic is exact in it).
+    SWAP_AB: the product is taken transposed, w [BLOCK_N, K] @ x^T [K, BLOCK_M] (decode's few rows: the weight
+    tile is the tensor-core instruction's wide A operand, which can stay in registers where it was dequantized,
+    and the rows its narrow N side), then stored transposed; the same products and sums."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, rm, m_mask, total = _expert_row_tile(offs_ptr, t, E, E_PAD, BLOCK_M)
@@ -300,7 +303,7 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
     w_rows = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn
     s_rows = s_ptr + e.to(tl.int64) * stride_se + (rn // SCALE_N)[:, None] * stride_sn
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kg = (k0 + tl.arange(0, GROUPS) * GROUP_K) // SCALE_K
@@ -317,9 +320,16 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
                            (BLOCK_M, BLOCK_K))
         else:
             w = _fp8_tile_to_bf16(tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0), scale)
-        acc += tl.dot(x, tl.trans(w))
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if SWAP_AB:
+        out = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+    else:
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -329,6 +339,7 @@ class GroupedConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False       # the transposed product (the kernel's SWAP_AB)
 
 
 def grouped_config(m: int, n: int, k: int, e: int, fmt: str, block: int) -> GroupedConfig:
@@ -367,8 +378,8 @@ def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
         rows, offs, w, s, out, n, k, e, rows.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         out.stride(0), MXFP4=fmt == "mxfp4", SCALE_N=scale_n, SCALE_K=scale_k,
         GROUP_K=min(scale_k, cfg.block_k), E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -400,7 +411,7 @@ def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, str
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     ws_rows = ws_ptr + (rn // BLOCK)[:, None] * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kg = k0 + tl.arange(0, BLOCK_K // GK) * GK
