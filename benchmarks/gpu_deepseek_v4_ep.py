@@ -13,12 +13,14 @@ roofline output rate (tokens per step / floor). Writes JSON to $OUT (or benchmar
 
 The sweep runs once per MoE exchange variant (`--dispatch` x `--tbo`: all-gather, padded all-to-all or the
 exact-size all-to-all on eager steps (prefill; decode graphs keep the padded one), two-batch overlap off or on;
-one engine each), and reports per variant the host time each rank spent agreeing on the
+one engine each; `--two-batch-split requests`: the halves are whole requests through every layer, overlapping
+attention too), and reports per variant the host time each rank spent agreeing on the
 step's shape (`--step-sync-channel`: shm, the default on one host, or gloo) per step.
 
     python benchmarks/gpu_deepseek_v4_ep.py --tokenizer-json PATH [--gpus 2] [--layers 43]
         [--concurrency 1,8,32,128] [--input-len 8192] [--output-len 1024] [--eplb]
-        [--dispatch all_gather,all_to_all,all_to_all_exact] [--tbo off,on] [--step-sync-channel shm]
+        [--dispatch all_gather,all_to_all,all_to_all_exact] [--tbo off,on] [--two-batch-split rows|requests]
+        [--step-sync-channel shm]
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--dispatch", default="all_gather,all_to_all,all_to_all_exact",
                     help="MoE exchanges to sweep (EngineConfig.moe_dispatch values)")
     ap.add_argument("--tbo", default="off,on", help="two-batch overlap settings to sweep")
+    ap.add_argument("--two-batch-split", default="rows", choices=["rows", "requests"],
+                    help="EngineConfig.two_batch_split: halves of rows (the MoE alone) or of whole requests")
     ap.add_argument("--step-sync-channel", default="auto", choices=["auto", "shm", "gloo"])
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
@@ -179,8 +183,10 @@ def run_variant(args, path, floor, max_len, max_c, dispatch: str, tbo: bool, res
               enable_eplb=args.eplb, eplb_window_steps=args.eplb_interval,
               eplb_rebalance_interval_steps=args.eplb_interval, max_model_len=max_len,
               max_num_seqs=max(1, max_c // args.gpus), max_num_batched_tokens=args.max_num_batched_tokens,
-              moe_dispatch=dispatch, two_batch_overlap=tbo, step_sync_channel=args.step_sync_channel)
-    variant = {"dispatch": dispatch, "two_batch_overlap": tbo, "step_sync_channel": args.step_sync_channel}
+              moe_dispatch=dispatch, two_batch_overlap=tbo, two_batch_split=args.two_batch_split,
+              step_sync_channel=args.step_sync_channel)
+    variant = {"dispatch": dispatch, "two_batch_overlap": tbo, "two_batch_split": args.two_batch_split,
+               "step_sync_channel": args.step_sync_channel}
     result.setdefault("startup_s", {})[f"{dispatch}/tbo={'on' if tbo else 'off'}"] = time.perf_counter() - t0
     mem = llm.engine.call_ranks("memory_stats")
     result["per_gpu"] = mem
@@ -194,6 +200,7 @@ def run_variant(args, path, floor, max_len, max_c, dispatch: str, tbo: bool, res
             row["agreement_ms_per_step_per_rank"] = [1e3 * (a[0] - b[0]) / max(1, a[1] - b[1])
                                                      for a, b in zip(after, before)]
             row["moe_lb_per_rank"] = [s.get("moe_lb") for s in llm.engine.stats()["per_rank"]]
+            row["two_batch_steps_per_rank"] = [s.get("two_batch_steps") for s in llm.engine.stats()["per_rank"]]
             result["sweep"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "floor_detail"}), flush=True)
             save()

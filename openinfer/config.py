@@ -232,6 +232,12 @@ class EngineConfig:
         choices=["auto", "all_gather", "all_to_all", "all_to_all_exact"])
     two_batch_overlap: bool = _opt(False, "expert parallelism: split a step's rows into two micro-batches whose "
                                           "MoE exchanges overlap the other's compute (outputs identical)")
+    two_batch_split: str = _opt(
+        "rows", "expert parallelism, steps of >= 32 rows per rank: rows (the MoE exchange and experts run in two "
+                "halves of the rows; two_batch_overlap overlaps them with each other) or requests (DeepSeek-V4: each "
+                "layer runs on two micro-batches of whole requests, each with its own attention; two_batch_overlap "
+                "staggers them so one's exchanges overlap the other's attention and experts; docs/parallelism.md)",
+        choices=["rows", "requests"])
     distributed_executor_backend: str = _opt(
         "mp", "how the ranks of a multi-rank engine start: mp (one process per rank on this host, plus `openinfer "
               "worker` ranks on other hosts) or ray (one Ray actor per rank, placed by placement groups on the Ray "
@@ -318,16 +324,21 @@ class EngineConfig:
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         for name, allowed in (("step_sync_channel", ("auto", "shm", "gloo")),
-                              ("moe_dispatch", ("auto", "all_gather", "all_to_all", "all_to_all_exact"))):
+                              ("moe_dispatch", ("auto", "all_gather", "all_to_all", "all_to_all_exact")),
+                              ("two_batch_split", ("rows", "requests"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not self.enable_expert_parallel:
             unused = [f"{name}={value!r}" for name, value, default in (
                 ("two_batch_overlap", self.two_batch_overlap, False), ("moe_dispatch", self.moe_dispatch, "auto"),
+                ("two_batch_split", self.two_batch_split, "rows"),
                 ("step_sync_channel", self.step_sync_channel, "auto")) if value != default]
             if unused:
                 raise ValueError(f"{', '.join(unused)} need enable_expert_parallel (they set the MoE exchanges and "
                                  f"the step agreement of expert-parallel ranks)")
+        if self.two_batch_split == "requests" and self.context_parallel_size > 1:
+            raise ValueError("two_batch_split='requests' does not combine with context_parallel_size > 1 (a chunk's "
+                             "rows are spread over the CP ranks)")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (EPLB places experts across EP ranks)")
         if self.num_redundant_experts and not self.enable_eplb:

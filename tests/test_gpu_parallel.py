@@ -6,6 +6,8 @@
   tiny model part at near-ties: measured 2026-11-30, 87% of 120 tokens before divergence);
 - the same with the exact-size all-to-all (prefill exact, decode graphs padded), and that exchange alone over
   NCCL returns the padded one's bits;
+- two-batch overlap across attention (`two_batch_split="requests"`): overlapped = one after the other, bit for bit,
+  and one process within the same bound;
 - Llama (tiny) with TP2 follows one process the same way (teacher-forced)."""
 
 from __future__ import annotations
@@ -91,6 +93,30 @@ def test_dp2_ep2_published_v4_follows_one_process(published_dir, enforce_eager, 
     # one request: rank 0 runs exactly one process's batch, the idle rank adds zeros (measured: bit-identical)
     assert single_prompt == got_single
     assert all(s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats["per_rank"])
+
+
+def test_dp2_ep2_two_batches_across_attention_over_nccl(published_dir):
+    """two_batch_split="requests" over NCCL, CUDA graphs on (decode replays are never split): the split steps
+    (prefill: each rank's chunks in two halves) overlapped give the bits of the same halves one after the other,
+    and one process within the bound above."""
+    opts = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_batched_tokens=256)
+    one = LLM(str(published_dir), **opts)
+    ref = _prompt_logprobs(one, PROMPTS)
+    one_bf16_noise = _max_gap(ref, _prompt_logprobs(one, PROMPTS[::-1])[::-1])
+    one.shutdown()
+    runs = []
+    for overlap in (False, True):
+        two = LLM(str(published_dir), data_parallel_size=2, enable_expert_parallel=True, two_batch_split="requests",
+                  two_batch_overlap=overlap, **opts)
+        runs.append((_prompt_logprobs(two, PROMPTS), _greedy(two, PROMPTS),
+                     [s["two_batch_steps"] for s in two.engine.stats()["per_rank"]]))
+        two.shutdown()
+    gap = _max_gap(ref, runs[1][0])
+    print(f"EP2 two batches across attention vs one process: prompt logprob gap {gap:.4f} (one process, batch "
+          f"reordered: {one_bf16_noise:.4f}); split steps per rank {runs[1][2]}; on = off: {runs[0] == runs[1]}")
+    assert min(runs[1][2]) > 0
+    assert runs[0] == runs[1]
+    assert gap < max(0.05, 4 * one_bf16_noise)
 
 
 def _tiny_llama(path):

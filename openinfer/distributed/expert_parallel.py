@@ -113,11 +113,9 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     T = x.shape[0]
     R = meta.moe_rows_per_rank or T
     exchange = meta.moe_exchange or MoeExchange()
-    if meta.moe_valid_rows is not None:
-        experts = torch.where(torch.arange(T, device=x.device)[:, None] < meta.moe_valid_rows, experts, -1)
     path = EXCHANGES[exchange.dispatch]
     halves = split_rows(R)
-    packed = pack_rows(x, experts, weights, R)
+    packed = pack_rows(x, valid_experts(experts, meta), weights, R)
     comm = meta.moe_communicate
     if exchange.micro_batches == 2:
         # the dispatches go out first; each half's experts run as soon as its rows arrive
@@ -128,6 +126,33 @@ def expert_parallel_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
         outs = [path.finish(path.combine(path.dispatch(packed, x, o, n, R, routing, ctx, comm, False), routed,
                                          routing, ctx, comm, False)) for o, n in halves]
     return (torch.cat(outs) if len(outs) > 1 else outs[0])[:T]
+
+
+def valid_experts(experts: torch.Tensor, meta) -> torch.Tensor:
+    """Expert ids [T, k] with the rows at or past `meta.moe_valid_rows` (an idle rank's padding row) made -1."""
+    if meta.moe_valid_rows is None:
+        return experts
+    return torch.where(torch.arange(experts.shape[0], device=experts.device)[:, None] < meta.moe_valid_rows,
+                       experts, -1)
+
+
+def send_micro_batch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting,
+                     meta, ctx: ParallelContext):
+    """Two-batch overlap across attention (two_batch.py): one micro-batch's rows, whole (padded to its agreed
+    `meta.moe_rows_per_rank`, exchanged by `meta.moe_exchange.dispatch`), sent to their experts' ranks
+    asynchronously; `receive_micro_batch` computes this rank's slots' share and brings the sums back."""
+    T = x.shape[0]
+    R = meta.moe_rows_per_rank or T
+    path = EXCHANGES[meta.moe_exchange.dispatch]
+    packed = pack_rows(x, valid_experts(experts, meta), weights, R)
+    return path, path.dispatch(packed, x, 0, R, R, routing, ctx, meta.moe_communicate, True), T, meta.moe_communicate
+
+
+def receive_micro_batch(flight, routed, routing: ExpertRouting, ctx: ParallelContext) -> torch.Tensor:
+    """The micro-batch's routed-expert output [T, H] (`routed` as in `expert_parallel_moe`): waits for its rows,
+    computes this rank's share, sends the partial sums back and waits for its own rows' sums."""
+    path, sent, T, communicate = flight
+    return path.finish(path.combine(sent, routed, routing, ctx, communicate, True))[:T]
 
 
 @dataclass(frozen=True)

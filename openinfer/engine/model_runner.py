@@ -25,9 +25,10 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.device_io import D2HCopy, h2d
 from openinfer.distributed.context_parallel import ContextParallelStep
-from openinfer.distributed.expert_parallel import step_exchange
+from openinfer.distributed.expert_parallel import MoeExchange, step_exchange
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.distributed.step_sync import StepSync
+from openinfer.distributed.two_batch import TwoBatch, agreed_halves, cut
 from openinfer.engine.cache_pool import CachePool
 from openinfer.engine.cuda_graphs import DecodeGraphs, pad_tables
 from openinfer.engine.encoder_cache import EncoderCache
@@ -97,6 +98,12 @@ class ModelRunner:
         # expert parallelism: forwards run in lockstep with the other EP ranks, EPLB moves experts
         self.step_sync = (StepSync(self.parallel, config.resolved_step_sync_channel) if self.parallel.ep_size > 1
                           else None)
+        # two-batch overlap across attention: steps split into two micro-batches of whole requests (two_batch.py)
+        self.two_batch = self.step_sync is not None and config.two_batch_split == "requests"
+        if self.two_batch and not self.traits.two_batch_layers:
+            raise ValueError(f"two_batch_split='requests' needs a model whose layers split at the MoE exchange "
+                             f"(DeepSeek-V4); {type(model).__name__} has none")
+        self.two_batch_steps = 0     # steps run as two micro-batches
         self.eplb = None
         if self.step_sync is not None:
             from openinfer.distributed.eplb_controller import EplbController
@@ -271,11 +278,16 @@ class ModelRunner:
                 images = ImageRows(h2d(torch.from_numpy(rows), dev), embeds)
         graphable = (cp is None and not prefills and images is None and graphs is not None
                      and len(ids) <= graphs.largest)
-        exchange = None
+        exchange, halves = None, None
         if self.step_sync is not None:
-            plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None)
+            # (two micro-batches: cut at the request boundary that halves this rank's rows best, decode rows first)
+            first = cut([i for i, o in enumerate(decode_offsets) if o == 0] + [c.query_start for c in prefills],
+                        len(ids)) if self.two_batch else 0
+            plan = self.step_sync.exchange(len(ids), len(ids) if graphable else None,
+                                           (first, len(ids) - first) if self.two_batch else (0, 0))
             graphable = plan.graph_batch > 0
             exchange = self._exchange(plan)
+            halves = self._halves(plan, first)
         captured = None
         if graphable:
             hidden, captured = graphs.replay(ids, pos, slots, decode_tables, decode_lens, fixups, decode_state_slots,
@@ -286,7 +298,7 @@ class ModelRunner:
             hidden = self._eager_forward(ids, pos, slots, decode_tables, decode_lens, prefills, fixups,
                                          decode_state_slots, moe_rows=plan.max_tokens if plan else None,
                                          layer_views=views, offsets=decode_offsets, images=images,
-                                         context_parallel=cp, moe_exchange=exchange)
+                                         context_parallel=cp, moe_exchange=exchange, halves=halves)
         if cp is not None:
             hidden = cp.gather(hidden)
         if self.eplb is not None:
@@ -314,10 +326,11 @@ class ModelRunner:
         """Expert parallelism, a step with nothing scheduled here: join the other ranks' forward (their MoE
         exchanges wait for this rank) with padding rows that touch only the scratch page; nothing if no
         rank has work."""
-        plan = self.step_sync.exchange(0, 0)
+        plan = self.step_sync.exchange(0, 0, (1, 0) if self.two_batch else (0, 0))
         if not plan.any_work:
             return
         exchange = self._exchange(plan)
+        halves = self._halves(plan, 1)
         if plan.graph_batch and self.decode_graphs is not None:
             self.decode_graphs.replay([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
                                       min_batch=plan.graph_batch)
@@ -326,7 +339,7 @@ class ModelRunner:
                                 [[self.num_blocks]], [1], [], None, [self.num_state_slots],
                                 moe_rows=plan.max_tokens, moe_valid=torch.zeros((), dtype=torch.long,
                                                                                 device=self.device),
-                                moe_exchange=exchange)
+                                moe_exchange=exchange, halves=halves)
         self.eplb.after_forward(summed=exchange.counts_own_rows)
 
     def _exchange(self, plan):
@@ -335,6 +348,14 @@ class ModelRunner:
             return self.decode_graphs.exchange_for(self.decode_graphs.bucket_of(plan.graph_batch))
         return step_exchange(self.config.moe_dispatch, self.config.two_batch_overlap, self.parallel.ep_size,
                              plan.max_tokens, self.parallel.backend)
+
+    def _halves(self, plan, first: int):
+        """Two micro-batches (two_batch.py) in an eager step whose ranks agreed on them: (this rank's first row of
+        the second, the agreed rows per rank of each); None: one batch."""
+        if not self.two_batch or plan.graph_batch:
+            return None
+        rows = agreed_halves(plan.max_tokens, plan.half_rows)
+        return None if rows is None else (first, rows)
 
     def _window_inputs(self, order, prefills: list[PrefillChunk]):
         """The windowed layers' inputs (kv_cache/window_group.py): slots, decode tables and prefill chunks from the
@@ -376,20 +397,24 @@ class ModelRunner:
                        decode_state_slots=None, moe_rows: int | None = None,
                        moe_valid: torch.Tensor | None = None, layer_views=None,
                        offsets: list[int] | None = None, images: ImageRows | None = None,
-                       context_parallel=None, moe_exchange=None) -> torch.Tensor:
+                       context_parallel=None, moe_exchange=None, halves=None) -> torch.Tensor:
+        """`halves`: (first row of the second micro-batch, agreed rows per rank of each) to run the step as two
+        micro-batches of whole requests (two_batch.py), each with its own metadata; None: one batch."""
         dev = self.device
-        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
-                                 num_decode_tokens=len(decode_tables), prefills=prefills,
-                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid,
-                                 context_parallel=context_parallel, moe_exchange=moe_exchange)
-        if decode_tables:
-            meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
-            meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
-            meta.max_decode_context_len = max(decode_lens)
-            if self.num_state_slots:
-                meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
-                if offsets and any(offsets):
-                    meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+        meta = self._metadata(slots, decode_tables, decode_lens, prefills, decode_state_slots, offsets, moe_rows,
+                              moe_valid, moe_exchange, context_parallel)
+        if halves is not None:
+            (first, rows), metas = halves, []
+            D = len(decode_tables)
+            for (a, b), R in zip(((0, first), (first, len(slots))), rows):
+                d = slice(min(a, D), min(b, D))
+                chunks = [dataclasses.replace(c, query_start=c.query_start - a) for c in prefills
+                          if a <= c.query_start < b]
+                metas.append(self._metadata(slots[a:b], decode_tables[d], decode_lens[d], chunks,
+                                            (decode_state_slots or [])[d], (offsets or [])[d], R, moe_valid,
+                                            MoeExchange(moe_exchange.dispatch)))
+            meta.two_batch = TwoBatch(first, tuple(metas), self.config.two_batch_overlap)
+            self.two_batch_steps += 1
         if context_parallel is not None:     # the whole step's metadata beside this rank's
             context_parallel.meta = dataclasses.replace(meta, slot_mapping=context_parallel.slot_mapping,
                                                         prefills=context_parallel.chunks, context_parallel=None)
@@ -407,6 +432,23 @@ class ModelRunner:
         if images is not None:
             return self.model(input_ids, h2d(pos, dev), self.caches, meta, images=images)
         return self.model(input_ids, h2d(pos, dev), self.caches, meta)
+
+    def _metadata(self, slots, decode_tables, decode_lens, prefills, decode_state_slots, offsets, moe_rows,
+                  moe_valid, moe_exchange, context_parallel=None) -> AttentionMetadata:
+        dev = self.device
+        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=h2d(slots, dev),
+                                 num_decode_tokens=len(decode_tables), prefills=prefills,
+                                 moe_rows_per_rank=moe_rows, moe_valid_rows=moe_valid,
+                                 context_parallel=context_parallel, moe_exchange=moe_exchange)
+        if decode_tables:
+            meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
+            meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
+            meta.max_decode_context_len = max(decode_lens)
+            if self.num_state_slots:
+                meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
+                if offsets and any(offsets):
+                    meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+        return meta
 
     def _image_rows(self, req: Request, start: int, end: int, row: int, rows: list[int], embeds: list) -> None:
         """The rows of positions [start, end) (step rows from `row` on) inside the request's image spans, and their

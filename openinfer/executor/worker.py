@@ -211,6 +211,7 @@ def _serve(engine, ctx, conn) -> None:
             if engine.runner.step_sync is not None:
                 stats["step_sync_s"] = engine.runner.step_sync.wait_s
                 stats["step_sync_rounds"] = engine.runner.step_sync.rounds
+                stats["two_batch_steps"] = engine.runner.two_batch_steps
             conn.send(("ok", (outputs, engine.has_unfinished_requests(), stats)))
         elif kind == "touch":
             engine.touch_cache_pages()

@@ -79,6 +79,9 @@ class AttentionMetadata:
     # which exchange and whether two micro-batches overlap (distributed/expert_parallel.py: MoeExchange; None:
     # all-gather, one batch), picked by the runner from agreed values, so alike on every rank
     moe_exchange: object | None = None
+    # two-batch overlap across attention (distributed/two_batch.py: TwoBatch): the step as two micro-batches of
+    # whole requests, each with its own metadata; None: one batch
+    two_batch: Any = None
     # models with a window group (kv_cache/window_group.py): the step as (full-attention layers, windowed
     # layers) see it: the windowed layers read the window group's tables and slots (and, in a step with bounded
     # replay, kv_cache/bounded_replay.py, other slot mappings and chunks starting later); None: one view

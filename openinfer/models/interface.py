@@ -52,6 +52,9 @@ class ModelTraits:
     fp8_kv_cache: bool = False
     # every reduction is one that batch-invariant mode covers (layers/batch_invariant.py)
     batch_invariant: bool = False
+    # decoder layers split at the MoE exchange (`attend` / `finish`), so expert-parallel steps can run as two
+    # micro-batches of whole requests (EngineConfig.two_batch_split="requests", distributed/two_batch.py)
+    two_batch_layers: bool = False
     # images in prompts (docs/vision.md): the model checks image spans (`check_image`), embeds them
     # (`embed_image`) and its `forward` takes the step's image rows (`images=ImageRows`)
     vision: bool = False

@@ -40,7 +40,8 @@ from torch import nn
 
 from openinfer.distributed.collectives import tp_all_reduce
 from openinfer.distributed.context_parallel import query_spans
-from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
+from openinfer.distributed.expert_parallel import (ExpertRouting, expert_parallel_moe, initial_layout,
+                                                   receive_micro_batch, send_micro_batch)
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
@@ -806,6 +807,16 @@ class MoE(nn.Module):
         return (expert_parallel_moe(x, experts, weights, self.routing, self.experts, meta, self.parallel)
                 + self.shared_experts(x))
 
+    def send(self, x, input_ids, meta: AttentionMetadata):
+        """Expert parallelism, one micro-batch of two-batch overlap (distributed/two_batch.py): route, send the rows
+        to their experts' ranks, compute the shared expert while they travel; `receive` adds the routed experts."""
+        experts, weights = self.gate(x, input_ids)
+        return send_micro_batch(x, experts, weights, self.routing, meta, self.parallel), self.shared_experts(x)
+
+    def receive(self, sent) -> torch.Tensor:
+        flight, shared = sent
+        return receive_micro_batch(flight, self.experts, self.routing, self.parallel) + shared
+
 
 # ---- mHC ----------------------------------------------------------------------------------------------
 class HyperConnection(nn.Module):
@@ -874,6 +885,21 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg, ops)
 
     def forward(self, streams, input_ids, positions, rope, state, meta):
+        streams, post, comb, h = self._attention(streams, positions, rope, state, meta)
+        return self.ffn_hc.merge(streams, self.mlp(h, input_ids, meta), post, comb)
+
+    def attend(self, streams, input_ids, positions, rope, state, meta):
+        """Two-batch overlap (distributed/two_batch.py), one micro-batch: the layer up to its MoE rows sent to their
+        experts' ranks -> (streams, flight); `finish` the rest."""
+        streams, post, comb, h = self._attention(streams, positions, rope, state, meta)
+        return streams, (self.mlp.send(h, input_ids, meta), post, comb)
+
+    def finish(self, streams, flight):
+        sent, post, comb = flight
+        return self.ffn_hc.merge(streams, self.mlp.receive(sent), post, comb)
+
+    def _attention(self, streams, positions, rope, state, meta):
+        """Attention and its merge, then the FFN hyper-connection's weights -> (streams, post, comb, FFN input)."""
         post, comb, h = self.attn_hc(streams)
         cp = meta.context_parallel
         if cp is None:
@@ -882,7 +908,7 @@ class DeepseekV4DecoderLayer(nn.Module):
             attn = self.self_attn(cp.gather(self.input_layernorm(h)), cp.positions, rope, state, cp.meta, cp)
         streams = self.attn_hc.merge(streams, attn, post, comb)
         post, comb, h = self.ffn_hc(streams)
-        return self.ffn_hc.merge(streams, self.mlp(self.post_attention_layernorm(h), input_ids, meta), post, comb)
+        return streams, post, comb, self.post_attention_layernorm(h)
 
 
 MTP_INPUT = "mtp_input"          # the key `captured` keeps the MTP heads' input under
@@ -915,9 +941,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def traits(self) -> ModelTraits:
         """Decode is capturable on the host-sync-free expert path (grouped GEMM: bf16 on CUDA) and gathers the
         compressed entries up to the longest context (one graph per context bucket); windows and compressor rows
-        are per-request state; the MTP heads draft (`mtp`)."""
+        are per-request state; the MTP heads draft (`mtp`); the layers split at the MoE exchange (`attend` /
+        `finish`: two-batch overlap across attention)."""
         return ModelTraits(cuda_graph_decode=self.lm_head.weight.dtype == torch.bfloat16,
-                           context_bucketed_graphs=True, per_request_state=True,
+                           context_bucketed_graphs=True, per_request_state=True, two_batch_layers=True,
                            drafters=frozenset({"mtp"}) if len(self.mtp) else frozenset())
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None):
@@ -1004,9 +1031,17 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_streams(self, input_ids, positions, caches, meta) -> torch.Tensor:
         """The hc_head output (pre final norm) [T, hidden]: what the MTP heads read."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, positions, self._rope_for(self.config.layer_types[i]),
-                            self.layer_state(caches, i), meta)
+        ropes = [self._rope_for(t) for t in self.config.layer_types]
+        states = [self.layer_state(caches, i) for i in range(len(self.layers))]
+        tb = meta.two_batch
+        if tb is not None:      # two micro-batches of whole requests, each its own metadata (distributed/two_batch.py)
+            def attend(i, s, half):
+                rows = tb.rows[half]
+                return self.layers[i].attend(s, input_ids[rows], positions[rows], ropes[i], states[i], tb.metas[half])
+            return self.hc_head(tb.run(streams, len(self.layers), attend,
+                                       lambda i, s, flight: self.layers[i].finish(s, flight)))
+        for layer, rope, state in zip(self.layers, ropes, states):
+            streams = layer(streams, input_ids, positions, rope, state, meta)
         return self.hc_head(streams)
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
