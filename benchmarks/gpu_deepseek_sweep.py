@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--previous", action="append", default=[])
     ap.add_argument("--name", default=None)
+    ap.add_argument("--label", default=None, help="this run's line (default: the model and its layers)")
     args = ap.parse_args()
     d = model_dir(args.tokenizer_json, **layout(args.layers), **PUBLISHED)
     out = os.environ.get("OUT", str(Path(__file__).parent / "results"))
@@ -34,7 +35,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "openinfer", "bench", "sweep", "--model", str(d), "--load-format", "dummy",
            "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--max-model-len", "4096",
            "--concurrency", args.concurrency, "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--label", f"V4-Flash width, {args.layers} layers, 1 GPU", "--out", out,
+           str(args.output_len), "--label", args.label or f"V4-Flash width, {args.layers} layers, 1 GPU", "--out", out,
            "--name", name, *[a for p in args.previous for a in ("--previous", p)]]
     print(" ".join(cmd), flush=True)
     return subprocess.run(cmd).returncode
