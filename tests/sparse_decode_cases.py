@@ -4,8 +4,9 @@ checked against the torch reference (`layers/sparse_attention.py:sparse_decode_a
 A case is a window ring with rollback room (R > W: rows of other positions that must not be read), decode rows at
 random positions (some below W, so part of their window is before the sequence start) in shuffled state slots, a
 compressed cache whose rows are picked per query in random order (invalid picks pointing at arbitrary rows, one
-row with no valid pick at all), in both softmax semantics, fp32 and bf16, with unquantized caches (V4) or V4.1's
-packed FP8 window / FP4 compressed rows. Ring and cache rows that no query may read (rollback room, positions
+row with no valid pick at all), in both softmax semantics, fp32 and bf16, with unquantized caches (V4), V4.1's
+packed FP8 window / FP4 compressed rows (`quantized=True`) or V4's FlashMLA rows in both (`quantized="ds_mla"`:
+FP8 NoPE values with E8M0 scales, a bf16 RoPE part; `cpu --ds-mla` runs those). Ring and cache rows that no query may read (rollback room, positions
 outside the window, rows only invalid picks point at) hold NaN, and the kernel's output starts as NaN: an output
 without NaN was wholly written and read no such row.
 
@@ -34,9 +35,18 @@ import sys
 import torch
 
 from openinfer.layers.sparse_attention import SOFTMAXES, V4_SOFTMAX, V41_SOFTMAX, sparse_decode_attention
-from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, Fp8DsMlaCodec
 
 V41_CODECS = (Fp8BlockCodec(32), Fp4BlockCodec(16, "e4m3"))       # what V4.1 stores (window, compressed)
+
+
+def case_codecs(quantized, head_dim: int) -> tuple:
+    """(ring codec, cache codec) of a case: None (unquantized), V4.1's, or V4's FlashMLA rows (`"ds_mla"`; a RoPE
+    part of head_dim / 8: 64 at DeepSeek's width)."""
+    if quantized == "ds_mla":
+        codec = Fp8DsMlaCodec.for_head(head_dim, head_dim // 8)
+        return codec, codec
+    return V41_CODECS if quantized else (None, None)
 
 
 def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, batch: int, heads: int, head_dim: int,
@@ -48,7 +58,8 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, batch: i
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     dev = torch.device(device)
     R, S = window + rollback, batch + 3
-    ring_codec, cache_codec = V41_CODECS if quantized else (None, None)
+    ring_codec, cache_codec = case_codecs(quantized, head_dim)
+    ds_mla = quantized == "ds_mla"
 
     ring_vals = torch.randn(S, R, head_dim, generator=g) * 2
     ring = ring_codec.encode(ring_vals) if quantized else ring_vals.to(dtype)
@@ -59,7 +70,9 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, batch: i
     read = torch.zeros(S, R, dtype=torch.bool)
     for s, p in zip(slots.tolist(), positions.tolist()):
         read[s, [q % R for q in range(max(p - window + 1, 0), p + 1)]] = True
-    if quantized:
+    if ds_mla:
+        ring[~read] = 0xFF                              # E4M3 and bf16 NaN values, E8M0 NaN scales
+    elif quantized:
         ring[~read] = 0x7F                              # E4M3 NaN values (E8M0 scale 1)
     else:
         ring[~read] = float("nan")
@@ -79,7 +92,9 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, batch: i
             valid[0] = False                            # a row without a valid pick: its window only
         picked = torch.zeros(cache_rows, dtype=torch.bool)   # rows only invalid picks point at hold NaN too
         picked[rows[valid] if valid_mask else rows.flatten()] = True
-        if quantized:
+        if ds_mla:
+            cache[~picked] = 0xFF
+        elif quantized:
             cache[~picked, head_dim // 2:] = 0x7F          # E4M3 NaN scales
         else:
             cache[~picked] = float("nan")
@@ -88,14 +103,15 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, batch: i
     return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def cases(device: str, quick: bool = False):
-    """Yield (name, case): small shapes (interpreter) on the CPU, these and DeepSeek's full width on CUDA."""
+def cases(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")):
+    """Yield (name, case): small shapes (interpreter) on the CPU, these and DeepSeek's full width on CUDA; caches
+    in `formats` (`random_case`'s `quantized`)."""
     rng = random.Random(0)
     specs = []
     dtypes = (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         for softmax in SOFTMAXES:
-            for quantized in (False, True):
+            for quantized in formats:
                 for heads, head_dim in ((4, 32), (20, 64)):
                     for window, rollback, topk in ((16, 0, None), (16, 5, 24), (8, 3, 40), (0, 2, 12)):
                         specs.append(dict(dtype=dtype, softmax=softmax, quantized=quantized, heads=heads,
@@ -110,7 +126,10 @@ def cases(device: str, quick: bool = False):
         specs = [spec for group in picked.values() for spec in group[:2]]
     if device == "cuda":        # DeepSeek's width: 64 heads of 512, window 128 (+ rollback), CSA top-512, HCA
         for dtype in dtypes:
-            for softmax, quantized in ((V4_SOFTMAX, False), (V41_SOFTMAX, True), (V41_SOFTMAX, False)):
+            for softmax, quantized in ((V4_SOFTMAX, False), (V41_SOFTMAX, True), (V41_SOFTMAX, False),
+                                       (V4_SOFTMAX, "ds_mla")):
+                if quantized not in formats:
+                    continue
                 for batch, topk, prefix in ((1, 512, False), (3, 512, False), (2, 64, True), (2, 1024, True),
                                             (37, 512, False), (130, 8, True)):
                     specs.append(dict(dtype=dtype, softmax=softmax, quantized=quantized, heads=64, head_dim=512,
@@ -147,11 +166,11 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
     return None, err
 
 
-def check_all(device: str, quick: bool = False) -> list[str]:
+def check_all(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")) -> list[str]:
     """Failures as strings (empty: every case within tolerance), each case with the default launch and with a
     forced split (a second kernel merging partial softmaxes) over small key tiles."""
     failures = []
-    for name, case in cases(device, quick):
+    for name, case in cases(device, quick, formats):
         for tuning in (None, {"splits": 3, "BLOCK_N": 16, "BLOCK_H": 16}):
             fail, err = check(case, tuning)
             print(f"{name} tuning={tuning}: max |kernel - reference| {err:.3g}", flush=True)
@@ -239,7 +258,9 @@ if __name__ == "__main__":
     if "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
         fails = [f for m in ("deepseek-v4-tiny", "deepseek-v41-tiny")
                  for f in compare_engines(m, device, "float32", 1e-5, max_tokens=8)]
+    elif "--ds-mla" in sys.argv:    # V4's FlashMLA cache rows only (two random shapes per dtype and softmax)
+        fails = check_all(device, quick=True, formats=("ds_mla",))
     else:
-        fails = check_all(device, quick="--quick" in sys.argv)
+        fails = check_all(device, quick="--quick" in sys.argv, formats=(False, True))
     print("\n".join(fails) or "all cases pass")
     sys.exit(1 if fails else 0)

@@ -3,7 +3,7 @@
 
 - CPU: Triton's interpreter (a subprocess: the interpreter is chosen when kernels are defined) over random small
   steps of tests/sparse_decode_cases.py: both softmax semantics, fp32 and bf16, unquantized and V4.1's packed
-  FP8 / FP4 caches, rollback rows, rows before the sequence start, invalid picks, a row with no valid pick, the
+  FP8 / FP4 caches, V4's FlashMLA (fp8_ds_mla) rows, rollback rows, rows before the sequence start, invalid picks, a row with no valid pick, the
   default launch and a forced split.
 - CPU, engine: the tiny V4 and V4.1 models decoding with the kernel (interpreter) against the same engine with the
   torch reference in its place.
@@ -38,6 +38,12 @@ def _in_interpreter(mode: str) -> None:
 
 def test_kernel_equals_reference_in_interpreter():
     _in_interpreter("--quick")
+
+
+def test_kernel_reads_ds_mla_rows_as_the_reference_in_interpreter():
+    """V4's FlashMLA cache rows (`Fp8DsMlaCodec`: FP8 NoPE, E8M0 scales, bf16 RoPE) in the window ring and the
+    compressed cache: the kernel decodes them as the codec does, both softmaxes, fp32 and bf16, split or not."""
+    _in_interpreter("--ds-mla")
 
 
 def test_engine_with_the_kernel_equals_engine_with_reference_in_interpreter():

@@ -4,7 +4,8 @@
 contract is documented there) without gathering keys into new tensors: each program reads its keys straight from
 the window ring (by slot and position) and from the paged compressed cache (through the row indices), decodes
 quantized rows in registers (V4.1's FP8 window keys with E8M0 scales per 32, FP4 E2M1 entries with E4M3 or E8M0
-scales: the values `quantization/kv_formats.py`'s codecs decode, bit for bit), and runs an online softmax.
+scales, V4's FlashMLA rows of FP8 NoPE values with E8M0 scales per 64 and a bf16 RoPE part: the values
+`quantization/kv_formats.py`'s codecs decode, bit for bit), and runs an online softmax.
 
 - MQA: all heads of a row attend to the same K = V rows, so a program holds BLOCK_H heads of one row as the rows of
   its tiles: each key tile is loaded (and decoded) once for all of them and serves both QK^T and PV.
@@ -28,12 +29,12 @@ import triton
 import triton.language as tl
 
 from openinfer.layers.sparse_attention import SOFTMAXES, V41_SOFTMAX
-from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, KVCodec
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec, Fp8DsMlaCodec, IdentityCodec, KVCodec
 from openinfer.quantization.triton_kernels import num_sms
 
 _LOG2E = 1.4426950408889634
-# how a cache stores its rows (FMT constexpr): the value dtype itself, or one of V4.1's codecs
-PLAIN, FP8_E8M0, FP4_E4M3, FP4_E8M0 = 0, 1, 2, 3
+# how a cache stores its rows (FMT constexpr): the value dtype itself, one of V4.1's codecs, or V4's FlashMLA rows
+PLAIN, FP8_E8M0, FP4_E4M3, FP4_E8M0, FP8_DS_MLA = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -43,14 +44,25 @@ def _e8m0(e):
 
 
 @triton.jit
-def _load_keys(ptr, row_off, ok, d, D: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+def _load_keys(ptr, row_off, ok, d, D: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr,
+               NOPE: tl.constexpr = 0):
     """Key rows starting at element offsets `row_off` [N] (rows where `ok` is False read as 0) -> [N, D_PAD] in
     DTYPE. Quantized rows are [values | scale bytes] uint8 (kv_formats' packed layout) and decode as the codecs do:
-    value * scale in float32, one rounding to DTYPE."""
+    value * scale in float32, one rounding to DTYPE. FP8_DS_MLA rows (`Fp8DsMlaCodec`): NOPE E4M3 bytes, the
+    RoPE part's bf16 bits (two bytes each, low first), then one E8M0 byte per GROUP NoPE values."""
     base = ptr + row_off[:, None]
     m = ok[:, None] & (d < D)[None, :]
     if FMT == 0:
         k = tl.load(base + d[None, :], mask=m, other=0.0)
+    elif FMT == 4:
+        nope = (d < NOPE)[None, :]
+        v = tl.load(base + d[None, :], mask=m & nope, other=0)
+        e = tl.load(base + (2 * D - NOPE) + d[None, :] // GROUP, mask=m & nope, other=0)
+        r = NOPE + 2 * tl.where(d < NOPE, 0, d - NOPE)[None, :]
+        lo = tl.load(base + r, mask=m & ~nope, other=0).to(tl.uint32)
+        hi = tl.load(base + r + 1, mask=m & ~nope, other=0).to(tl.uint32)
+        rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)      # bf16 bits -> float32, exactly
+        k = tl.where(nope, v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _e8m0(e), rope)
     elif FMT == 1:
         v = tl.load(base + d[None, :], mask=m, other=0)
         e = tl.load(base + D + d[None, :] // GROUP, mask=m, other=0)
@@ -124,6 +136,7 @@ def _sparse_decode_kernel(
     stride_ring_slot, stride_ring_row, stride_cache, stride_rows, stride_valid,
     H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WIN_FMT: tl.constexpr, WIN_GROUP: tl.constexpr, COMP_FMT: tl.constexpr, COMP_GROUP: tl.constexpr,
+    WIN_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr,
     HAS_COMP: tl.constexpr, HAS_VALID: tl.constexpr, V41: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -156,7 +169,7 @@ def _sparse_decode_kernel(
         kpos = pos - W + 1 + i                      # positions P-W+1 .. P, ring row p % R
         ok = (i < W) & (kpos >= 0)
         off = slot * stride_ring_slot + (tl.where(ok, kpos, 0) % R) * stride_ring_row
-        k = _load_keys(ring_ptr, off, ok, d, D, WIN_FMT, WIN_GROUP, dtype)
+        k = _load_keys(ring_ptr, off, ok, d, D, WIN_FMT, WIN_GROUP, dtype, WIN_NOPE)
         acc, m_i, l_i = _attend_tile(q, k, ok, acc, m_i, l_i, qk_scale, PRECISION, UPCAST)
     if HAS_COMP:
         for t in range(tl.maximum(t0, n_wt), t1):
@@ -165,7 +178,7 @@ def _sparse_decode_kernel(
             if HAS_VALID:
                 ok = ok & (tl.load(valid_ptr + b * stride_valid + j, mask=ok, other=0) != 0)
             row = tl.load(rows_ptr + b * stride_rows + j, mask=ok, other=0).to(tl.int64)
-            k = _load_keys(cache_ptr, row * stride_cache, ok, d, D, COMP_FMT, COMP_GROUP, dtype)
+            k = _load_keys(cache_ptr, row * stride_cache, ok, d, D, COMP_FMT, COMP_GROUP, dtype, COMP_NOPE)
             acc, m_i, l_i = _attend_tile(q, k, ok, acc, m_i, l_i, qk_scale, PRECISION, UPCAST)
     # a runtime branch, not a variant: whether a step splits depends on its batch and context
     if n_splits > 1:                                # partials [B, H, splits, ...]; the sink is the combine's
@@ -205,8 +218,9 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, n_splits, stri
              mask=(d < D)[None, :])
 
 
-def _format(codec: KVCodec | None, dim: int, stored: torch.Tensor) -> tuple[int, int]:
-    """(FMT, group) of a cache's rows, checked against the stored row width."""
+def _format(codec: KVCodec | None, dim: int, stored: torch.Tensor) -> tuple[int, int, int]:
+    """(FMT, group, NoPE width: FP8_DS_MLA's, else 0) of a cache's rows, checked against the stored row width."""
+    nope = 0
     if codec is None or isinstance(codec, IdentityCodec):
         fmt, group, width = PLAIN, 1, dim
     elif isinstance(codec, Fp8BlockCodec):
@@ -214,6 +228,8 @@ def _format(codec: KVCodec | None, dim: int, stored: torch.Tensor) -> tuple[int,
     elif isinstance(codec, Fp4BlockCodec):
         fmt, group = (FP4_E4M3 if codec.scale_fmt == "e4m3" else FP4_E8M0), codec.group
         width = codec.stored_dim(dim)
+    elif isinstance(codec, Fp8DsMlaCodec):
+        fmt, group, width, nope = FP8_DS_MLA, codec.tile, codec.stored_dim(dim), dim - codec.rope_dim
     else:
         raise ValueError(f"the sparse decode kernel cannot read {codec!r} rows")
     if stored.shape[-1] != width or stored.stride(-1) != 1:
@@ -221,7 +237,7 @@ def _format(codec: KVCodec | None, dim: int, stored: torch.Tensor) -> tuple[int,
                          f"{dim} values")
     if fmt != PLAIN and stored.dtype != torch.uint8:
         raise ValueError(f"{codec!r} rows must be uint8, got {stored.dtype}")
-    return fmt, group
+    return fmt, group, nope
 
 
 def decode_launch(batch: int, heads: int, head_dim: int, keys: int, device: torch.device) -> dict:
@@ -254,14 +270,14 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
         return out
     if window > ring.shape[1]:
         raise ValueError(f"window {window} exceeds the ring's {ring.shape[1]} rows")
-    win_fmt, win_group = _format(ring_codec, D, ring)
+    win_fmt, win_group, win_nope = _format(ring_codec, D, ring)
     has_comp = cache is not None
     if has_comp:
         cache = cache.view(-1, cache.shape[-1])
-        comp_fmt, comp_group = _format(cache_codec, D, cache)
+        comp_fmt, comp_group, comp_nope = _format(cache_codec, D, cache)
         K = rows.shape[1]
     else:
-        cache, rows, comp_fmt, comp_group, K = ring, slots, PLAIN, 1, 0   # unused stand-ins
+        cache, rows, comp_fmt, comp_group, comp_nope, K = ring, slots, PLAIN, 1, 0, 0   # unused stand-ins
     launch = decode_launch(B, H, D, window + K, q.device)
     launch.update(tuning or {})
     splits = launch.pop("splits")
@@ -280,6 +296,7 @@ def sparse_decode_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: floa
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ring.stride(0), ring.stride(1), cache.stride(0), rows.stride(0), valid_arg.stride(0),
         H=H, D=D, D_PAD=d_pad, WIN_FMT=win_fmt, WIN_GROUP=win_group, COMP_FMT=comp_fmt, COMP_GROUP=comp_group,
+        WIN_NOPE=win_nope, COMP_NOPE=comp_nope,
         HAS_COMP=has_comp, HAS_VALID=has_valid, V41=v41, PRECISION=precision,
         UPCAST=q.device.type != "cuda", **launch)
     if splits > 1:

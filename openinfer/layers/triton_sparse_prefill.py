@@ -37,6 +37,7 @@ def _sparse_prefill_kernel(
     stride_ring_slot, stride_ring_row, stride_cache, stride_rows, stride_valid,
     H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WIN_FMT: tl.constexpr, WIN_GROUP: tl.constexpr, COMP_FMT: tl.constexpr, COMP_GROUP: tl.constexpr,
+    WIN_NOPE: tl.constexpr, COMP_NOPE: tl.constexpr,
     HAS_COMP: tl.constexpr, HAS_VALID: tl.constexpr, HAS_FLOOR: tl.constexpr, V41: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -66,7 +67,7 @@ def _sparse_prefill_kernel(
         ok = (i < W) & (kpos >= lo)
         old = ok & (kpos < start)                   # history: the ring (not yet overwritten by this chunk)
         off = slot * stride_ring_slot + (tl.where(old, kpos, 0) % R) * stride_ring_row
-        k_old = _load_keys(ring_ptr, off, old, d, D, WIN_FMT, WIN_GROUP, dtype)
+        k_old = _load_keys(ring_ptr, off, old, d, D, WIN_FMT, WIN_GROUP, dtype, WIN_NOPE)
         new = ok & (kpos >= start)                  # the chunk's own keys: row t - (P - p) of the step
         k_new = _load_keys(kv_ptr, tl.where(new, t - pos + kpos, 0) * stride_kv, new, d, D, 0, 1, dtype)
         k = tl.where(new[:, None], k_new, k_old)
@@ -78,7 +79,7 @@ def _sparse_prefill_kernel(
             if HAS_VALID:
                 ok = ok & (tl.load(valid_ptr + t * stride_valid + j, mask=ok, other=0) != 0)
             row = tl.load(rows_ptr + t * stride_rows + j, mask=ok, other=0).to(tl.int64)
-            k = _load_keys(cache_ptr, row * stride_cache, ok, d, D, COMP_FMT, COMP_GROUP, dtype)
+            k = _load_keys(cache_ptr, row * stride_cache, ok, d, D, COMP_FMT, COMP_GROUP, dtype, COMP_NOPE)
             acc, m_i, l_i = _attend_tile(q, k, ok, acc, m_i, l_i, qk_scale, PRECISION, UPCAST)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     out = _finish(acc, m_i, l_i, sink, V41)
@@ -114,14 +115,14 @@ def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: flo
     if kv.shape != (T, D) or kv.stride(-1) != 1:
         raise ValueError(f"kv must be [{T}, {D}] with unit last stride, got {tuple(kv.shape)}")
     kv = kv.to(q.dtype)
-    win_fmt, win_group = _format(ring_codec, D, ring)
+    win_fmt, win_group, win_nope = _format(ring_codec, D, ring)
     has_comp = cache is not None
     if has_comp:
         cache = cache.view(-1, cache.shape[-1])
-        comp_fmt, comp_group = _format(cache_codec, D, cache)
+        comp_fmt, comp_group, comp_nope = _format(cache_codec, D, cache)
         K = rows.shape[1]
     else:
-        cache, rows, comp_fmt, comp_group, K = ring, positions[:, None], PLAIN, 1, 0   # unused stand-ins
+        cache, rows, comp_fmt, comp_group, comp_nope, K = ring, positions[:, None], PLAIN, 1, 0, 0   # unused stand-ins
     # each query's chunk: the number of chunk ends at or before its row (on the device: no host sync)
     chunk = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=q.device), right=True)
     launch = prefill_launch(H, D)
@@ -137,6 +138,7 @@ def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: flo
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv.stride(0),
         ring.stride(0), ring.stride(1), cache.stride(0), rows.stride(0), valid_arg.stride(0),
         H=H, D=D, D_PAD=d_pad, WIN_FMT=win_fmt, WIN_GROUP=win_group, COMP_FMT=comp_fmt, COMP_GROUP=comp_group,
+        WIN_NOPE=win_nope, COMP_NOPE=comp_nope,
         HAS_COMP=has_comp, HAS_VALID=has_valid, HAS_FLOOR=has_floor, V41=softmax == V41_SOFTMAX,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type != "cuda", **launch)
     return out

@@ -31,6 +31,9 @@ FP8 values are the float8_e4m3fn bits; FP4 values are two E2M1 codes per byte (b
 element in the low nibble. E8M0 scale bytes are the biased exponent (scale = 2^(byte - 127)); E4M3 scale
 bytes are the float8_e4m3fn bits.
 
+DeepSeek-V4's own cache format (`Fp8DsMlaCodec`, `kv_cache_dtype="fp8_ds_mla"`, vLLM's name) is FlashMLA's
+"MODEL1" FP8 sparse layout, 584 bytes per entry of head_dim 512: see the class.
+
 The FP8 KV cache of the Llama family and Gemma-3 (`kv_cache_dtype="fp8"`, `fp8_kv_quantize` /
 `fp8_kv_dequantize`) is a different, simpler format: E4M3 values with one float32 scale per K or V row of
 head_dim values (per token, per K/V, per KV head), scale = amax / 448. See docs/kv_cache_fp8.md.
@@ -290,6 +293,95 @@ class Fp4BlockCodec:
 
     def qdq(self, x: torch.Tensor) -> torch.Tensor:
         return fp4_block_qdq(x, self.group, self.scale_fmt)
+
+
+def _ds_mla_scale_bytes(tiles: int) -> int:
+    """Scale bytes of an `Fp8DsMlaCodec` row: one per tile, zero-padded to a multiple of 8 (V4: 7 + 1 = 8)."""
+    return -(-tiles // 8) * 8
+
+
+@dataclass(frozen=True)
+class Fp8DsMlaCodec:
+    """DeepSeek-V4's KV entries as FlashMLA's sparse FP8 decode reads them ("MODEL1_FP8Sparse"; vLLM's
+    kv_cache_dtype "fp8_ds_mla"): the first dim - `rope_dim` ("NoPE") values FP8 E4M3 with one power-of-two (UE8M0)
+    scale per `tile` values, the last `rope_dim` (the RoPE part) kept as bf16. One uint8 row per entry:
+
+        [0, nope)                          E4M3 bytes of the NoPE values
+        [nope, nope + 2*rope_dim)          the RoPE values' bf16 bits, little-endian
+        [nope + 2*rope_dim, stored_dim)    one E8M0 byte per tile (scale = 2^(byte - 127)), zero bytes to a
+                                           multiple of 8
+
+    V4 (head_dim 512, rope_dim 64, tile 64): 448 + 128 + 7 + 1 = 584 bytes/entry. Source: deepseek-ai/FlashMLA at
+    9241ae3ef9ba — csrc/api/sparse_decode.h (d_qk 512: bytes_per_token = 448 + 64*2 + (448/64)*1 + 1),
+    csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh (a token's 576 value bytes at rel_idx * 576 in its page block, its 8
+    scale bytes at page_block_size * 576 + rel_idx * 8) and tests/quant.py (quantize_k_cache, MODEL1_FP8Sparse).
+    FlashMLA puts a page block's scale bytes after all its value bytes; with page_block_size = 1 that is this row
+    exactly, so a cache of these rows viewed as (rows, 1, 1, 584) with flat row indices is a FlashMLA MODEL1 cache
+    as it is (num_blocks = rows; the sm90 kernel reads the scales with one 8-byte load, so rows stay 8-aligned).
+
+    Scales are DeepSeek's V4 inference arithmetic (`act_quant(kv[..., :-rd], 64, "ue8m0", ..., inplace=True)`, as
+    `fp8_block_qdq(., tile)`): 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))). FlashMLA's test quantizer floors
+    amax / 448 at 1e-4 instead, so tiles with amax < 0.0448 get a coarser scale there; the bytes decode the same
+    way either way (value * 2^(byte - 127), exact in bf16). Small heads (the tiny test models) use a smaller `tile`
+    that divides their NoPE width (`for_head`)."""
+
+    rope_dim: int = 64
+    tile: int = 64
+
+    def __post_init__(self) -> None:
+        if self.rope_dim <= 0 or self.tile <= 0:
+            raise ValueError(f"rope_dim and tile must be positive, got {self.rope_dim}, {self.tile}")
+
+    @classmethod
+    def for_head(cls, head_dim: int, rope_dim: int) -> "Fp8DsMlaCodec":
+        """FlashMLA's tile of 64 where it divides the NoPE width, else the largest power of two below it that does."""
+        nope = head_dim - rope_dim
+        if nope <= 0:
+            raise ValueError(f"head_dim {head_dim} leaves no NoPE values beside rope_dim {rope_dim}")
+        return cls(rope_dim, min(64, nope & -nope))
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def _nope(self, dim: int) -> int:
+        nope = dim - self.rope_dim
+        if nope <= 0:
+            raise ValueError(f"entries of {dim} values leave no NoPE values beside rope_dim {self.rope_dim}")
+        _check_divisible(nope, self.tile, "FP8 tile")
+        return nope
+
+    def stored_dim(self, dim: int) -> int:
+        nope = self._nope(dim)
+        return nope + 2 * self.rope_dim + _ds_mla_scale_bytes(nope // self.tile)
+
+    def dim_of(self, stored: int) -> int:
+        """The entry width whose rows are `stored` bytes wide."""
+        for tiles in range(1, stored // self.tile + 1):
+            if tiles * self.tile + 2 * self.rope_dim + _ds_mla_scale_bytes(tiles) == stored:
+                return tiles * self.tile + self.rope_dim
+        raise ValueError(f"stored row of {stored} bytes is not a valid {self} entry")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        nope = self._nope(x.shape[-1])
+        xg = _groups(x[..., :nope], self.tile, "FP8 tile")
+        e = _fp8_scale(xg)
+        q = (xg / _exponent_to_float(e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        rope = x[..., nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        pad = e.new_zeros((*e.shape[:-1], _ds_mla_scale_bytes(e.shape[-1]) - e.shape[-1]))
+        return torch.cat((q.flatten(-2).view(torch.uint8), rope, e.to(torch.uint8), pad.to(torch.uint8)), dim=-1)
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        dim = self.dim_of(stored.shape[-1])
+        nope, end = dim - self.rope_dim, dim + self.rope_dim
+        q = stored[..., :nope].view(torch.float8_e4m3fn).float().unflatten(-1, (-1, self.tile))
+        s = _exponent_to_float(stored[..., end:end + nope // self.tile]).unsqueeze(-1)
+        rope = stored[..., nope:end].contiguous().view(torch.bfloat16)
+        return torch.cat(((q * s).flatten(-2).to(dtype), rope.to(dtype)), dim=-1)
+
+    def qdq(self, x: torch.Tensor) -> torch.Tensor:
+        nope = self._nope(x.shape[-1])
+        return torch.cat((fp8_block_qdq(x[..., :nope], self.tile), x[..., nope:].to(torch.bfloat16).to(x.dtype)), -1)
 
 
 # ---- FP8 KV cache of the Llama family and Gemma-3 (kv_cache_dtype="fp8") -----------------------------------
