@@ -25,6 +25,8 @@ _DTYPES = {
 
 # kv_cache_dtype values for the FP8 KV cache of the Llama family and Gemma-3 (vLLM's names; docs/kv_cache_fp8.md)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# DeepSeek-V4's own cache format as FlashMLA reads it (vLLM's name; quantization/kv_formats.py: Fp8DsMlaCodec)
+DS_MLA_KV_CACHE_DTYPE = "fp8_ds_mla"
 
 # ---- speculative decoding (spec_decode/, docs/spec_decode.md) ----------------------------------------------
 SPECULATIVE_METHODS = ("ngram", "draft_head", "mtp", "dspark")
@@ -156,7 +158,9 @@ class EngineConfig:
     kv_cache_dtype: str = _opt(
         "auto", "how caches store entries: auto (the model's own format: DeepSeek-V4.1 FP8/FP4 as DeepSeek stores "
                 "them, else the model dtype); the model dtype (unquantized); fp8 or fp8_e4m3 (Llama family, Gemma-3: "
-                "FP8 E4M3 K/V with a float32 scale per token and head; docs/kv_cache_fp8.md)")
+                "FP8 E4M3 K/V with a float32 scale per token and head; docs/kv_cache_fp8.md); fp8_ds_mla "
+                "(DeepSeek-V4: window and compressed entries as FlashMLA reads them, FP8 with a power-of-two scale "
+                "per 64 values and a bf16 RoPE part, 584 B at head_dim 512; docs/deepseek_v4.md)")
     v41_prefill_mode: str = _opt(
         "exact", "DeepSeek-V4.1 prefill: exact (every layer over every prompt token, DeepSeek's reference) or yoco "
                  "(decoder layers over the prompt's last v41_prefill_keep_tokens only; docs/deepseek_v41.md)",
@@ -292,9 +296,9 @@ class EngineConfig:
             raise ValueError(f"v41_prefill_mode must be 'exact' or 'yoco', got {self.v41_prefill_mode!r}")
         if not isinstance(self.v41_prefill_keep_tokens, int) or self.v41_prefill_keep_tokens < 1:
             raise ValueError(f"v41_prefill_keep_tokens must be an integer >= 1, got {self.v41_prefill_keep_tokens!r}")
-        if self.kv_cache_dtype not in ("auto", *FP8_KV_CACHE_DTYPES, *_DTYPES):
-            raise ValueError(f"kv_cache_dtype must be 'auto', one of {list(FP8_KV_CACHE_DTYPES)} or one of "
-                             f"{sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *FP8_KV_CACHE_DTYPES, DS_MLA_KV_CACHE_DTYPE, *_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be 'auto', one of {list(FP8_KV_CACHE_DTYPES)}, "
+                             f"{DS_MLA_KV_CACHE_DTYPE!r} or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.quantization not in (None, "int4"):

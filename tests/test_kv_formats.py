@@ -4,13 +4,14 @@ quantized codes and scales, and decoding what was encoded gives exactly the QDQ 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from openinfer.quantization.kv_formats import (Fp4BlockCodec, Fp8BlockCodec, IdentityCodec, fp4_block_qdq,
+from openinfer.quantization.kv_formats import (Fp4BlockCodec, Fp8BlockCodec, Fp8DsMlaCodec, IdentityCodec, fp4_block_qdq,
                                                fp8_block_qdq)
 
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
@@ -128,7 +129,8 @@ def test_fp4_encode_holds_the_reference_codes_and_scales(kernel_cpu, group, scal
 
 
 # ---- codecs: decode(encode(x)) == qdq(x) ------------------------------------------------------------------
-CODECS = [Fp8BlockCodec(32), Fp8BlockCodec(128)] + [Fp4BlockCodec(g, f) for g, f in FP4_CASES]
+CODECS = [Fp8BlockCodec(32), Fp8BlockCodec(128)] + [Fp4BlockCodec(g, f) for g, f in FP4_CASES] + [
+    Fp8DsMlaCodec(), Fp8DsMlaCodec(rope_dim=16, tile=16)]
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
@@ -188,6 +190,61 @@ def test_fp8_layout():
     assert stored[0].item() == torch.tensor(448.0).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert stored[64].item() == 127                                     # 448 * fp32(1/448) -> 2^0
     assert stored[65].item() == 127 - 22                                # amax floored at 1e-4 -> 2^-22
+
+
+# ---- DeepSeek-V4's FlashMLA rows (kv_cache_dtype="fp8_ds_mla") ------------------------------------------------
+def test_ds_mla_layout_bit_by_bit():
+    """One hand-made V4 entry: NoPE E4M3 bytes, then the RoPE part's bf16 bits little-endian, then the 7 E8M0 bytes
+    and one zero pad byte (FlashMLA MODEL1_FP8Sparse, page_block_size 1)."""
+    x = torch.zeros(512)
+    x[0], x[1], x[64], x[447] = 448.0, -3.0, 1e-6, 0.75     # tiles 0, 1 and 6
+    x[448], x[449], x[511] = 1.0, -2.5, 3.140625            # RoPE part (exact in bf16: 0x3F80, 0xC020, 0x4049)
+    row = Fp8DsMlaCodec().encode(x)
+    assert row.dtype == torch.uint8 and row.shape == (584,)
+    assert row[0].item() == 0x7E and row[1].item() == 0xC4   # 448 = 1.75 * 2^8, -3 = -1.5 * 2^1 (scale 2^0)
+    assert row[64].item() == 0x48                            # 1e-6 / 2^-22 = 4.19 -> 4.0 (amax floored at 1e-4)
+    assert row[447].item() == 0x7C                           # 0.75 / 2^-9 = 384 = 1.5 * 2^8
+    assert row[448:450].tolist() == [0x80, 0x3F] and row[450:452].tolist() == [0x20, 0xC0]
+    assert row[574:576].tolist() == [0x49, 0x40]
+    assert row[576:583].tolist() == [127, 127 - 22, 127 - 22, 127 - 22, 127 - 22, 127 - 22, 127 - 9]
+    assert row[583].item() == 0
+
+
+def test_ds_mla_rows_are_flashmla_model1_with_one_token_pages():
+    """An independent writer of FlashMLA's MODEL1 page layout (a page of P tokens: P x 576 value bytes, then P x 8
+    scale bytes; deepseek-ai/FlashMLA tests/quant.py, csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh) with P = 1 and
+    the same scales gives our rows byte for byte, and FlashMLA's bf16 dequantization (value * scale in bf16) our
+    decode."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 512, generator=g) * torch.logspace(-3, 2, 6)[:, None]).bfloat16()
+    codec = Fp8DsMlaCodec()
+    rows = codec.encode(x)
+    for t in range(6):
+        page = torch.zeros(584, dtype=torch.uint8)
+        for i in range(7):
+            tile = x[t, 64 * i:64 * (i + 1)].float()
+            scale = 2.0 ** math.ceil(math.log2(max(tile.abs().max().item(), 1e-4) * (1 / 448)))
+            page[64 * i:64 * (i + 1)] = (tile / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            page[576 + i] = int(round(math.log2(scale))) + 127
+        page[448:576] = x[t, 448:].view(torch.uint8)
+        assert torch.equal(rows[t], page), t
+        nope = page[:448].view(torch.float8_e4m3fn).to(torch.bfloat16).view(7, 64)
+        scales = page[576:583].view(torch.float8_e8m0fnu).to(torch.bfloat16)
+        flashmla = torch.cat(((nope * scales[:, None]).flatten(), page[448:576].view(torch.bfloat16)))
+        assert torch.equal(codec.decode(rows[t], torch.bfloat16), flashmla)
+
+
+def test_ds_mla_sizes_and_tiles():
+    assert Fp8DsMlaCodec().stored_dim(512) == 584 and Fp8DsMlaCodec().dim_of(584) == 512
+    assert Fp8DsMlaCodec.for_head(512, 64) == Fp8DsMlaCodec(64, 64)
+    assert Fp8DsMlaCodec.for_head(32, 8) == Fp8DsMlaCodec(8, 8)        # the tiny V4: 24 NoPE values, 3 tiles
+    assert Fp8DsMlaCodec(8, 8).stored_dim(32) == 24 + 16 + 8
+    with pytest.raises(ValueError, match="100.*64"):
+        Fp8DsMlaCodec().stored_dim(164)
+    with pytest.raises(ValueError, match="583"):
+        Fp8DsMlaCodec().decode(torch.zeros(583, dtype=torch.uint8), torch.bfloat16)
+    with pytest.raises(ValueError, match="no NoPE"):
+        Fp8DsMlaCodec().encode(torch.zeros(64))
 
 
 # ---- sizes and validation ---------------------------------------------------------------------------------

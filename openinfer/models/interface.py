@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from openinfer.config import FP8_KV_CACHE_DTYPES, EngineConfig
+from openinfer.config import DS_MLA_KV_CACHE_DTYPE, FP8_KV_CACHE_DTYPES, EngineConfig
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.bounded_replay import SlidingWindowLayout
 from openinfer.kv_cache.spec import CacheSpec
@@ -215,6 +215,10 @@ class ModelFamily:
             if not getattr(backend, "supports_fp8_kv", False):     # a backend's capability, chosen at start-up
                 raise ValueError(f"kv_cache_dtype={kv!r}: the {type(backend).__name__} attention backend does "
                                  f"not read FP8 KV caches yet; use attention_backend='torch' (works on CPU and CUDA)")
+        elif kv == DS_MLA_KV_CACHE_DTYPE:
+            if not self.ds_mla_kv_cache:
+                raise ValueError(f"kv_cache_dtype={kv!r} (DeepSeek-V4's FlashMLA cache rows) is supported for "
+                                 f"DeepSeek-V4 models only, not for this {self.name} model")
         elif kv != "auto" and getattr(torch, kv, None) != config.torch_dtype:
             raise ValueError(f"kv_cache_dtype={kv!r}: caches store entries either in the model's own format "
                              f"('auto') or unquantized in the model dtype "
@@ -225,6 +229,7 @@ class ModelFamily:
     prefill_modes: tuple[str, ...] = ("exact",)
     fp8_kv_cache: bool = False
     fp8_kv_hint: str = ""
+    ds_mla_kv_cache: bool = False     # kv_cache_dtype="fp8_ds_mla": DeepSeek-V4's FlashMLA cache rows
 
     def construct(self, cfg, model: ResolvedModel, config: EngineConfig, backend: AttentionBackend, ops: LayerOps,
                   parallel: ParallelContext) -> "nn.Module":

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openinfer.config import DS_MLA_KV_CACHE_DTYPE
 from openinfer.loader.weights import iter_safetensors
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.interface import ModelFamily, TinyModel
 from openinfer.quantization.checkpoint import QuantScheme, pair_quantized, read_headers
+from openinfer.quantization.kv_formats import Fp8DsMlaCodec
 
 V4_TP_WITH_EP = ("DeepSeek-V4 does not combine tensor_parallel_size > 1 with enable_expert_parallel: use "
                  "data_parallel_size with enable_expert_parallel, or tensor_parallel_size without it")
@@ -39,6 +41,7 @@ class DeepseekV4Family(ModelFamily):
     vocabulary = "deepseek-v4"
     tiny_models = {"deepseek-v4-tiny": TinyModel(DEEPSEEK_V4_TINY_CONFIG, "a tiny DeepSeek-V4", seed=0, version=2)}
     context_parallel = True    # attention over the whole step on every CP rank, the rest split (model.py)
+    ds_mla_kv_cache = True     # kv_cache_dtype="fp8_ds_mla" (model.py: kv_codec)
 
     def matches(self, hf: dict) -> bool:
         return hf.get("model_type") == "deepseek_v4"
@@ -62,8 +65,11 @@ class DeepseekV4Family(ModelFamily):
     def construct(self, cfg, model, config, backend, ops, parallel):
         from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
+        codec = None
+        if config.kv_cache_dtype == DS_MLA_KV_CACHE_DTYPE:
+            codec = Fp8DsMlaCodec.for_head(cfg.head_dim, cfg.rope_head_dim)
         # cast first: memory is only taken in the final dtypes
-        return DeepseekV4ForCausalLM(cfg, ops, parallel).cast(config.torch_dtype)
+        return DeepseekV4ForCausalLM(cfg, ops, parallel, codec).cast(config.torch_dtype)
 
     def stored_formats(self, net, model, dummy: bool) -> None:
         from openinfer.models.deepseek_v4.loader import load_weights, published_formats

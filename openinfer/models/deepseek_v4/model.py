@@ -205,6 +205,17 @@ def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_bloc
     return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
 
 
+def stored_rows(x: torch.Tensor, codec: KVCodec | None, cache: torch.Tensor) -> torch.Tensor:
+    """Entries x [..., D] as `cache` stores them: rows of `codec` (EngineConfig.kv_cache_dtype="fp8_ds_mla"), or
+    (None) the values in the cache dtype."""
+    return x.to(cache.dtype) if codec is None else codec.encode(x)
+
+
+def read_rows(stored: torch.Tensor, codec: KVCodec | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows back to entries in `dtype` (`stored_rows`' inverse, up to the codec's rounding)."""
+    return stored.to(dtype) if codec is None else codec.decode(stored, dtype)
+
+
 def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
     """Flat rows [T, n] of entries 0 .. n-1 for each decode row's block table (tables [T, W]): `entry_index`, or
     `ops.entry_rows` (one launch) where the runtime chose it."""
@@ -265,10 +276,10 @@ class RunningCompressor(Compressor):
     def _entries(self, state, windows, rope, dtype):
         return self._finish((state[..., 2, :] / state[..., 1, :]).to(dtype), windows, rope)
 
-    def close_chunk(self, state, cache, new_rows, positions, rope, p) -> None:
+    def close_chunk(self, state, cache, new_rows, positions, rope, p, codec=None, dtype=None) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]); keep the running state after each of its last L positions in
-        `state` [L, 3, dim]."""
+        ([blocks, entries_per_block, dim]; `codec`: its rows, the entries made in `dtype`, else the cache dtype);
+        keep the running state after each of its last L positions in `state` [L, 3, dim]."""
         r, d, dev, L = self.ratio, self.dim, new_rows.device, state.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         lead, n = start % r, len(new_rows)
@@ -285,8 +296,9 @@ class RunningCompressor(Compressor):
         closed = end // r - start // r
         if closed:
             ids = torch.arange(start // r, end // r, device=dev)
-            cache.view(-1, d)[entry_index(p.block_ids, ids, cache.shape[1])] = self._entries(
-                windows[:closed], ids, rope, cache.dtype)
+            entries = self._entries(windows[:closed], ids, rope, dtype if codec is not None else cache.dtype)
+            cache.view(-1, cache.shape[-1])[entry_index(p.block_ids, ids, cache.shape[1])] = stored_rows(
+                entries, codec, cache)
         if L == 1:
             if end % r:
                 state[0] = windows[-1]
@@ -300,7 +312,8 @@ class RunningCompressor(Compressor):
             st = torch.stack((m, e.sum(0), (e * kv[wi, :upto + 1]).sum(0)))
             state[q % L] = self._merge(base, st) if wi == 0 and lead else st
 
-    def close_decode(self, state, cache, new_rows, positions, slots, tables, rope, offsets=None) -> None:
+    def close_decode(self, state, cache, new_rows, positions, slots, tables, rope, offsets=None, codec=None,
+                     dtype=None) -> None:
         """Decode rows (one token each): fold the row into the running state; rows that end a window write
         its entry, the others write to the runner's scratch block (the last one), so the batch needs no
         host-side branching.
@@ -311,9 +324,10 @@ class RunningCompressor(Compressor):
         `close_chunk` computes it; every read precedes every write, so the rows of one request need no order.
 
         `ops.v4_hca_decode` (one launch) replaces plain decode rows' step; a verify step's rows stay here (a request's
-        rows of one step read a state another of its rows may overwrite in the same launch)."""
+        rows of one step read a state another of its rows may overwrite in the same launch; and `codec` rows, which it
+        does not write). `codec`, `dtype`: as `close_chunk`'s."""
         r, d, L = self.ratio, self.dim, state.shape[1]
-        if offsets is None and self.ops.v4_hca_decode is not None:
+        if offsets is None and codec is None and self.ops.v4_hca_decode is not None:
             self.ops.v4_hca_decode(state, cache, new_rows, positions, slots, tables, self.kv_norm.weight,
                                    self.kv_norm.eps, rope.inv_freq, rope.scale, r)
             return
@@ -335,7 +349,8 @@ class RunningCompressor(Compressor):
         window = ((positions + 1) // r - 1).clamp(min=0)
         dst = torch.where((positions + 1) % r == 0, entry_index(tables, window[:, None], cache.shape[1])[:, 0],
                           (cache.shape[0] - 1) * cache.shape[1])
-        cache.view(-1, d)[dst] = self._entries(merged, window, rope, cache.dtype)
+        entries = self._entries(merged, window, rope, dtype if codec is not None else cache.dtype)
+        cache.view(-1, cache.shape[-1])[dst] = stored_rows(entries, codec, cache)
 
 
 class OverlappingCompressor(Compressor):
@@ -355,9 +370,10 @@ class OverlappingCompressor(Compressor):
         gate = torch.cat((prev_gate, cur[..., w + d:]), dim=1)
         return self._finish((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1), windows, rope)
 
-    def close_chunk(self, ring, cache, new_rows, positions, rope, p) -> None:
+    def close_chunk(self, ring, cache, new_rows, positions, rope, p, codec=None, dtype=None) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]); keep the rows open windows need in `ring` [2*ratio, 2*width]."""
+        ([blocks, entries_per_block, dim]; `codec`, `dtype` as RunningCompressor's); keep the rows open windows need
+        in `ring` [2*ratio, 2*width]."""
         r, dev, R = self.ratio, new_rows.device, ring.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         first = max(start // r - 1, 0)                            # oldest window whose rows are still needed
@@ -368,20 +384,23 @@ class OverlappingCompressor(Compressor):
             win = rows.view(-1, r, rows.shape[-1])
             local = windows - first
             entries = self._entries(win[local], win[(local - 1).clamp(min=0)], windows > 0, windows, rope,
-                                    cache.dtype)
-            cache.view(-1, self.dim)[entry_index(p.block_ids, windows, cache.shape[1])] = entries
+                                    dtype if codec is not None else cache.dtype)
+            cache.view(-1, cache.shape[-1])[entry_index(p.block_ids, windows, cache.shape[1])] = stored_rows(
+                entries, codec, cache)
         keep = min(len(new_rows), R)
         ring[positions[-keep:] % R] = new_rows[-keep:]
 
-    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope, offsets=None) -> None:
+    def close_decode(self, ring, cache, new_rows, positions, slots, tables, rope, offsets=None, codec=None,
+                     dtype=None) -> None:
         """Decode rows (one token each): store the row; rows that end a window write its entry, the others
         write to the runner's scratch block (the last one), so the batch needs no host-side branching.
+        `codec`, `dtype`: as RunningCompressor's.
 
         `ops.v4_csa_decode` does it in one launch (a verify step's rows too: `offsets`, as RunningCompressor's, say
         which of a window's rows are this step's, taken from `new_rows` rather than the ring they are written to in
-        the same launch); it writes no scratch entry."""
+        the same launch); it writes no scratch entry, and no `codec` rows."""
         r, R = self.ratio, ring.shape[1]
-        if self.ops.v4_csa_decode is not None:
+        if codec is None and self.ops.v4_csa_decode is not None:
             self.ops.v4_csa_decode(ring, cache, new_rows, positions, slots, tables, offsets, self.kv_norm.weight,
                                    self.kv_norm.eps, rope.inv_freq, rope.scale, r)
             return
@@ -390,11 +409,12 @@ class OverlappingCompressor(Compressor):
         j = torch.arange(r, device=positions.device)
         cur = ring[slots[:, None], (window[:, None] * r + j) % R]
         prev = ring[slots[:, None], ((window[:, None] - 1) * r + j) % R]
-        entries = self._entries(cur, prev, window > 0, window.clamp(min=0), rope, cache.dtype)
+        entries = self._entries(cur, prev, window > 0, window.clamp(min=0), rope,
+                                dtype if codec is not None else cache.dtype)
         epb = cache.shape[1]
         dst = torch.where((positions + 1) % r == 0, entry_index(tables, window.clamp(min=0)[:, None], epb)[:, 0],
                           (cache.shape[0] - 1) * epb)
-        cache.view(-1, self.dim)[dst] = entries
+        cache.view(-1, cache.shape[-1])[dst] = stored_rows(entries, codec, cache)
 
 
 class Indexer(OverlappingCompressor):
@@ -455,7 +475,10 @@ class DeepseekV4Attention(nn.Module):
     """Shared-KV MQA (one K=V head of head_dim) over the sliding window (the last W tokens, self included),
     the layer's compressed entries (HCA: every closed one; CSA: the indexer's top-k) and a per-head sink
     logit. The output's RoPE slice is rotated back by the query position; a grouped low-rank projection
-    follows. `state` maps this layer's cache names (swa, kv, rows, index, index_rows) to tensors.
+    follows. `state` maps this layer's cache names (swa, kv, rows, index, index_rows) to tensors, and "codec" to how
+    the window ring and the compressed cache store their entries (absent or None: in the model dtype; an
+    `Fp8DsMlaCodec`: DeepSeek's FlashMLA rows, EngineConfig.kv_cache_dtype="fp8_ds_mla"). With a codec every key is
+    read back decoded, a chunk's own keys too (as DeepSeek's reference rounds them in place before attending).
 
     Tensor parallelism (`parallel.tp_size` > 1) splits the query heads: rank r holds heads
     [r*H/tp, (r+1)*H/tp) of q_b_proj and the sinks, the output groups [r*G/tp, (r+1)*G/tp) of o_a_proj (whose
@@ -509,8 +532,10 @@ class DeepseekV4Attention(nn.Module):
             qx, q_residual, q_at = x[mine], q_residual[mine], at.take(mine)
         T = qx.shape[0]
         q = q_at(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
-        stored = ring_in_glue(self.ops, meta)        # the decode rows' window keys stored as they are made
+        codec = state.get("codec")
+        stored = ring_in_glue(self.ops, meta, codec)    # the decode rows' window keys stored as they are made
         kv = at(self.kv_proj(x), self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None)
+        keys = kv if codec is None or not meta.prefills else codec.qdq(kv)    # prefill's own keys, as read back
         comp = self.compressor
         rows = index_rows = index_q = None
         if comp is not None:
@@ -532,23 +557,24 @@ class DeepseekV4Attention(nn.Module):
                 picks = None
                 if comp is not None:
                     flat, picked, valid = self._compressed_entries(positions[sl], crows, irows, iq, rope, state, meta,
-                                                                   p)
+                                                                   p, dtype=q.dtype)
                     picks = (flat.expand(len(valid), -1) if picked is None else flat[picked], valid)
                 chunks.append((p, picks))
                 continue
-            groups = [self._window_keys(kv[sl], positions[sl], state["swa"], p)]
+            groups = [self._window_keys(kv[sl], keys[sl], positions[sl], state["swa"], p, codec)]
             q_pos = positions[sl] if sel is None else positions[sl][sel]
             if comp is not None:
                 flat, picked, valid = self._compressed_entries(positions[sl], crows, irows, iq, rope, state, meta, p,
-                                                               q_pos)
-                groups.append((state["kv"].view(-1, self.head_dim)[flat], valid, picked))
+                                                               q_pos, dtype=q.dtype)
+                cache = state["kv"]
+                groups.append((read_rows(cache.view(-1, cache.shape[-1])[flat], codec, q.dtype), valid, picked))
             if sel is not None:         # this rank's queries of the chunk: their rows of the window mask
                 keys, mask, picks = groups[0]
                 groups[0] = (keys, mask[sel], picks)
             if q_pos.numel():
                 out[qsl] = attend_v4(q[qsl], groups, self.sinks, self.scale, band=self.window if sel is None else None)
         if chunks:
-            self._prefill(q, out, kv, positions, chunks, state)
+            self._prefill(q, out, kv, keys, positions, chunks, state)
         o = q_at(out, inverse=True).reshape(T, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
 
@@ -556,69 +582,77 @@ class DeepseekV4Attention(nn.Module):
         """Decode rows (one token each): store their window keys in the ring (`stored`: `ops.v4_kv_ring` did) and
         close the compressed entries they complete (picking the indexer's top-k on CSA layers), then attend over the
         ring's last W positions, the entries and the sinks into `out`."""
-        ring, slots = state["swa"], meta.decode_state_slots
+        ring, slots, codec = state["swa"], meta.decode_state_slots, state.get("codec")
         if not stored:
-            ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
+            ring[slots, positions % ring.shape[1]] = stored_rows(kv, codec, ring)
         comp = {}
         if self.compressor is not None:
             flat, picked, valid = self._compressed_entries(positions, rows, index_rows, index_q, rope, state, meta,
-                                                           None)
-            comp = dict(cache=state["kv"], rows=flat if picked is None else flat.gather(1, picked), valid=valid)
+                                                           None, dtype=q.dtype)
+            comp = dict(cache=state["kv"], rows=flat if picked is None else flat.gather(1, picked), valid=valid,
+                        cache_codec=codec)
         self.ops.sparse_decode_attention(q, sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX, ring=ring,
-                                         slots=slots, positions=positions, window=self.window, out=out, **comp)
+                                         slots=slots, positions=positions, window=self.window, ring_codec=codec,
+                                         out=out, **comp)
 
-    def _prefill(self, q, out, kv, positions, chunks, state) -> None:
+    def _prefill(self, q, out, kv, keys, positions, chunks, state) -> None:
         """Every prefill chunk of the step through one `ops.sparse_prefill_attention` call (window keys read in place:
-        the ring's history, then the chunks' own keys, which are stored in the ring after it), into `out`."""
-        ring = state["swa"]
+        the ring's history, then the chunks' own keys `keys` (`kv` as the ring gives it back), which are stored in
+        the ring after it), into `out`."""
+        ring, codec = state["swa"], state.get("codec")
         sl, cu, slots = prefill_batch([p for p, _ in chunks], q.device)
         comp = {}
         if self.compressor is not None:
             rows, valid = stack_picks([c[1][0] for c in chunks], [c[1][1] for c in chunks])
-            comp = dict(cache=state["kv"], rows=rows, valid=valid)
+            comp = dict(cache=state["kv"], rows=rows, valid=valid, cache_codec=codec)
+        own = keys[sl].to(ring.dtype) if codec is None else keys[sl].to(q.dtype)
         self.ops.sparse_prefill_attention(q[sl], sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX,
-                                          kv=kv[sl].to(ring.dtype), positions=positions[sl], cu_seqlens=cu, ring=ring,
-                                          slots=slots, window=self.window, out=out[sl], **comp)
+                                          kv=own, positions=positions[sl], cu_seqlens=cu, ring=ring,
+                                          slots=slots, window=self.window, ring_codec=codec, out=out[sl], **comp)
         for p, _ in chunks:
             rs = slice(p.query_start, p.query_start + p.query_len)
-            self._store_window(kv[rs], positions[rs], ring[p.state_slot])
+            self._store_window(kv[rs], positions[rs], ring[p.state_slot], codec)
 
     @staticmethod
-    def _store_window(kv, positions, ring) -> None:
-        """A chunk's keys into its ring [R, D] (the last R of them)."""
+    def _store_window(kv, positions, ring, codec=None) -> None:
+        """A chunk's keys into its ring [R, stored] (the last R of them)."""
         keep = min(len(kv), ring.shape[0])
-        ring[positions[-keep:] % ring.shape[0]] = kv[-keep:].to(ring.dtype)
+        ring[positions[-keep:] % ring.shape[0]] = stored_rows(kv[-keep:], codec, ring)
 
-    def _window_keys(self, kv, positions, ring, p):
-        """A chunk's sliding-window keys ([W + n, D]: W history rows, then the chunk's) and mask; stores the new keys
-        in the ring (after reading the history). R = W + rollback_rows."""
+    def _window_keys(self, kv, keys, positions, ring, p, codec=None):
+        """A chunk's sliding-window keys ([W + n, D]: W history rows, then the chunk's own `keys`, `kv` as the ring
+        gives it back) and mask; stores the new keys in the ring (after reading the history). R = W +
+        rollback_rows."""
         W, dev, R = self.window, kv.device, ring.shape[1]
         ring = ring[p.state_slot]
         hist = torch.arange(p.context_len - p.query_len - W, p.context_len - p.query_len, device=dev)
-        keys = torch.cat((ring[hist % R], kv.to(ring.dtype)))
+        dtype = ring.dtype if codec is None else keys.dtype
+        keys = torch.cat((read_rows(ring[hist % R], codec, dtype), keys.to(dtype)))
         kpos = torch.cat((hist, positions))[None, :]
         mask = (kpos <= positions[:, None]) & (kpos > positions[:, None] - W) & (kpos >= 0)
-        self._store_window(kv, positions, ring)
+        self._store_window(kv, positions, ring, codec)
         return keys, mask, None
 
-    def _compressed_entries(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None):
+    def _compressed_entries(self, positions, rows, index_rows, index_q, rope, state, meta, p, q_pos=None,
+                            dtype=None):
         """Close the windows the new rows complete (entries into the paged cache, and the indexer's keys on CSA
         layers), then say which entries each query reads: (flat, picked, valid) — `flat` the rows of entries
         0 .. n-1 in the cache viewed as rows ([T, n] for decode rows, [n] for a chunk); `picked` None (HCA: every
         closed entry, `valid` [T, n]) or the indexer's top-k [T, k] into them (CSA, `valid` [T, k]). `q_pos`: the
         positions of the queries that read the entries (context parallelism: this rank's rows of the chunk);
-        None: every row's."""
-        comp, r = self.compressor, self.ratio
+        None: every row's. `dtype`: the entries' value dtype (stored as state["codec"] says)."""
+        comp, r, codec = self.compressor, self.ratio, state.get("codec")
         cache = state["kv"]
         epb = cache.shape[1]
         num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
-            comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
+            comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets,
+                              codec, dtype)
             n = max(meta.max_decode_context_len // r, 1)
             flat = decode_entry_rows(self.ops, tables, n, epb)
         else:
-            comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p)
+            comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p, codec, dtype)
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
         if self.layer_type == HCA:
@@ -947,11 +981,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                            context_bucketed_graphs=True, per_request_state=True, two_batch_layers=True,
                            drafters=frozenset({"mtp"}) if len(self.mtp) else frozenset())
 
-    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None):
+    def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None,
+                 kv_codec: KVCodec | None = None):
         """`ops`: the small fused kernels (here the mHC weights), chosen once by the runtime; `parallel`:
-        this rank's place (with expert parallelism, which routed experts it holds)."""
+        this rank's place (with expert parallelism, which routed experts it holds); `kv_codec`: how the window
+        rings and the compressed caches store their entries (None: in the model dtype; `Fp8DsMlaCodec`: DeepSeek's
+        FlashMLA rows, EngineConfig.kv_cache_dtype="fp8_ds_mla")."""
         super().__init__()
-        self.config, self.ops = cfg, ops
+        self.config, self.ops, self.kv_codec = cfg, ops, kv_codec
         self.parallel = parallel or ParallelContext.single()
         # vocabulary-parallel with tensor parallelism (rows of this rank's shard; exactly nn.Embedding without)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.parallel)
@@ -996,19 +1033,23 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def cache_specs(self, dtype: torch.dtype, rollback_rows: int = 0) -> list[CacheSpec]:
         """`rollback_rows`: room each per-request state keeps for rejected drafts (EngineConfig.rollback_rows):
-        the rings grow by that many rows, the HCA running state keeps one per position."""
+        the rings grow by that many rows, the HCA running state keeps one per position. With `kv_codec` the window
+        rings and the compressed entries (`swa`, `csa_kv`, `hca_kv`) are its rows; the indexer's keys and the MTP
+        heads' rings stay in `dtype`."""
         c, E = self.config, rollback_rows
         L, D, Di = c.num_hidden_layers, c.head_dim, c.index_head_dim
         n_csa, n_hca = len(c.layers_of(CSA)), len(c.layers_of(HCA))
         r_csa, r_hca = c.compress_rates[CSA], c.compress_rates[HCA]
-        specs: list[CacheSpec] = [RequestStateSpec("swa", L, (c.sliding_window + E, D), dtype)]
+        codec = self.kv_codec or IdentityCodec(dtype)
+        Dk, kv_dtype = codec.stored_dim(D), codec.storage_dtype
+        specs: list[CacheSpec] = [RequestStateSpec("swa", L, (c.sliding_window + E, Dk), kv_dtype)]
         if n_csa:
-            specs += [PagedCacheSpec("csa_kv", n_csa, (D,), dtype, r_csa),
+            specs += [PagedCacheSpec("csa_kv", n_csa, (Dk,), kv_dtype, r_csa),
                       PagedCacheSpec("csa_index", n_csa, (Di,), dtype, r_csa),
                       RequestStateSpec("csa_rows", n_csa, (2 * r_csa + E, 4 * D), torch.float32),
                       RequestStateSpec("csa_index_rows", n_csa, (2 * r_csa + E, 4 * Di), torch.float32)]
         if n_hca:
-            specs += [PagedCacheSpec("hca_kv", n_hca, (D,), dtype, r_hca),
+            specs += [PagedCacheSpec("hca_kv", n_hca, (Dk,), kv_dtype, r_hca),
                       RequestStateSpec("hca_state", n_hca, (1 + E, 3, D), torch.float32,
                                        needed_at_block_boundary=False)]
         if len(self.mtp):
@@ -1017,7 +1058,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def layer_state(self, caches: dict, i: int) -> dict:
         t, j = self.config.layer_types[i], self._state_index[i]
-        state = {"swa": caches["swa"][i]}
+        state = {"swa": caches["swa"][i], "codec": self.kv_codec}
         if t == CSA:
             state.update(kv=caches["csa_kv"][j], rows=caches["csa_rows"][j], index=caches["csa_index"][j],
                          index_rows=caches["csa_index_rows"][j])
