@@ -10,6 +10,13 @@ each (EOS ignored), once with the unquantized cache (the reference) and once wit
 
     python benchmarks/cpu_fp8_kv_accuracy.py [--tokens 128] [--dtypes float32 bfloat16]
 
+DeepSeek-V4's own cache format (`kv_cache_dtype="fp8_ds_mla"`: window and compressed entries as FlashMLA's FP8
+rows) against its unquantized cache, on the tiny V4 (random weights: near-flat logits, so greedy tokens part on
+near ties; the teacher-forced |delta logprob| is the measure) or a real V4 checkpoint:
+
+    python benchmarks/cpu_fp8_kv_accuracy.py --model deepseek-v4-tiny --kv-cache-dtype fp8_ds_mla --tokens 32 \
+        --out benchmarks/results/cpu_fp8_ds_mla_accuracy.json
+
 On a GPU, the Llama-3-8B shape with random bf16 weights (the engine of benchmarks/gpu_llama8b.py; the Triton
 kernels write and read the FP8 cache):
 
@@ -81,9 +88,9 @@ def run_cache(model: str, dtype: str, kv_cache_dtype: str, n: int, forced: list[
     return prompts, tokens, rows, secs, kv_bytes
 
 
-def run_dtype(model: str, dtype: str, n: int) -> dict:
+def run_dtype(model: str, dtype: str, n: int, kv_cache_dtype: str = "fp8") -> dict:
     prompts, ref_tokens, ref_tf, ref_s, ref_bytes = run_cache(model, dtype, "auto", n)
-    _, fp8_tokens, fp8_tf, fp8_s, fp8_bytes = run_cache(model, dtype, "fp8", n, forced=ref_tokens)
+    _, fp8_tokens, fp8_tf, fp8_s, fp8_bytes = run_cache(model, dtype, kv_cache_dtype, n, forced=ref_tokens)
     prefix = [next((i for i, (a, b) in enumerate(zip(r, f)) if a != b), n) for r, f in zip(ref_tokens, fp8_tokens)]
     dlp = np.array([abs(a[0] - b[0]) for r, f in zip(ref_tf, fp8_tf) for a, b in zip(r, f)])
     top1_same = np.mean([a[1] == b[1] for r, f in zip(ref_tf, fp8_tf) for a, b in zip(r, f)])
@@ -100,8 +107,8 @@ def run_dtype(model: str, dtype: str, n: int) -> dict:
         "abs_dlogprob_mean": float(dlp.mean()), "abs_dlogprob_p99": float(np.percentile(dlp, 99)),
         "abs_dlogprob_max": float(dlp.max()),
         "reference_teacher_forced_vs_own_greedy": float(ref_self),
-        "kv_bytes_per_token": {"reference": ref_bytes, "fp8": fp8_bytes, "ratio": fp8_bytes / ref_bytes},
-        "greedy_wall_s": {"reference": ref_s, "fp8": fp8_s},
+        "kv_bytes_per_token": {"reference": ref_bytes, kv_cache_dtype: fp8_bytes, "ratio": fp8_bytes / ref_bytes},
+        "greedy_wall_s": {"reference": ref_s, kv_cache_dtype: fp8_s},
     }
 
 
@@ -110,6 +117,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "fp8_e4m3", "fp8_ds_mla"],
+                    help="the quantized cache held against kv_cache_dtype='auto' (fp8_ds_mla: DeepSeek-V4)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_fp8_kv_accuracy.json"))
     ap.add_argument("--llama8b-dummy", metavar="TOKENIZER_JSON",
                     help="CUDA: the Llama-3-8B shape with random weights (benchmarks/gpu_llama8b.py's model)")
@@ -130,9 +139,10 @@ def main() -> None:
     res = {"benchmark": "cpu_fp8_kv_accuracy", "date": datetime.date.today().isoformat(),
            "commit": (c if args.llama8b_dummy and c else commit()),
            "device": device, "model": "Llama-3-8B shape, random bf16 weights" if args.llama8b_dummy else args.model,
-           "prompt_set": "tests/test_fidelity_smollm.py PROMPTS", "results": {}}
+           "prompt_set": "tests/test_fidelity_smollm.py PROMPTS", "kv_cache_dtype": args.kv_cache_dtype,
+           "results": {}}
     for dtype in args.dtypes:
-        res["results"][dtype] = r = run_dtype(args.model, dtype, args.tokens)
+        res["results"][dtype] = r = run_dtype(args.model, dtype, args.tokens, args.kv_cache_dtype)
         print(dtype, json.dumps({k: v for k, v in r.items() if k != "greedy_prefix_until_divergence"}), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print("wrote", args.out)

@@ -6,7 +6,8 @@ A case is a step of 1-4 prefill chunks in shuffled state slots: random starts (0
 the window before the sequence; beyond R: the ring wrapped) and lengths (1 .. 3W: a chunk longer than the ring),
 optionally a YOCO floor per chunk; a window ring with rollback room whose rows no query may read hold NaN; compressed
 rows picked per query at random (invalid picks, a query with none, K = 0) or as HCA's prefix of closed entries; both
-softmax conventions, fp32 and bf16, unquantized caches (V4) and V4.1's packed FP8 window / FP4 compressed rows.
+softmax conventions, fp32 and bf16, unquantized caches (V4), V4.1's packed FP8 window / FP4 compressed rows and V4's
+FlashMLA rows (`quantized="ds_mla"`, `cpu --ds-mla`; tests/sparse_decode_cases.py: case_codecs).
 The kernel's output starts as NaN: an output without NaN was wholly written and read no unreadable row.
 
 Tolerances are the decode kernel's (tests/sparse_decode_cases.py): fp32 max |kernel - contract| <= 1e-5 of the
@@ -29,9 +30,7 @@ import torch
 
 from openinfer.layers.sparse_attention import (SOFTMAXES, V4_SOFTMAX, V41_SOFTMAX, attend_v4, attend_v41,
                                                sparse_prefill_attention)
-from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8BlockCodec
-
-V41_CODECS = (Fp8BlockCodec(32), Fp4BlockCodec(16, "e4m3"))       # what V4.1 stores (window, compressed)
+from tests.sparse_decode_cases import case_codecs
 
 
 def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, chunks: int, heads: int, head_dim: int,
@@ -41,7 +40,8 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, chunks: 
     `nan` False: unreadable rows keep finite values (the per-sequence path multiplies them by zero)."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     W, R, S = window, window + rollback, chunks + 2
-    ring_codec, cache_codec = V41_CODECS if quantized else (None, None)
+    ring_codec, cache_codec = case_codecs(quantized, head_dim)
+    ds_mla = quantized == "ds_mla"
     max_len = max_len or 3 * max(W, 4)
     lens = [rng.randint(1, max_len) for _ in range(chunks)]
     starts = [rng.choice([0, rng.randrange(0, max(W, 1)), rng.randrange(0, 4 * W + 9)]) for _ in range(chunks)]
@@ -56,7 +56,9 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, chunks: 
     for c, (s, slot) in enumerate(zip(starts, slots.tolist())):
         lo = max(s - W + 1, 0, floor[c] if floor else 0)
         read[slot, [p % R for p in range(lo, s)]] = True
-    if nan and quantized:
+    if nan and ds_mla:
+        ring[~read] = 0xFF                          # E4M3 and bf16 NaN values, E8M0 NaN scales
+    elif nan and quantized:
         ring[~read] = 0x7F                          # E4M3 NaN values (E8M0 scale 1)
     elif nan:
         ring[~read] = float("nan")
@@ -79,7 +81,9 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, chunks: 
             valid[0] = False                        # a query without a valid pick: its window only
         picked = torch.zeros(cache_rows, dtype=torch.bool)
         picked[rows[valid]] = True
-        if nan and quantized:
+        if nan and ds_mla:
+            cache[~picked] = 0xFF
+        elif nan and quantized:
             cache[~picked, head_dim // 2:] = 0x7F   # E4M3 NaN scales
         elif nan:
             cache[~picked] = float("nan")
@@ -88,13 +92,14 @@ def random_case(rng: random.Random, *, device: str, dtype: torch.dtype, chunks: 
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def cases(device: str, quick: bool = False):
-    """Yield (name, case): small shapes on the CPU; these and DeepSeek's Flash width on CUDA."""
+def cases(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")):
+    """Yield (name, case): small shapes on the CPU; these and DeepSeek's Flash width on CUDA; caches in `formats`
+    (`random_case`'s `quantized`)."""
     rng = random.Random(0)
     specs = []
     for dtype in (torch.float32, torch.bfloat16):
         for softmax in SOFTMAXES:
-            for quantized in (False, True):
+            for quantized in formats:
                 for heads, head_dim in ((4, 32), (20, 64)):
                     for window, rollback, topk in ((16, 0, None), (16, 5, 24), (8, 3, 40), (8, 2, 0)):
                         specs.append(dict(dtype=dtype, softmax=softmax, quantized=quantized, heads=heads,
@@ -109,7 +114,10 @@ def cases(device: str, quick: bool = False):
         specs = [{**group[0], "max_len": 2 * group[0]["window"]} for group in picked.values()]
     if device == "cuda":        # V4-Flash / V4.1-Flash width: 64 heads of 512, window 128, CSA top-512, HCA
         for dtype in (torch.float32, torch.bfloat16):
-            for softmax, quantized in ((V4_SOFTMAX, False), (V41_SOFTMAX, True), (V41_SOFTMAX, False)):
+            for softmax, quantized in ((V4_SOFTMAX, False), (V41_SOFTMAX, True), (V41_SOFTMAX, False),
+                                       (V4_SOFTMAX, "ds_mla")):
+                if quantized not in formats:
+                    continue
                 for chunks, topk, prefix, max_len in ((1, 512, False, 300), (3, 512, False, 200), (2, 64, True, 300),
                                                       (2, 1024, True, 100), (5, None, False, 150)):
                     specs.append(dict(dtype=dtype, softmax=softmax, quantized=quantized, heads=64, head_dim=512,
@@ -143,10 +151,10 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
     return None, err
 
 
-def check_all(device: str, quick: bool = False) -> list[str]:
+def check_all(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")) -> list[str]:
     """Failures (empty: every case within tolerance), each case with the default launch and small tiles."""
     failures = []
-    for name, case in cases(device, quick):
+    for name, case in cases(device, quick, formats):
         for tuning in (None, {"BLOCK_N": 16, "BLOCK_H": 16}):
             fail, err = check(case, tuning)
             print(f"{name} tuning={tuning}: max |kernel - contract| {err:.3g}" + (f" FAIL: {fail}" if fail else ""),
@@ -163,7 +171,7 @@ def check_per_sequence(device: str) -> list[str]:
     logits."""
     failures = []
     rng = random.Random(1)
-    for name, _ in cases(device, quick=True):
+    for name, _ in cases(device, quick=True, formats=(False, True)):
         spec = dict(kv.split("=") for kv in name.split(" "))
         for hca in ((False, True) if spec["softmax"] == V4_SOFTMAX and spec["topk"] not in ("None", "0") else (False,)):
             case = random_case(rng, device=device, dtype=getattr(torch, spec["dtype"]), chunks=3,
@@ -316,7 +324,9 @@ if __name__ == "__main__":
     elif "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
         fails = [f for m in ("deepseek-v4-tiny", "deepseek-v41-tiny") for f in compare_engines(m, device, "float32",
                                                                                                1e-5)]
+    elif "--ds-mla" in sys.argv:    # V4's FlashMLA cache rows only (one random shape per dtype and softmax)
+        fails = check_all(device, quick=True, formats=("ds_mla",))
     else:
-        fails = check_all(device, quick="--quick" in sys.argv)
+        fails = check_all(device, quick="--quick" in sys.argv, formats=(False, True))
     print("\n".join(fails) or "all cases pass")
     sys.exit(1 if fails else 0)

@@ -44,6 +44,11 @@ def test_kernel_equals_contract_in_interpreter():
     _cases("--quick", interpret=True)
 
 
+def test_kernel_reads_ds_mla_rows_as_the_contract_in_interpreter():
+    """V4's FlashMLA cache rows (`Fp8DsMlaCodec`) in the ring and the compressed cache, both softmaxes, fp32, bf16."""
+    _cases("--ds-mla", interpret=True)
+
+
 def test_contract_equals_the_per_sequence_path():
     from sparse_prefill_cases import check_per_sequence
 
