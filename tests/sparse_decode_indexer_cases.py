@@ -10,7 +10,9 @@ they replace, on random inputs over shuffled paged caches:
   model dtype's roundings and the candidate-block mask, and its candidate blocks through the fused top-k;
 - V4's compressor decode steps (`RunningCompressor` / `OverlappingCompressor.close_decode` with and without
   `ops.v4_hca_decode` / `v4_csa_decode`): the state and ring equal, the entries written equal to float32 rounding
-  and in bf16 rounded where the reference rounds (`_compare_entries`), verify steps' rows included (CSA).
+  and in bf16 rounded where the reference rounds (`_compare_entries`), verify steps' rows included (CSA); and with
+  V4's FlashMLA cache rows (`Fp8DsMlaCodec`, kv_cache_dtype="fp8_ds_mla"), the entries encoded in the kernel
+  (`_compare_coded`; `cpu --ds-mla` runs only those).
 
 - the tiny V4 and V4.1 models generating through the kernels as through the torch code (`check_engine`).
 
@@ -37,7 +39,7 @@ from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
 from openinfer.models.deepseek_v41.model import Attention as V41Attention
 from openinfer.models.deepseek_v41.model import Indexer as V41Indexer
 from openinfer.models.deepseek_v41.model import select_candidate_blocks
-from openinfer.quantization.kv_formats import Fp4BlockCodec, IdentityCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8DsMlaCodec, IdentityCodec, fp4_block_qdq
 
 # full width: V4-Flash / V4.1-Flash (64 index heads of 128, top-512, head_dim 512 with 64 RoPE dims, ratios 4, 128)
 FULL = dict(heads=64, index_dim=128, topk=512, head_dim=512, rope_dim=64)
@@ -230,6 +232,23 @@ def _compare_entries(got, want, before, dtype, what) -> float:
     return err.max().item()
 
 
+def _compare_coded(got, want, before, codec, dtype, what) -> float:
+    """`_compare_entries` for caches of `codec` rows: the entries the reference wrote, decoded, within one E4M3 step
+    of their tile (2^-3 of the tile's scale * 448 ... taken as 2^-3 of the entry's largest channel) — an entry within
+    float32 rounding of the reference's may round to the neighbouring FP8 value — and at least 90% of the bytes
+    equal (bit-equal rows wherever the values are)."""
+    written = (want[:-1] != before[:-1]).any(-1)
+    assert written.any(), f"{what}: the reference wrote no entry"
+    gb, wb = got[:-1][written], want[:-1][written]
+    same = (gb == wb).float().mean().item()
+    assert same >= 0.9, f"{what}: only {same:.1%} of the coded entry bytes equal the reference's"
+    g, w = codec.decode(gb, torch.float32), codec.decode(wb, torch.float32)
+    err = (g - w).abs().amax(-1)
+    excess = (err - 2.0 ** -3 * w.abs().amax(-1)).max().item()
+    assert excess <= 0, f"{what} coded entries differ beyond one FP8 step by {excess}"
+    return err.max().item()
+
+
 def _kv_values(g, shape, dtype, kv_cols: int) -> torch.Tensor:
     """Random compressor rows whose first `kv_cols` columns are kv; positive in bf16 (see `_compare_entries`)."""
     x = torch.randn(*shape, generator=g)
@@ -238,7 +257,7 @@ def _kv_values(g, shape, dtype, kv_cols: int) -> torch.Tensor:
     return x
 
 
-def _entry_pages(g, pos: torch.Tensor, ratio: int, D: int, dtype, device):
+def _entry_pages(g, pos: torch.Tensor, ratio: int, D: int, dtype, device, codec=None):
     """A paged entry cache [rows + 3 blocks, 128 / ratio, D] and tables [rows, W] for decode rows at `pos`: the page
     of the window each row would close is its own (shuffled), every other column the untouched page 0 (a compressor
     writes entries and never reads them, so far-out positions need no large cache)."""
@@ -246,7 +265,10 @@ def _entry_pages(g, pos: torch.Tensor, ratio: int, D: int, dtype, device):
     col = ((pos + 1) // ratio - 1).clamp(min=0) // epb
     tables = torch.zeros(len(pos), int(col.max()) + 1, dtype=torch.long)
     tables[torch.arange(len(pos)), col] = torch.randperm(len(pos) + 1, generator=g)[:len(pos)] + 1
-    cache = torch.randn(len(pos) + 3, epb, D, generator=g).to(dtype)
+    if codec is not None:       # random bytes: rows of `codec`
+        cache = torch.randint(0, 256, (len(pos) + 3, epb, codec.stored_dim(D)), generator=g, dtype=torch.uint8)
+    else:
+        cache = torch.randn(len(pos) + 3, epb, D, generator=g).to(dtype)
     return cache.to(device), tables.to(device)
 
 
@@ -260,7 +282,7 @@ def _compressors(kind, cfg: DeepseekV4Config, D: int, ratio: int, g, device):
     return pair
 
 
-def check_v4_hca(device, g, dims: dict, dtype, batch: int, ratio: int, state_rows: int) -> float:
+def check_v4_hca(device, g, dims: dict, dtype, batch: int, ratio: int, state_rows: int, ds_mla: bool = False) -> float:
     cfg = v4_config(**dims)
     D = cfg.head_dim
     rope = _rope(cfg, device)
@@ -270,25 +292,30 @@ def check_v4_hca(device, g, dims: dict, dtype, batch: int, ratio: int, state_row
     state = torch.stack((torch.randn(batch + 3, state_rows, D, generator=g),                      # max gate
                          torch.rand(batch + 3, state_rows, D, generator=g) * 4 + 0.1,            # sum of exp
                          _kv_values(g, (batch + 3, state_rows, D), dtype, D)), dim=2)             # weighted kv
-    cache, tables = _entry_pages(g, pos, ratio, D, dtype, device)
+    codec = Fp8DsMlaCodec.for_head(D, cfg.rope_head_dim) if ds_mla else None
+    cache, tables = _entry_pages(g, pos, ratio, D, dtype, device, codec)
     rows = _kv_values(g, (batch, 2 * D), dtype, D) * 2
     pos, slots, state, rows = pos.to(device), slots.to(device), state.to(device), rows.to(device)
     s1, s2, c1, c2 = state.clone(), state.clone(), cache.clone(), cache.clone()
-    ref.close_decode(s1, c1, rows, pos, slots, tables, rope)
-    fused.close_decode(s2, c2, rows, pos, slots, tables, rope)
+    ref.close_decode(s1, c1, rows, pos, slots, tables, rope, codec=codec, dtype=dtype)
+    fused.close_decode(s2, c2, rows, pos, slots, tables, rope, codec=codec, dtype=dtype)
     serr = (s1 - s2).abs().max().item()
     assert serr <= 1e-5 * s1.abs().max().item(), f"HCA state differs by {serr}"
-    err = _compare_entries(c2, c1, cache, dtype, "HCA")
-    print(f"V4 HCA {dtype}: B={batch} D={D} ratio={ratio} L={state_rows}: state err {serr:.2e}, entry err {err:.2e}")
+    err = (_compare_entries(c2, c1, cache, dtype, "HCA") if codec is None
+           else _compare_coded(c2, c1, cache, codec, dtype, "HCA fp8_ds_mla"))
+    print(f"V4 HCA {dtype}{' fp8_ds_mla' if ds_mla else ''}: B={batch} D={D} ratio={ratio} L={state_rows}: "
+          f"state err {serr:.2e}, entry err {err:.2e}")
     return err
 
 
-def check_v4_csa(device, g, dims: dict, dtype, batch: int, ratio: int, extra: int, indexer: bool) -> float:
+def check_v4_csa(device, g, dims: dict, dtype, batch: int, ratio: int, extra: int, indexer: bool,
+                 ds_mla: bool = False) -> float:
     """Plain decode rows, then a verify step: requests of 1 + extra consecutive rows (offsets 0..extra)."""
     cfg = v4_config(**dims)
     D = cfg.index_head_dim if indexer else cfg.head_dim
     rope = _rope(cfg, device)
     ref, fused = _compressors(OverlappingCompressor, cfg, D, ratio, g, device)
+    codec = Fp8DsMlaCodec.for_head(D, cfg.rope_head_dim) if ds_mla else None
     R = 2 * ratio + extra
     worst = 0.0
     for verify in (False, True):
@@ -305,17 +332,18 @@ def check_v4_csa(device, g, dims: dict, dtype, batch: int, ratio: int, extra: in
             slots = torch.randperm(batch + 2, generator=g)[:batch]
         T = len(pos)
         ring = _kv_values(g, (int(slots.max()) + 2, R, 4 * D), dtype, 2 * D).to(device)
-        cache, tables = _entry_pages(g, pos, ratio, D, dtype, device)
+        cache, tables = _entry_pages(g, pos, ratio, D, dtype, device, codec)
         rows = (_kv_values(g, (T, 4 * D), dtype, 2 * D) * 2).to(device)
         pos, slots = pos.to(device), slots.to(device)
         offsets = None if offsets is None else offsets.to(device)
         r1, r2, c1, c2 = ring.clone(), ring.clone(), cache.clone(), cache.clone()
-        ref.close_decode(r1, c1, rows, pos, slots, tables, rope, offsets)
-        fused.close_decode(r2, c2, rows, pos, slots, tables, rope, offsets)
+        ref.close_decode(r1, c1, rows, pos, slots, tables, rope, offsets, codec=codec, dtype=dtype)
+        fused.close_decode(r2, c2, rows, pos, slots, tables, rope, offsets, codec=codec, dtype=dtype)
         assert torch.equal(r1, r2), "CSA ring differs"
-        worst = max(worst, _compare_entries(c2, c1, cache, dtype, "CSA"))
-    print(f"V4 CSA{' indexer' if indexer else ''} {dtype}: B={batch} D={D} ratio={ratio} rollback={extra}: "
-          f"entry err {worst:.2e}")
+        worst = max(worst, _compare_entries(c2, c1, cache, dtype, "CSA") if codec is None
+                    else _compare_coded(c2, c1, cache, codec, dtype, "CSA fp8_ds_mla"))
+    print(f"V4 CSA{' indexer' if indexer else ''}{' fp8_ds_mla' if ds_mla else ''} {dtype}: B={batch} D={D} "
+          f"ratio={ratio} rollback={extra}: entry err {worst:.2e}")
     return worst
 
 
@@ -461,10 +489,24 @@ def run_all(device: str, quick: bool) -> None:
     print("all cases pass")
 
 
+def run_ds_mla(device: str, quick: bool) -> None:
+    """V4's HCA and CSA decode steps writing `Fp8DsMlaCodec` rows, fused against torch, fp32 and bf16."""
+    g = torch.Generator().manual_seed(1)
+    dims = QUICK if quick else FULL
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in ((6,) if quick else (1, 32, 128)):
+            for ratio in ((4, 16) if quick else (4, 128)):
+                check_v4_hca(device, g, dims, dtype, batch, ratio, 1 if quick else 3, ds_mla=True)
+            check_v4_csa(device, g, dims, dtype, batch, 4, 2, False, ds_mla=True)
+    print("all cases pass")
+
+
 if __name__ == "__main__":
     if "--engine" in sys.argv:
         for model in sys.argv[sys.argv.index("--engine") + 1:]:
             check_engine(model)
         print("engine cases pass")
+    elif "--ds-mla" in sys.argv:    # V4's compressors writing FlashMLA cache rows (kv_cache_dtype="fp8_ds_mla")
+        run_ds_mla(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--quick" in sys.argv)
     else:
         run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--quick" in sys.argv)

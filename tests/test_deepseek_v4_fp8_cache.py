@@ -55,3 +55,32 @@ def test_tiny_v4_with_the_flashmla_cache_follows_the_unquantized_cache():
 def test_fp8_ds_mla_is_refused_for_other_models(model):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_ds_mla'.*DeepSeek-V4 models only"):
         LLM(model, device="cpu", kv_cache_dtype="fp8_ds_mla")
+
+
+# ---- GPU (`pytest -m gpu`, on the device): the fused kernels (decode attention, compressors) read and write the rows
+def _decode_on(device: str, dtype: str, kv_cache_dtype: str):
+    llm = LLM("deepseek-v4-tiny", device=device, dtype=dtype, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype,
+              **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
+    logits = record_step_logits(llm)
+    outs = llm.generate(prompt_token_ids=PROMPTS, use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    result = [o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs]
+    llm.shutdown()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_tiny_v4_with_the_flashmla_cache_follows_the_unquantized_cache(dtype):
+    """On CUDA (TRITON_OPS: the fused decode attention reads the rows, the fused compressors write them; CUDA graphs)
+    the option moves the unquantized engine's token log-probabilities by no more than on the CPU's torch paths."""
+    (ref_tokens, ref_logits), (tokens, logits) = (_decode_on("cuda", dtype, kv) for kv in ("auto", "fp8_ds_mla"))
+    worst = 0.0
+    for ta, tb, la, lb in zip(ref_tokens, tokens, ref_logits, logits):
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        for i in range(min(same + 1, len(ta))):
+            a, b = la[i].float().log_softmax(-1), lb[i].float().log_softmax(-1)
+            worst = max(worst, (a[ta[i]] - b[ta[i]]).abs().item())
+    print(f"{dtype}: max |delta logprob| {worst:.4g}")
+    assert worst < MAX_DLOGPROB, worst

@@ -122,6 +122,12 @@ def test_kernels_equal_the_torch_code_in_interpreter():
     assert "all cases pass" in _interpret("cpu", "--quick", timeout=900)
 
 
+def test_v4_compressors_write_ds_mla_rows_as_the_torch_code_in_interpreter():
+    """V4's fused HCA / CSA decode steps encode FlashMLA cache rows (kv_cache_dtype="fp8_ds_mla") in the kernel: the
+    bytes the torch code's codec writes (bit-equal in the interpreter; the check admits one FP8 step)."""
+    assert "all cases pass" in _interpret("cpu", "--quick", "--ds-mla", timeout=300)
+
+
 def test_tiny_models_generate_the_same_through_the_kernels_in_interpreter():
     assert "engine cases pass" in _interpret("--engine", "deepseek-v4-tiny", "deepseek-v41-tiny", timeout=1800)
 
@@ -138,9 +144,10 @@ def test_gpu_kernels_equal_the_torch_code(width):
     """Every case of tests/sparse_decode_indexer_cases.py on the GPU, bf16 included: full width (64 index heads of 128,
     top-512, head_dim 512, ratios 4 and 128, contexts to 64K, batch 1/32/128) and the quick shapes (integer inputs
     with power-of-two scales: the scores and picks bit-equal, ties included)."""
-    from tests.sparse_decode_indexer_cases import run_all
+    from tests.sparse_decode_indexer_cases import run_all, run_ds_mla
 
     run_all("cuda", width == "quick")
+    run_ds_mla("cuda", width == "quick")
 
 
 def _decode_inputs(g, n: int, B: int = 8) -> dict:

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.quantization.triton_kv_formats import fp4_store, round_to
+from openinfer.quantization.kv_formats import Fp8DsMlaCodec
+from openinfer.quantization.triton_kv_formats import ds_mla_store, fp4_store, round_to
 
 
 @triton.jit
@@ -44,16 +45,18 @@ def _rope(y_e, y_o, i, inv_freq_ptr, pos, rope_scale, dt, cs_dt, HALF: tl.conste
 
 
 @triton.jit
-def _entry_store(x_e, x_o, i, dst, w_ptr, inv_freq_ptr, eps, pos, rope_scale, D: tl.constexpr,
-                 HALF: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """A V4 entry: the pooled channels (float32 holding the cache dtype's values) through kv_norm and the interleaved
-    RoPE of position `pos` (cos/sin rounded to the cache dtype, as `InterleavedRope.cos_sin` gives them), stored at
-    `dst`."""
-    dt = dst.dtype.element_ty
+def _entry_store(x_e, x_o, i, dst, w_ptr, inv_freq_ptr, eps, pos, rope_scale, dt, D: tl.constexpr,
+                 HALF: tl.constexpr, ROPE_HALF: tl.constexpr, DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr):
+    """A V4 entry: the pooled channels (float32 holding the entry dtype dt's values) through kv_norm and the
+    interleaved RoPE of position `pos` (cos/sin rounded to dt, as `InterleavedRope.cos_sin` gives them), stored at
+    `dst`: as dt values, or (DS_NOPE > 0) as the `Fp8DsMlaCodec` row of DS_NOPE FP8 values per DS_TILE scale."""
     y_e, y_o = _rms_norm(x_e, x_o, i, w_ptr, eps, dt, D)
     r_e, r_o = _rope(y_e, y_o, i, inv_freq_ptr, pos, rope_scale, dt, dt, HALF, ROPE_HALF)
-    tl.store(dst + 2 * i, r_e.to(dt))
-    tl.store(dst + 2 * i + 1, r_o.to(dt))
+    if DS_NOPE > 0:
+        ds_mla_store(dst, r_e, r_o, D, DS_NOPE, DS_TILE)
+    else:
+        tl.store(dst + 2 * i, r_e.to(dt))
+        tl.store(dst + 2 * i + 1, r_o.to(dt))
 
 
 @triton.jit
@@ -84,7 +87,8 @@ def _online_merge(pm, ps, pa, g, kv, fresh):
 @triton.jit(do_not_specialize=["stride_tb"])
 def _hca_decode_kernel(state_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_ptr, w_ptr, inv_freq_ptr, eps,
                        rope_scale, ratio, L, epb, stride_ss, stride_sl, stride_sk, stride_rt, stride_tb,
-                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr):
+                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, ROW: tl.constexpr,
+                       DT: tl.constexpr, DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr):
     t = tl.program_id(0)
     p = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -103,10 +107,9 @@ def _hca_decode_kernel(state_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables
                                   tl.load(row + D + 2 * i + 1), tl.load(row + 2 * i + 1), fresh)
     if (p + 1) % ratio == 0:
         window = (p + 1) // ratio - 1
-        dt = cache_ptr.dtype.element_ty
-        _entry_store(round_to(tl.div_rn(a_e, s_e), dt), round_to(tl.div_rn(a_o, s_o), dt), i,
-                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, D), w_ptr, inv_freq_ptr, eps,
-                     window * ratio, rope_scale, D, HALF, ROPE_HALF)
+        _entry_store(round_to(tl.div_rn(a_e, s_e), DT), round_to(tl.div_rn(a_o, s_o), DT), i,
+                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, ROW), w_ptr, inv_freq_ptr, eps,
+                     window * ratio, rope_scale, DT, D, HALF, ROPE_HALF, DS_NOPE, DS_TILE)
     # written last, after every thread's loads: with one state row (L = 1) it is the row read above
     tl.debug_barrier()
     cur = st + (p % L) * stride_sl
@@ -131,7 +134,8 @@ def _window_slot(ring, new_rows, t, p, back, window, j, ratio, R, stride_rr, str
 @triton.jit(do_not_specialize=["stride_tb"])
 def _csa_decode_kernel(ring_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_ptr, off_ptr, w_ptr, inv_freq_ptr,
                        eps, rope_scale, ratio, R, epb, stride_rs, stride_rr, stride_nt, stride_tb,
-                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, HAS_OFFSETS: tl.constexpr):
+                       D: tl.constexpr, HALF: tl.constexpr, ROPE_HALF: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                       ROW: tl.constexpr, DT: tl.constexpr, DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr):
     t = tl.program_id(0)
     p = tl.load(pos_ptr + t).to(tl.int64)
     ring = ring_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_rs     # [R, 4D]: [kv (2D) | gate (2D)]
@@ -159,7 +163,7 @@ def _csa_decode_kernel(ring_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_
                                         HALF)
             sum_e += tl.exp(tl.load(row + 2 * D + col + 2 * i, mask=on, other=float("-inf")) - max_e)
             sum_o += tl.exp(tl.load(row + 2 * D + col + 2 * i + 1, mask=on, other=float("-inf")) - max_o)
-        dt = cache_ptr.dtype.element_ty
+        dt = DT
         acc_e = tl.zeros((HALF,), tl.float32)
         acc_o = tl.zeros((HALF,), tl.float32)
         # kv, probabilities and their products in the cache dtype (a product of two rounded values is exact in
@@ -175,49 +179,70 @@ def _csa_decode_kernel(ring_ptr, cache_ptr, rows_ptr, pos_ptr, slot_ptr, tables_
             acc_e += round_to(kv_e * round_to(pr_e, dt), dt)
             acc_o += round_to(kv_o * round_to(pr_o, dt), dt)
         _entry_store(round_to(acc_e, dt), round_to(acc_o, dt), i,
-                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, D), w_ptr, inv_freq_ptr, eps,
-                     window * ratio, rope_scale, D, HALF, ROPE_HALF)
+                     _entry_row(cache_ptr, tables_ptr, t, stride_tb, window, epb, ROW), w_ptr, inv_freq_ptr, eps,
+                     window * ratio, rope_scale, dt, D, HALF, ROPE_HALF, DS_NOPE, DS_TILE)
+
+
+_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _entry_format(cache: torch.Tensor, D: int, codec, dtype) -> dict:
+    """The kernels' entry constexprs: the stored row width, the entries' dtype (the cache's, or `dtype` for `codec`
+    rows) and the `Fp8DsMlaCodec` NoPE width and tile (0: plain rows); checks the cache rows hold them."""
+    if codec is None:
+        return dict(ROW=D, DT=_DTYPES[cache.dtype], DS_NOPE=0, DS_TILE=1)
+    if (not isinstance(codec, Fp8DsMlaCodec) or cache.dtype != torch.uint8 or dtype not in _DTYPES
+            or (D - codec.rope_dim) % codec.tile or codec.rope_dim % codec.tile or codec.tile % 2):
+        raise ValueError(f"the fused compressor writes Fp8DsMlaCodec rows with whole tiles of RoPE channels into a "
+                         f"uint8 cache, entries in float32/bf16/fp16 (got {codec!r}, a {cache.dtype} cache, {dtype})")
+    return dict(ROW=codec.stored_dim(D), DT=_DTYPES[dtype], DS_NOPE=D - codec.rope_dim, DS_TILE=codec.tile)
 
 
 def _check(cache: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, inv_freq: torch.Tensor, row_width: int,
-           state_row: tuple) -> None:
-    """What the kernels assume: a power-of-two entry dim, a contiguous paged cache, float32 rows and state with
-    contiguous channels, at most dim/2 RoPE pairs."""
-    D = cache.shape[-1]
-    if (D & (D - 1) or D < 4 or not cache.is_contiguous() or inv_freq.numel() > D // 2
+           state_row: tuple, D: int, fmt: dict) -> None:
+    """What the kernels assume: a power-of-two entry dim, a contiguous paged cache of its rows, float32 rows and state
+    with contiguous channels, at most dim/2 RoPE pairs."""
+    if (D & (D - 1) or D < 4 or not cache.is_contiguous() or cache.shape[-1] != fmt["ROW"]
+            or inv_freq.numel() > D // 2
             or rows.dtype != torch.float32 or rows.stride(-1) != 1 or rows.shape[-1] != row_width * D
             or state.dtype != torch.float32 or state.stride(-1) != 1 or tuple(state.shape[2:]) != state_row):
-        raise ValueError(f"the fused compressor needs a power-of-two entry dim (got {D}), a contiguous cache, float32 "
-                         f"rows [T, {row_width} * dim] and state rows {state_row} with contiguous channels, and at "
-                         "most dim/2 RoPE pairs")
+        raise ValueError(f"the fused compressor needs a power-of-two entry dim (got {D}), a contiguous cache of "
+                         f"{fmt['ROW']}-wide rows, float32 rows [T, {row_width} * dim] and state rows {state_row} with "
+                         "contiguous channels, and at most dim/2 RoPE pairs")
 
 
-def v4_hca_decode(state, cache, rows, positions, slots, tables, norm_weight, eps, inv_freq, rope_scale, ratio):
+def v4_hca_decode(state, cache, rows, positions, slots, tables, norm_weight, eps, inv_freq, rope_scale, ratio,
+                  codec=None, dtype=None):
     """`RunningCompressor.close_decode` for plain decode rows in one launch: state [S, L, 3, D] float32 (the running
     state after position p at row p % L), cache [blocks, entries_per_block, D], rows [T, 2D] float32 (kv | gate),
     positions/slots [T], tables [T, W]; kv_norm's weight [D] and eps, the compress RoPE's inv_freq [rd/2] and scale,
-    the window size `ratio`."""
-    T, D = rows.shape[0], cache.shape[-1]
-    _check(cache, rows, state, inv_freq, 2, (3, D))
+    the window size `ratio`. `codec` (an `Fp8DsMlaCodec`): the cache holds its rows [..., stored_dim(D)], the entries
+    made in `dtype` and encoded in the kernel."""
+    T, D = rows.shape[0], norm_weight.numel()
+    fmt = _entry_format(cache, D, codec, dtype)
+    _check(cache, rows, state, inv_freq, 2, (3, D), D, fmt)
     if T:
         _hca_decode_kernel[(T,)](state, cache, rows, positions, slots, tables, norm_weight, inv_freq, eps, rope_scale,
                                  ratio, state.shape[1], cache.shape[1], state.stride(0), state.stride(1),
                                  state.stride(2), rows.stride(0), tables.stride(0), D=D, HALF=D // 2,
-                                 ROPE_HALF=inv_freq.numel())
+                                 ROPE_HALF=inv_freq.numel(), **fmt)
 
 
-def v4_csa_decode(ring, cache, rows, positions, slots, tables, offsets, norm_weight, eps, inv_freq, rope_scale, ratio):
+def v4_csa_decode(ring, cache, rows, positions, slots, tables, offsets, norm_weight, eps, inv_freq, rope_scale, ratio,
+                  codec=None, dtype=None):
     """`OverlappingCompressor.close_decode` in one launch: ring [S, R, 4D] float32 (row p % R: position p's
     [kv | gate]), cache [blocks, entries_per_block, D], rows [T, 4D] float32, positions/slots [T], tables [T, W];
     `offsets` [T] (a verify step: row t's place among its request's rows this step, which are consecutive) or None;
-    kv_norm's weight [D] and eps, the compress RoPE's inv_freq [rd/2] and scale, the window size `ratio`."""
-    T, D = rows.shape[0], cache.shape[-1]
-    _check(cache, rows, ring, inv_freq, 4, (4 * D,))
+    kv_norm's weight [D] and eps, the compress RoPE's inv_freq [rd/2] and scale, the window size `ratio`; `codec`,
+    `dtype` as `v4_hca_decode`'s."""
+    T, D = rows.shape[0], norm_weight.numel()
+    fmt = _entry_format(cache, D, codec, dtype)
+    _check(cache, rows, ring, inv_freq, 4, (4 * D,), D, fmt)
     if T:
         _csa_decode_kernel[(T,)](ring, cache, rows, positions, slots, tables, positions if offsets is None else offsets,
                                  norm_weight, inv_freq, eps, rope_scale, ratio, ring.shape[1], cache.shape[1],
                                  ring.stride(0), ring.stride(1), rows.stride(0), tables.stride(0), D=D, HALF=D // 2,
-                                 ROPE_HALF=inv_freq.numel(), HAS_OFFSETS=offsets is not None)
+                                 ROPE_HALF=inv_freq.numel(), HAS_OFFSETS=offsets is not None, **fmt)
 
 
 # ---- DeepSeek-V4.1: a KV source's groups and its index keys ---------------------------------------------------

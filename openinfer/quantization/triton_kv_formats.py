@@ -1,8 +1,9 @@
-"""DeepSeek-V4.1's FP4 cache rows (quantization/kv_formats.py's `Fp4BlockCodec`) encoded inside Triton kernels, bit
-for bit: a kernel that makes an entry writes its packed row directly instead of handing the values to the codec's
-torch ops. Every rounding is done on the bits (E4M3 and E2M1 to nearest even, E8M0 a power-of-two ceiling), so the
-bytes are the codec's on the GPU and in Triton's interpreter alike; tested against the codec through the kernels
-that use it (tests/test_sparse_decode_indexer.py)."""
+"""DeepSeek-V4.1's FP4/FP8 cache rows (quantization/kv_formats.py's `Fp4BlockCodec`, `Fp8BlockCodec`) and V4's
+FlashMLA rows (`Fp8DsMlaCodec`) encoded inside Triton kernels, bit for bit: a kernel that makes an entry writes its
+packed row directly instead of handing the values to the codec's torch ops. Every rounding is done on the bits (E4M3
+and E2M1 to nearest even, E8M0 a power-of-two ceiling, bf16 to nearest even), so the bytes are the codec's on the GPU
+and in Triton's interpreter alike; tested against the codec through the kernels that use it
+(tests/test_sparse_decode_indexer.py)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,41 @@ def fp8_store(row, x_e, x_o, D: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(row + 2 * i, tl.reshape(be, (D // 2,)))
     tl.store(row + 2 * i + 1, tl.reshape(bo, (D // 2,)))
     tl.store(row + D + tl.arange(0, NG), e.to(tl.uint8))
+
+
+@triton.jit
+def ds_mla_store(row, x_e, x_o, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.constexpr):
+    """`Fp8DsMlaCodec(D - NOPE, TILE).encode` of one row of D values given as its even and odd channels x_e, x_o [D/2]
+    (float32), stored at `row` (uint8): NOPE E4M3 bytes (one E8M0 scale per TILE values, `fp8_store`'s), the RoPE
+    part's bf16 bits (low byte first), the NOPE / TILE scale bytes, zero bytes to a multiple of 8. Needs whole tiles
+    of RoPE channels too (D - NOPE a multiple of TILE); they are quantized here but not stored."""
+    NT: tl.constexpr = D // TILE
+    NS: tl.constexpr = NOPE // TILE
+    PAD: tl.constexpr = (NS + 7) // 8 * 8 - NS
+    ge = tl.reshape(x_e, (NT, TILE // 2))
+    go = tl.reshape(x_o, (NT, TILE // 2))
+    amax = tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1))
+    t = tl.maximum(amax, 1e-4) * 0.0022321429569274187                     # float32(1 / 448), as kv_formats
+    e = (t.to(tl.uint32, bitcast=True) + 0x7FFFFF) >> 23
+    s = (e << 23).to(tl.float32, bitcast=True)
+    be = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -448.0), 448.0)), (D // 2,))
+    bo = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -448.0), 448.0)), (D // 2,))
+    i = tl.arange(0, D // 2)
+    nope = 2 * i < NOPE
+    tl.store(row + 2 * i, be, mask=nope)
+    tl.store(row + 2 * i + 1, bo, mask=nope)
+    r_e = round_to(x_e, tl.bfloat16).to(tl.uint32, bitcast=True) >> 16
+    r_o = round_to(x_o, tl.bfloat16).to(tl.uint32, bitcast=True) >> 16
+    off = row + NOPE + 2 * tl.where(nope, 0, 2 * i - NOPE)                 # channel c at NOPE + 2 (c - NOPE)
+    tl.store(off, (r_e & 0xFF).to(tl.uint8), mask=~nope)
+    tl.store(off + 1, (r_e >> 8).to(tl.uint8), mask=~nope)
+    tl.store(off + 2, (r_o & 0xFF).to(tl.uint8), mask=~nope)
+    tl.store(off + 3, (r_o >> 8).to(tl.uint8), mask=~nope)
+    k = tl.arange(0, NT)
+    scales = row + 2 * D - NOPE
+    tl.store(scales + k, e.to(tl.uint8), mask=k < NS)
+    for j in tl.static_range(PAD):
+        tl.store(scales + NS + j, tl.zeros((), tl.uint8))
 
 
 @triton.jit

@@ -224,6 +224,11 @@ def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_b
     return entry_index(tables, torch.arange(n, device=tables.device).expand(tables.shape[0], -1), entries_per_block)
 
 
+def _coded(codec: KVCodec | None, dtype: torch.dtype | None) -> dict:
+    """The fused compressor ops' keyword arguments for entries stored as `codec` rows made in `dtype` (none: plain)."""
+    return {} if codec is None else {"codec": codec, "dtype": dtype}
+
+
 # ---- compressors (CSA / HCA pooling) ------------------------------------------------------------------
 class Compressor(nn.Module):
     """One compressed entry per `ratio` source tokens: a per-channel softmax-gated sum of projected rows,
@@ -324,12 +329,12 @@ class RunningCompressor(Compressor):
         `close_chunk` computes it; every read precedes every write, so the rows of one request need no order.
 
         `ops.v4_hca_decode` (one launch) replaces plain decode rows' step; a verify step's rows stay here (a request's
-        rows of one step read a state another of its rows may overwrite in the same launch; and `codec` rows, which it
-        does not write). `codec`, `dtype`: as `close_chunk`'s."""
+        rows of one step read a state another of its rows may overwrite in the same launch). `codec`, `dtype`: as
+        `close_chunk`'s (the fused op encodes `codec` rows itself)."""
         r, d, L = self.ratio, self.dim, state.shape[1]
-        if offsets is None and codec is None and self.ops.v4_hca_decode is not None:
+        if offsets is None and self.ops.v4_hca_decode is not None:
             self.ops.v4_hca_decode(state, cache, new_rows, positions, slots, tables, self.kv_norm.weight,
-                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r)
+                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r, **_coded(codec, dtype))
             return
         if offsets is None:
             row = torch.stack((new_rows[:, d:], torch.ones_like(new_rows[:, d:]), new_rows[:, :d]), dim=1)
@@ -398,11 +403,11 @@ class OverlappingCompressor(Compressor):
 
         `ops.v4_csa_decode` does it in one launch (a verify step's rows too: `offsets`, as RunningCompressor's, say
         which of a window's rows are this step's, taken from `new_rows` rather than the ring they are written to in
-        the same launch); it writes no scratch entry, and no `codec` rows."""
+        the same launch); it writes no scratch entry, and encodes `codec` rows itself."""
         r, R = self.ratio, ring.shape[1]
-        if codec is None and self.ops.v4_csa_decode is not None:
+        if self.ops.v4_csa_decode is not None:
             self.ops.v4_csa_decode(ring, cache, new_rows, positions, slots, tables, offsets, self.kv_norm.weight,
-                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r)
+                                   self.kv_norm.eps, rope.inv_freq, rope.scale, r, **_coded(codec, dtype))
             return
         ring[slots, positions % R] = new_rows
         window = (positions + 1) // r - 1
