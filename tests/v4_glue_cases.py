@@ -21,7 +21,7 @@ import torch
 
 from openinfer.layers.basic import TORCH_OPS
 from openinfer.models.deepseek_v4.model import InterleavedRope, RMSNorm, RopeRows
-from openinfer.quantization.kv_formats import Fp8BlockCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp8BlockCodec, Fp8DsMlaCodec, fp4_block_qdq
 
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
         "rope_theta": 10000.0}
@@ -148,10 +148,11 @@ def check_fp4_qdq(ops, device, seed: int = 0) -> dict:
 
 
 def check_kv_ring(ops, device, dtype, T: int, n_ring: int, R: int, D: int, rope_dim: int, fp8: bool = False,
-                  seed: int = 0, cs_dtype: torch.dtype | None = None, slots: int = 5) -> dict:
+                  seed: int = 0, cs_dtype: torch.dtype | None = None, slots: int = 5, ds_mla: bool = False) -> dict:
     """`ops.v4_kv_ring` (the window keys' norm + RoPE with the decode rows' ring write in its epilogue) against
     `ops.v4_norm_rope` then the models' torch write `ring[slots, positions % R] = kv[:n]` (V4: `.to(ring.dtype)`; V4.1:
-    the FP8 rows): the returned rows and every byte of the ring equal, rows past the decode rows and other slots and
+    the FP8 rows; `ds_mla`: V4's FlashMLA rows, `Fp8DsMlaCodec.encode`): the returned rows and every byte of the ring
+    equal, rows past the decode rows and other slots and
     ring rows untouched; and the rows within one rounding of the torch path (`RopeRows` with TORCH_OPS). Positions
     past R (the ring wraps), slots in any order."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -166,17 +167,19 @@ def check_kv_ring(ops, device, dtype, T: int, n_ring: int, R: int, D: int, rope_
     x = (torch.randn(T, D, generator=g) * 3).to(device, dtype)
     slot_ids = torch.randperm(slots, generator=g)[:n_ring].to(device)
     codec = Fp8BlockCodec(32) if fp8 else None
-    width = D + D // 32 if fp8 else D
-    if fp8:
+    ring_codec = Fp8DsMlaCodec.for_head(D, rope_dim) if ds_mla else None
+    width = D + D // 32 if fp8 else (ring_codec.stored_dim(D) if ds_mla else D)
+    if fp8 or ds_mla:
         ring = torch.randint(0, 256, (slots, R, width), generator=g, dtype=torch.uint8).to(device)
     else:
         ring = torch.randn(slots, R, width, generator=g).to(device, dtype)
     got_ring, ref_ring = ring.clone(), ring.clone()
     at = RopeRows(rope, positions, cs_dtype, ops)
-    got = at(x, norm, codec=codec, ring=(got_ring, slot_ids))
+    got = at(x, norm, codec=codec, ring=(got_ring, slot_ids), ring_codec=ring_codec)
     ref = at(x, norm, codec=codec)               # the same op without the ring, then the models' torch write
-    ref_ring[slot_ids, positions[:n_ring] % R] = ref[:n_ring].to(ring.dtype)
-    name = f"kv ring ({dtype}, T={T} n={n_ring} R={R} D={D} fp8={fp8})"
+    ref_ring[slot_ids, positions[:n_ring] % R] = (ref[:n_ring].to(ring.dtype) if ring_codec is None
+                                                  else ring_codec.encode(ref[:n_ring]))
+    name = f"kv ring ({dtype}, T={T} n={n_ring} R={R} D={D} fp8={fp8} ds_mla={ds_mla})"
     assert torch.equal(got, ref), f"{name}: the rows differ from v4_norm_rope's"
     changed = int((got_ring != ring).any(-1).sum())
     assert torch.equal(got_ring, ref_ring), (f"{name}: {int((got_ring != ref_ring).any(-1).sum())} ring rows differ "
@@ -197,6 +200,16 @@ def ring_cases(ops, device: str) -> list:
          lambda: check_kv_ring(ops, device, torch.bfloat16, 6, 5, 9, 64, 16, fp8=True, seed=4, cs_dtype=torch.float32)),
         ("kv ring, fp32 FP8 rows, one row", lambda: check_kv_ring(ops, device, torch.float32, 1, 1, 3, 128, 64, fp8=True,
                                                                   seed=5, cs_dtype=torch.float32)),
+    ] + ds_mla_ring_cases(ops, device)
+
+
+def ds_mla_ring_cases(ops, device: str) -> list:
+    """V4's window keys into a ring of FlashMLA rows (kv_cache_dtype="fp8_ds_mla")."""
+    return [
+        ("kv ring, fp32 FlashMLA rows", lambda: check_kv_ring(ops, device, torch.float32, 5, 3, 7, 64, 16, seed=6,
+                                                              ds_mla=True)),
+        ("kv ring, bf16 FlashMLA rows, tiny V4 width", lambda: check_kv_ring(ops, device, torch.bfloat16, 4, 4, 6, 32,
+                                                                             8, seed=7, ds_mla=True)),
     ]
 
 
@@ -207,6 +220,8 @@ def flash_ring_cases(ops, device: str, T: int) -> list:
                                                    slots=max(T, 2))),
         ("V4.1 flash kv ring, FP8", lambda: check_kv_ring(ops, device, torch.bfloat16, T, max(T - 1, 1), 135, 512, 64,
                                                           fp8=True, seed=T, cs_dtype=torch.float32, slots=max(T, 2))),
+        ("V4 flash kv ring, FlashMLA rows", lambda: check_kv_ring(ops, device, torch.bfloat16, T, T, 135, 512, 64,
+                                                                  seed=T, slots=max(T, 2), ds_mla=True)),
     ]
 
 

@@ -28,7 +28,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from openinfer.quantization.triton_kv_formats import fp4_qdq_e8m0, fp8_store, round_to
+from openinfer.quantization.kv_formats import Fp8DsMlaCodec
+from openinfer.quantization.triton_kv_formats import ds_mla_store, fp4_qdq_e8m0, fp8_store, round_to
 
 NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
@@ -38,7 +39,7 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, ring_ptr, sl
                       rope_scale, stride_xt, stride_xh, stride_ot, stride_oh, stride_rs, stride_rr, D: tl.constexpr,
                       HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE_HALF: tl.constexpr, NORM: tl.constexpr,
                       SIGN: tl.constexpr, CS_DT: tl.constexpr, FP8_BLOCK: tl.constexpr, FP4_GROUP: tl.constexpr,
-                      RING: tl.constexpr, LIBDEVICE: tl.constexpr):
+                      RING: tl.constexpr, LIBDEVICE: tl.constexpr, DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -83,6 +84,8 @@ def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, w_ptr, inv_freq_ptr, ring_ptr, sl
             rdst = ring_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_rs + row * stride_rr
             if FP8_BLOCK > 0:
                 fp8_store(rdst, x_e, x_o, D, FP8_BLOCK)
+            elif DS_NOPE > 0:   # V4's FlashMLA rows (`Fp8DsMlaCodec`), the returned rows staying values
+                ds_mla_store(rdst, x_e, x_o, D, DS_NOPE, DS_TILE)
             else:           # as `kv.to(ring.dtype)` (the row's values are already rounded to the model dtype)
                 tl.store(rdst + 2 * i, x_e.to(dt).to(ring_ptr.dtype.element_ty), mask=m)
                 tl.store(rdst + 2 * i + 1, x_o.to(dt).to(ring_ptr.dtype.element_ty), mask=m)
@@ -92,7 +95,7 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
                  cs_dtype: torch.dtype | None = None, inverse: bool = False, fp8_block: int = 0,
                  fp4_group: int = 0, ring: torch.Tensor | None = None,
-                 ring_slots: torch.Tensor | None = None) -> torch.Tensor:
+                 ring_slots: torch.Tensor | None = None, ring_codec: Fp8DsMlaCodec | None = None) -> torch.Tensor:
     """x [T, D] or [T, H, D] (unit last stride) -> a new tensor of its shape and dtype: each row (token, head) through
     the RMSNorm with `eps` (V4's `RMSNorm` with the float32 `weight`; without a weight `unweighted_rms_norm`; eps None:
     no norm), then the interleaved RoPE of `positions` [T] on its last 2 * len(inv_freq) channels, cos/sin scaled by
@@ -101,7 +104,9 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
     them (uint8 [..., D + D / fp8_block]: V4.1's window keys as its ring stores them); 0: in x's dtype. `fp4_group`: the
     rows then through `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer queries); 0: not. `ring` [slots, R, width]
     (x [T, D] only): the first len(ring_slots) rows are also stored at ring[ring_slots, positions % R] as the returned
-    rows hold them (cast to the ring's dtype), as the models' decode step stores its window keys (`v4_kv_ring`)."""
+    rows hold them (cast to the ring's dtype), as the models' decode step stores its window keys (`v4_kv_ring`);
+    `ring_codec` (an `Fp8DsMlaCodec`, V4's kv_cache_dtype="fp8_ds_mla"): encoded as its rows there (`ring` uint8
+    [slots, R, stored_dim(D)]; whole tiles of RoPE channels), the returned rows staying values."""
     rows = x if x.dim() == 3 else x[:, None]
     T, H, D = rows.shape
     rope_half = 0 if inv_freq is None else inv_freq.numel()
@@ -113,12 +118,21 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             raise ValueError(f"FP8 rows and FP4 rounding need a power-of-two width divisible by the (even) block "
                              f"(got {D}, {block})")
     width = D + D // fp8_block if fp8_block else D
+    ds_nope, ds_tile = 0, 1
+    if ring_codec is not None:
+        if (not isinstance(ring_codec, Fp8DsMlaCodec) or fp8_block or ring_codec.rope_dim % ring_codec.tile
+                or (D - ring_codec.rope_dim) % ring_codec.tile or ring_codec.tile % 2 or D & (D - 1)):
+            raise ValueError(f"the ring's codec must be an Fp8DsMlaCodec with whole tiles of RoPE channels of a "
+                             f"power-of-two width, without fp8_block (got {ring_codec!r}, width {D})")
+        ds_nope, ds_tile = D - ring_codec.rope_dim, ring_codec.tile
+    ring_width = width if ring_codec is None else ring_codec.stored_dim(D)
     n_ring = 0 if ring is None else ring_slots.numel()
-    if ring is not None and (H != 1 or positions is None or ring.dim() != 3 or ring.shape[2] != width
+    if ring is not None and (H != 1 or positions is None or ring.dim() != 3 or ring.shape[2] != ring_width
                              or ring.stride(2) != 1 or n_ring > T
-                             or (ring.dtype == torch.uint8) != bool(fp8_block)):
-        raise ValueError(f"the ring write needs one row per token, positions, a ring [slots, R, {width}] with unit "
-                         f"last stride ({'uint8' if fp8_block else 'not uint8'}) and at most {T} slots (got rows "
+                             or (ring.dtype == torch.uint8) != bool(fp8_block or ring_codec)):
+        raise ValueError(f"the ring write needs one row per token, positions, a ring [slots, R, {ring_width}] with "
+                         f"unit last stride ({'uint8' if fp8_block or ring_codec else 'not uint8'}) and at most {T} "
+                         f"slots (got rows "
                          f"{tuple(rows.shape)}, ring {tuple(ring.shape)} {ring.dtype}, {n_ring} slots)")
     out = torch.empty((T, H, width), dtype=torch.uint8 if fp8_block else x.dtype, device=x.device)
     norm = NO_NORM if eps is None else (UNWEIGHTED if weight is None else WEIGHTED)
@@ -132,19 +146,19 @@ def v4_norm_rope(x: torch.Tensor, eps: float | None = None, weight: torch.Tensor
             0 if ring is None else ring.stride(0), 0 if ring is None else ring.stride(1), D=D, HALF=D // 2,
             BLOCK=triton.next_power_of_2(D // 2), ROPE_HALF=rope_half, NORM=norm, SIGN=-1.0 if inverse else 1.0,
             CS_DT=cs, FP8_BLOCK=fp8_block, FP4_GROUP=fp4_group, RING=ring is not None,
-            LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction))
+            LIBDEVICE=not isinstance(_norm_rope_kernel, InterpretedFunction), DS_NOPE=ds_nope, DS_TILE=ds_tile)
     return out.view(*x.shape[:-1], width)
 
 
 def v4_kv_ring(x: torch.Tensor, eps: float, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                rope_scale: float, cs_dtype: torch.dtype, ring: torch.Tensor, slots: torch.Tensor,
-               fp8_block: int = 0) -> torch.Tensor:
+               fp8_block: int = 0, ring_codec: Fp8DsMlaCodec | None = None) -> torch.Tensor:
     """The window keys' glue with the decode step's ring write in its epilogue (`LayerOps.v4_kv_ring`): `v4_norm_rope`
     of the key rows x [T, D] (RMSNorm, RoPE, FP8 rows where `fp8_block`), the first len(slots) of them (the decode rows)
     also stored at ring[slots, positions % R] — the models' `ring[slots, positions % R] = kv` (2 kernels) in the same
-    launch, the same bytes."""
+    launch, the same bytes (`ring_codec`: V4's FlashMLA rows, as `v4_norm_rope`'s)."""
     return v4_norm_rope(x, eps, weight, positions, inv_freq, rope_scale, cs_dtype, fp8_block=fp8_block, ring=ring,
-                        ring_slots=slots)
+                        ring_slots=slots, ring_codec=ring_codec)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "n"])

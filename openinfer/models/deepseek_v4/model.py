@@ -51,7 +51,7 @@ from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
-from openinfer.quantization.kv_formats import Fp8BlockCodec, IdentityCodec, KVCodec, fp4_block_qdq
+from openinfer.quantization.kv_formats import Fp8BlockCodec, Fp8DsMlaCodec, IdentityCodec, KVCodec, fp4_block_qdq
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
@@ -161,17 +161,20 @@ class RopeRows:
 
     def __call__(self, x: torch.Tensor, norm: "RMSNorm | float | None" = None, inverse: bool = False,
                  codec: KVCodec | None = None, fp4_group: int = 0,
-                 ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ring_codec: KVCodec | None = None) -> torch.Tensor:
         """x [T, D] or [T, heads, D]: `norm` (an RMSNorm; a float: `unweighted_rms_norm` with that eps), then the RoPE
         of the row's position (`inverse`: rotated back); `codec`: then encoded by it (the fused op packs
         `Fp8BlockCodec` rows itself); `fp4_group`: then `fp4_block_qdq(., fp4_group, "e8m0")` (V4.1's indexer
         queries). `ring` (ring, slots), only where the runtime chose `ops.v4_kv_ring` (the window keys): rows
-        [0, len(slots)) also stored at ring[slots, positions % R] in the same launch (`ring_in_glue` says when)."""
+        [0, len(slots)) also stored at ring[slots, positions % R] in the same launch (`ring_in_glue` says when);
+        `ring_codec` (V4's `Fp8DsMlaCodec`): stored there as its rows, the returned rows staying values."""
         weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, norm)
         if ring is not None:
             fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
             y = self.ops.v4_kv_ring(x, eps, weight, self.positions, self.rope.inv_freq, self.rope.scale, self.cs_dtype,
-                                    ring[0], ring[1], fp8)
+                                    ring[0], ring[1], fp8,
+                                    **({} if ring_codec is None else {"ring_codec": ring_codec}))
             return y if codec is None or fp8 else codec.encode(y)
         if self.ops.v4_norm_rope is not None:
             fp8 = codec.block if isinstance(codec, Fp8BlockCodec) else 0
@@ -194,9 +197,10 @@ class RopeRows:
 def ring_in_glue(ops: LayerOps, meta: AttentionMetadata, codec: KVCodec | None = None) -> bool:
     """Whether this step's decode rows store their window keys through `ops.v4_kv_ring` (the kernel that makes the
     keys) rather than in `_decode`: where the runtime chose it, the step has decode rows, and the ring holds the keys
-    as the kernel writes them (the model dtype, an `IdentityCodec`, or `Fp8BlockCodec` rows)."""
+    as the kernel writes them (the model dtype, an `IdentityCodec`, `Fp8BlockCodec` rows, or V4's `Fp8DsMlaCodec` rows,
+    which RopeRows passes as `ring_codec`)."""
     return (ops.v4_kv_ring is not None and meta.num_decode_tokens > 0
-            and (codec is None or isinstance(codec, (Fp8BlockCodec, IdentityCodec))))
+            and (codec is None or isinstance(codec, (Fp8BlockCodec, IdentityCodec, Fp8DsMlaCodec))))
 
 
 # ---- paged entry addressing ---------------------------------------------------------------------------
@@ -539,7 +543,8 @@ class DeepseekV4Attention(nn.Module):
         q = q_at(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
         codec = state.get("codec")
         stored = ring_in_glue(self.ops, meta, codec)    # the decode rows' window keys stored as they are made
-        kv = at(self.kv_proj(x), self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None)
+        kv = at(self.kv_proj(x), self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None,
+                ring_codec=codec)
         keys = kv if codec is None or not meta.prefills else codec.qdq(kv)    # prefill's own keys, as read back
         comp = self.compressor
         rows = index_rows = index_q = None
