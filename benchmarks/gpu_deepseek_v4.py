@@ -11,10 +11,11 @@ Measures, in the same run: the copy-bandwidth and bf16-matmul ceilings; then
      through a bf16 checkpoint: CUDA bf16 prompt logits vs the CPU fp32 path.
 Writes JSON to $OUT (or benchmarks/results/).
 
-    python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4] [--ops next]
+    python benchmarks/gpu_deepseek_v4.py --tokenizer-json PATH [--layers 4] [--ops next] [--kv-cache-dtype fp8_ds_mla]
 
 `--ops next`: the engine's ops with the kernels of TRITON_OPS_NEXT not yet in TRITON_OPS (layers/triton_ops.py says
-which); the default, the engine's own choice.
+which); the default, the engine's own choice. `--kv-cache-dtype fp8_ds_mla`: V4's window and compressed entries as
+FlashMLA's FP8 rows (docs/deepseek_v4.md), the floor counting their 584 bytes.
 """
 
 from __future__ import annotations
@@ -106,12 +107,14 @@ def floor_ms(model, tokens_per_seq: list[int], contexts: list[int], ceil: dict, 
     bytes_w = wb["other"] + n_moe * touched * per_expert
     bytes_kv = flops_attn = 0.0
     D, H, Di, Hi, W = c.head_dim, c.num_attention_heads, c.index_head_dim, c.index_n_heads, c.sliding_window
+    codec = getattr(model, "kv_codec", None)       # kv_cache_dtype="fp8_ds_mla": 584 B entries, else bf16
+    entry_bytes = codec.stored_dim(D) if codec is not None else D * 2
     for t in c.layer_types:
         r = c.compress_rates.get(t, 0)
         for n, ctx in zip(tokens_per_seq, contexts):
             entries = ctx // r if r else 0
             attended = min(W, ctx) + (min(entries, c.index_topk) if t == CSA else entries)
-            bytes_kv += (min(W, ctx) + (entries if t == HCA else min(entries, c.index_topk))) * D * 2
+            bytes_kv += (min(W, ctx) + (entries if t == HCA else min(entries, c.index_topk))) * entry_bytes
             if t == CSA:
                 bytes_kv += entries * Di * 2
                 flops_attn += 2 * n * Hi * Di * entries
@@ -280,6 +283,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=16384,
                     help="bounds the context buckets captured at start (the probe's longest request is 2,240 tokens)")
     ap.add_argument("--skip-first-traffic", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_ds_mla"),
+                    help="fp8_ds_mla: DeepSeek-V4's own cache format (FlashMLA's FP8 rows)")
     ap.add_argument("--part-out", default=None, help="internal: run one weights kind, write its results here")
     ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
@@ -288,7 +293,8 @@ def main() -> None:
         use_next_ops()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
-           "torch": torch.__version__, "ops": args.ops, "config": {**FLASH_WIDTH, **layout(args.layers)}}
+           "torch": torch.__version__, "ops": args.ops, "kv_cache_dtype": args.kv_cache_dtype,
+           "config": {**FLASH_WIDTH, **layout(args.layers)}}
     if args.only_fidelity:
         res["fidelity"] = fidelity(args.tokenizer_json)
         print("fidelity", json.dumps(res["fidelity"]), flush=True)
@@ -307,6 +313,7 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--tokenizer-json", args.tokenizer_json, "--layers",
                             str(args.layers), "--batches", args.batches, "--weights", weights, "--part-out", str(part),
                             "--max-model-len", str(args.max_model_len), "--ops", args.ops,
+                            "--kv-cache-dtype", args.kv_cache_dtype,
                             *(["--skip-first-traffic"] if args.skip_first_traffic else []),
                             "--ceilings-json", json.dumps(ceil)], check=False)
             res.setdefault("runs", {})[weights] = (json.loads(part.read_text()) if part.is_file()
@@ -317,7 +324,8 @@ def main() -> None:
         d = model_dir(args.tokenizer_json, **over)
         t0 = time.perf_counter()
         llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-                  max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len)
+                  max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len,
+                  kv_cache_dtype=args.kv_cache_dtype)
         run = res.setdefault("runs", {})[weights] = {}
         # a fresh engine as `openinfer serve` starts it (graphs captured, warm-up), then its first users
         run["start_up"] = start_up(llm, time.perf_counter() - t0)
@@ -353,7 +361,8 @@ def main() -> None:
         print("fidelity", json.dumps(res["fidelity"]), flush=True)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_deepseek_v4_{res['date']}_{commit}{'_next' if args.ops == 'next' else ''}.json").write_text(json.dumps(res, indent=1))
+    tag = ("_next" if args.ops == "next" else "") + ("_fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else "")
+    (out / f"gpu_deepseek_v4_{res['date']}_{commit}{tag}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
