@@ -133,15 +133,16 @@ def test_context_sizes_compile_no_new_variant():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "deepseek-v41-tiny"])
-def test_engine_with_the_kernel_follows_the_engine_with_the_reference(model, dtype, tol):
+@pytest.mark.parametrize("model, kv_cache_dtype", [("deepseek-v4-tiny", "auto"), ("deepseek-v41-tiny", "auto"),
+                                                   ("deepseek-v4-tiny", "fp8_ds_mla")])
+def test_engine_with_the_kernel_follows_the_engine_with_the_reference(model, kv_cache_dtype, dtype, tol):
     """Greedy decoding of three requests (CUDA graphs where the model captures them: bf16) with the kernel and with
     the torch reference in its place: every step's logits up to the first differing token agree within `tol`
     (relative norm: fp32 leaves the kernel only its summation order; bf16 is the graph-vs-eager bound of
-    tests/test_gpu.py), and the kernel ran."""
+    tests/test_gpu.py), and the kernel ran. fp8_ds_mla: V4's FlashMLA cache rows in both engines."""
     from sparse_decode_cases import compare_engines
 
-    failures = compare_engines(model, "cuda", dtype, tol)
+    failures = compare_engines(model, "cuda", dtype, tol, kv_cache_dtype=kv_cache_dtype)
     gc.collect()
     torch.cuda.empty_cache()
     assert not failures, failures
