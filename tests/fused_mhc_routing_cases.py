@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from openinfer.layers.basic import TORCH_OPS, sort_by_expert
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
-from openinfer.models.deepseek_v4.model import Experts, HyperConnection, HyperHead, Router
+from openinfer.models.deepseek_v4.model import Experts, HyperConnection, HyperHead, Router, SharedExpert
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
 from openinfer.models.deepseek_v41.model import Block, Gate
+from openinfer.models.deepseek_v41.model import Expert as SharedExpert41
 from openinfer.models.deepseek_v41.model import MoE as MoE41
 
 # V4-Flash and V4.1-Flash (the released config.json) at the widths the kernels see
@@ -360,6 +361,33 @@ def check_moe_act(ops, device, dtype, N: int, inter: int, seed: int = 0) -> dict
     return errs
 
 
+def check_shared_experts(ops, device, dtype, T: int, hidden: int, inter: int, seed: int = 0) -> dict:
+    """The shared experts with `ops.moe_act` after their stacked gate/up GEMM against their torch code (V4's
+    `SharedExpert`: clamped SwiGLU in the model dtype; V4.1's `Expert`: float32, rounded once, with and without the
+    clamp), the same modules and weights: equal on CUDA (the same GEMMs, the activation as torch rounds it); within
+    float32 rounding elsewhere (the interpreter's exp)."""
+    g = _gen(seed, device)
+    x = _randn(g, T, hidden, device=device, dtype=dtype, scale=3.0)
+    errs = {}
+    with torch.no_grad():
+        for name, module in (("V4", SharedExpert(hidden, inter, 10.0)),
+                             ("V4.1 limit 10", SharedExpert41(hidden, inter, 10.0)),
+                             ("V4.1 no limit", SharedExpert41(hidden, inter, 0.0))):
+            module = module.to(device, dtype)
+            for p in module.parameters():       # gate/up values well past the clamp at 10
+                p.copy_(_randn(g, *p.shape, device=device, dtype=dtype, scale=3.0 * p.shape[1] ** -0.5 * 4))
+            module.ops = TORCH_OPS
+            ref = module(x)
+            module.ops = ops
+            got = module(x)
+            assert got.dtype == ref.dtype and got.shape == ref.shape, f"shared expert ({name}): shape or dtype differs"
+            if device != "cpu":
+                assert torch.equal(got, ref), f"shared expert ({name}): differs from the torch path"
+            errs[name] = _close(got.float(), ref.float(), f"shared expert ({name})", 1e-5,
+                                1e-5 if dtype == torch.float32 else 2 ** -6)
+    return errs
+
+
 class _GroupedExperts(Experts):
     """Test double: the grouped (expert-sorted) path on any device, as CUDA bf16 runs it."""
     grouped = True
@@ -474,6 +502,7 @@ def kernel_cases(ops, device: str) -> list:
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),
         ("expert order (torch sort past SORT_MAX_PICKS)", lambda: check_expert_order(ops, device, 1400, 6, 16)),
         ("moe act fp32", lambda: check_moe_act(ops, device, torch.float32, 7, 40)),
+        ("shared experts fp32", lambda: check_shared_experts(ops, device, torch.float32, 5, 48, 40)),
         ("moe combine fp32", lambda: check_moe_combine(ops, device, torch.float32, 11, 3, 40)),
         ("moe combine bf16", lambda: check_moe_combine(ops, device, torch.bfloat16, 5, 3, 40, seed=1)),
         ("moe fp32", lambda: check_moe(ops, device, torch.float32, 9, v4_moe, v41_moe, 16)),

@@ -643,17 +643,23 @@ def grouped_projection(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # ---- MoE ----------------------------------------------------------------------------------------------
 class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float):
+    """The clamped SwiGLU MLP every token takes. The checkpoint's gate (w1) and up (w3) matrices are stacked at load
+    into one `gate_up_proj` [2I, H] (the loader's stacked parts): one GEMM for both, whose rows are each the same
+    dot products as the two GEMMs'; `ops.moe_act` (the routed experts' activation kernel) then replaces the clamps,
+    silu and product (four kernels) with one launch, rounding as the torch code does."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.limit = limit
+        self.limit, self.ops = limit, ops
 
     def forward(self, x):
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops.moe_act is not None:
+            return self.down_proj(self.ops.moe_act(gate_up, self.limit, rounded=True))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit))
 
 
 class Router(nn.Module):
@@ -797,7 +803,7 @@ class MoE(nn.Module):
         tp = self.parallel.tp_size
         self.experts = Experts(cfg, ops, slots, cfg.moe_intermediate_size // tp)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp,
-                                           cfg.swiglu_limit)
+                                           cfg.swiglu_limit, ops)
 
     def forward(self, x, input_ids, meta: AttentionMetadata | None = None):
         experts, weights = self.gate(x, input_ids)
@@ -1055,6 +1061,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError("the checkpoint stores lm_head quantized: not supported with "
                                  "tensor_parallel_size > 1 (the vocabulary-parallel head is bf16/float)")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
+                if isinstance(parent, SharedExpert) and (module.out_features // 2) % block:
+                    raise ValueError(f"{name} stacks w1 and w3 ({module.out_features // 2} rows each): FP8 needs "
+                                     f"them a multiple of the block size {block}")
                 new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1)
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")

@@ -534,17 +534,22 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """The shared expert: clamped SwiGLU in float32 between the model-dtype projections."""
+    """The shared expert: clamped SwiGLU in float32 between the model-dtype projections. The checkpoint's w1 (gate)
+    and w3 (up) are stacked at load into one `w13` [2 * inter, dim] (the loader's `_SHARED_PART`): one GEMM whose
+    rows are each the two GEMMs' dot products; `ops.moe_act` (the routed experts' activation kernel) then replaces
+    the casts, clamps, silu, product and rounding (seven kernels) with one launch."""
 
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w13 = nn.Linear(dim, 2 * inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
-        self.limit = limit
+        self.limit, self.ops = limit, ops
 
     def forward(self, x):
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        gate_up = self.w13(x)
+        if self.ops.moe_act is not None:
+            return self.w2(self.ops.moe_act(gate_up, self.limit if self.limit > 0 else None))
+        gate, up = gate_up.float().chunk(2, dim=-1)
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.w2((F.silu(gate) * up).to(x.dtype))
@@ -573,7 +578,7 @@ class MoE(nn.Module):
         shape = _ExpertShape(slots, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
         self.ops = ops
         self.experts = Experts(shape, ops)
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, ops)
         self.limit = cfg.swiglu_limit
 
     def _act(self, gate_up: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
