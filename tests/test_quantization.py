@@ -254,7 +254,7 @@ def test_published_layout_is_what_deepseek_publishes(published):
     assert isinstance(model.layers[2].mlp.shared_experts.gate_up_proj, Fp8Linear)     # w1 and w3 stacked
     assert isinstance(model.layers[2].mlp.experts, QuantizedExperts)
     assert model.layers[2].mlp.experts.gate_up_proj.dtype == torch.uint8            # kept packed
-    assert model.layers[1].self_attn.compressor.kv_proj.weight.dtype == torch.float32
+    assert model.layers[1].self_attn.compressor.kv_gate_proj.weight.dtype == torch.float32
 
 
 def test_weight_only_path_equals_transformers_on_the_dequantized_weights(published):

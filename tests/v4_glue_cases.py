@@ -223,9 +223,9 @@ def check_compressor_rows(ops, device, dtype, T: int, hidden: int, dim: int, rat
     for m in (ref_mod, got_mod):
         m.to(device, dtype)
     ref_mod.position_bias.data = torch.randn(ratio, ref_mod.width, generator=g).to(device, bias_dtype)
-    for name in ("kv_proj", "gate_proj"):
-        getattr(ref_mod, name).weight.data = (torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5).to(
-            device, dtype)
+    # kv and gate stacked in one projection: the op reads the halves of its output rows (strided views)
+    ref_mod.kv_gate_proj.weight.data = torch.cat([torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5
+                                                  for _ in ("kv", "gate")]).to(device, dtype)
     got_mod.load_state_dict(ref_mod.state_dict())
     got_mod.position_bias.data = ref_mod.position_bias.data
     x = (torch.randn(T, hidden, generator=g) * 2).to(device, dtype)

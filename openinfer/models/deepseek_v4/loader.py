@@ -187,7 +187,8 @@ def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
 
 # our parameters that stack checkpoint matrices along their rows (one GEMM where the checkpoint has two): the owning
 # module's name pattern, the stacked linear's name and its parts' (transformers' names, which `native_to_hf` gives)
-_STACKED = [(r".*\.shared_experts", "gate_up_proj", ("gate_proj", "up_proj"))]
+_STACKED = [(r".*\.shared_experts", "gate_up_proj", ("gate_proj", "up_proj")),
+            (r".*\.compressor(?:\.indexer)?", "kv_gate_proj", ("kv_proj", "gate_proj"))]
 _STACKED_RE = [(re.compile(rf"^({stem})\.{stacked}\.(weight(?:_scale)?)$"),
                 re.compile(rf"^({stem})\.({'|'.join(parts)})\.(weight(?:_scale)?)$"), stacked, parts)
                for stem, stacked, parts in _STACKED]
@@ -195,7 +196,8 @@ _STACKED_RE = [(re.compile(rf"^({stem})\.{stacked}\.(weight(?:_scale)?)$"),
 
 def stacked_parts(name: str) -> list[str]:
     """The checkpoint matrices (transformers' names) that our parameter `name` stacks along its rows, in row order;
-    [] when it stacks none (`SharedExpert.gate_up_proj.weight`: the gate_proj and up_proj weights)."""
+    [] when it stacks none (`SharedExpert.gate_up_proj.weight`: the gate_proj and up_proj weights;
+    `Compressor.kv_gate_proj.weight`: kv_proj and gate_proj)."""
     for whole, _, _, parts in _STACKED_RE:
         m = whole.match(name)
         if m:

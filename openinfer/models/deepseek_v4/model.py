@@ -225,20 +225,21 @@ class Compressor(nn.Module):
         """`ops`: the fused decode step of the kind, where the runtime chose one (else the torch code below)."""
         super().__init__()
         width = self.width_factor * dim
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        # the checkpoint's kv_proj and gate_proj stacked at load (the loader's stacked parts): one GEMM for both
+        self.kv_gate_proj = nn.Linear(hidden, 2 * width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
         self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the projections
-        one launch with `ops.v4_compressor_rows`)."""
+        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the stacked
+        projection one launch with `ops.v4_compressor_rows`)."""
+        kv_gate = self.kv_gate_proj(x)
+        kv, gate = kv_gate[:, :self.width], kv_gate[:, self.width:]
         if self.ops.v4_compressor_rows is not None:
-            return self.ops.v4_compressor_rows(self.kv_proj(x), self.gate_proj(x), self.position_bias, positions,
-                                               self.ratio)
-        gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
-        return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
+            return self.ops.v4_compressor_rows(kv, gate, self.position_bias, positions, self.ratio)
+        gate = gate + self.position_bias[positions % self.ratio]
+        return torch.cat((kv.float(), gate.float()), dim=-1)
 
     def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, rope: "InterleavedRope") -> torch.Tensor:
         pooled = self.kv_norm(pooled)
@@ -1061,10 +1062,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError("the checkpoint stores lm_head quantized: not supported with "
                                  "tensor_parallel_size > 1 (the vocabulary-parallel head is bf16/float)")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
-                if isinstance(parent, SharedExpert) and (module.out_features // 2) % block:
-                    raise ValueError(f"{name} stacks w1 and w3 ({module.out_features // 2} rows each): FP8 needs "
-                                     f"them a multiple of the block size {block}")
-                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1)
+                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1,
+                                    parts=2 if child == "gate_up_proj" else 1)     # (SharedExpert's w1 and w3)
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")
             setattr(parent, child, new)

@@ -944,7 +944,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in modules:
             parent_name, _, child = name.rpartition(".")
             parent = self.get_submodule(parent_name)
-            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops))
+            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops,
+                                                 parts=2 if child == "w13" else 1))     # (Expert's w1 and w3)
         for name, fmt in expert_modules.items():
             parent = self.get_submodule(name.rpartition(".")[0])
             old = parent.experts
