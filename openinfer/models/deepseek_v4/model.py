@@ -204,6 +204,20 @@ def entry_index(block_table: torch.Tensor, entry: torch.Tensor, entries_per_bloc
     return block_table.gather(-1, entry // entries_per_block) * entries_per_block + entry % entries_per_block
 
 
+def decode_entries(ops: LayerOps, meta: AttentionMetadata, positions: torch.Tensor, ratio: int,
+                   entries_per_block: int, step: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The decode rows' compressed entries at `ratio`: (flat rows of entries 0 .. n-1 [T, n] (`decode_entry_rows`),
+    how many of them each row's position has closed [T], n). Every layer of a step with the same ratio and cache
+    page reads the same (the same rows, block tables and positions): made once per step, in `step` (the forward's
+    own dict, empty at its start)."""
+    key = ("entries", ratio, entries_per_block)
+    if key not in step:
+        n = max(meta.max_decode_context_len // ratio, 1)
+        step[key] = (decode_entry_rows(ops, meta.decode_block_tables, n, entries_per_block), (positions + 1) // ratio,
+                     n)
+    return step[key]
+
+
 def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
     """Flat rows [T, n] of entries 0 .. n-1 for each decode row's block table (tables [T, W]): `entry_index`, or
     `ops.entry_rows` (one launch) where the runtime chose it."""
@@ -611,18 +625,22 @@ class DeepseekV4Attention(nn.Module):
         comp, r = self.compressor, self.ratio
         cache = state["kv"]
         epb = cache.shape[1]
-        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
             comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets)
-            n = max(meta.max_decode_context_len // r, 1)
-            flat = decode_entry_rows(self.ops, tables, n, epb)
+            step = state.get("step", {})        # (made once per step for every layer of the ratio)
+            flat, num_closed, n = decode_entries(self.ops, meta, positions, r, epb, step)
+            if self.layer_type == HCA:
+                if ("closed mask", r, n) not in step:
+                    step["closed mask", r, n] = torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
+                return flat, None, step["closed mask", r, n]
         else:
+            num_closed = ((positions if q_pos is None else q_pos) + 1) // r
             comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p)
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
-        if self.layer_type == HCA:
-            return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
+            if self.layer_type == HCA:
+                return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
         indexer = comp.indexer
         if p is None:
             indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope,
@@ -995,9 +1013,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window + E, D), dtype))
         return specs
 
-    def layer_state(self, caches: dict, i: int) -> dict:
+    def layer_state(self, caches: dict, i: int, step: dict | None = None) -> dict:
+        """Layer i's caches, and `step`: the forward's dict of what its layers share (`decode_entries`)."""
         t, j = self.config.layer_types[i], self._state_index[i]
-        state = {"swa": caches["swa"][i]}
+        state = {"swa": caches["swa"][i], "step": {} if step is None else step}
         if t == CSA:
             state.update(kv=caches["csa_kv"][j], rows=caches["csa_rows"][j], index=caches["csa_index"][j],
                          index_rows=caches["csa_index_rows"][j])
@@ -1011,9 +1030,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_streams(self, input_ids, positions, caches, meta) -> torch.Tensor:
         """The hc_head output (pre final norm) [T, hidden]: what the MTP heads read."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        step = {}
         for i, layer in enumerate(self.layers):
             streams = layer(streams, input_ids, positions, self._rope_for(self.config.layer_types[i]),
-                            self.layer_state(caches, i), meta)
+                            self.layer_state(caches, i, step), meta)
         return self.hc_head(streams)
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:

@@ -53,7 +53,7 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
-                                                apply_rope, decode_entry_rows, entry_index, ring_in_glue)
+                                                apply_rope, decode_entries, entry_index, ring_in_glue)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
@@ -192,11 +192,13 @@ class Indexer(nn.Module):
 
 class StepShared:
     """What a forward hands down its layers (the reference's `shared_attn`, made per forward): per span (the
-    decode rows, then each prefill chunk), the latest index source's picks and the candidate blocks."""
+    decode rows, then each prefill chunk), the latest index source's picks and the candidate blocks; and the decode
+    rows' compressed entries per ratio (`deepseek_v4.model.decode_entries`)."""
 
     def __init__(self):
         self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.candidates: dict[int, torch.Tensor] = {}
+        self.entries: dict = {}
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -369,12 +371,11 @@ class Attention(nn.Module):
         positions when they are some of the span's rows (context parallelism), else None."""
         r = self.ratio
         cidx = state.get("cidx")
-        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
-        if p is None:
+        if p is None:           # (the same for every layer of the ratio: made once per step)
             tables = meta.decode_block_tables
-            n = max(meta.max_decode_context_len // r, 1)
-            flat = decode_entry_rows(self.ops, tables, n, state["ckv"].shape[1])
+            flat, num_closed, n = decode_entries(self.ops, meta, positions, r, state["ckv"].shape[1], shared.entries)
         else:
+            num_closed = ((positions if q_pos is None else q_pos) + 1) // r
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
         if self.is_kv_source and close_groups:
