@@ -424,12 +424,15 @@ class Indexer(OverlappingCompressor):
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
 
     def queries(self, x, q_residual, at: RopeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, H, d], the heads' weights [T, H] as projected: `scores` scales them, `ops.index_scores` in its
+        kernel, where it runs)."""
         q = at(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim))
-        return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+        return q, self.scorer.weights_proj(x)
 
     def scores(self, q, weights, keys, num_closed) -> torch.Tensor:
-        """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> float32 [T, N], -inf past the closed
-        entries."""
+        """q [T, H, d], weights [T, H] (as projected), keys [T or 1, N, d], num_closed [T] -> float32 [T, N], -inf past
+        the closed entries."""
+        weights = weights.float() * self.num_heads ** -0.5
         if keys.shape[0] == 1:     # a prefill chunk: every query scores the same keys, no per-query copy
             scores = torch.einsum("thd,nd->thn", q.float(), keys[0].float())
         else:
@@ -460,7 +463,8 @@ class Indexer(OverlappingCompressor):
         table `tables` walked); `ops.index_scores` reads them in place."""
         if self.ops.index_scores is None:
             return self.select(q, weights, cache.view(-1, self.dim)[flat], num_closed)
-        scores = self.ops.index_scores(q, weights, cache, tables, flat.shape[1], num_closed, self.dim ** -0.5)
+        scores = self.ops.index_scores(q, weights, cache, tables, flat.shape[1], num_closed, self.dim ** -0.5,
+                                       weight_scale=self.num_heads ** -0.5)
         return self.ops.index_topk(scores, self.topk, num_closed)
 
 

@@ -597,7 +597,7 @@ class MoE(nn.Module):
         else:
             y = self.routed(x, experts, weights)
         if len(x):          # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
-            y = y + self.shared_experts(x).float()
+            y = y + self.shared_experts(x)      # float32 by promotion: the sum of the widened values, one kernel
         return y.to(x.dtype)
 
     def routed(self, x, experts, weights) -> torch.Tensor:
