@@ -744,10 +744,12 @@ class Experts(nn.Module):
     def grouped_mm(self, rows, name: str, offs):
         return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
 
-    def forward(self, x, experts, weights):
-        """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]."""
+    def forward(self, x, experts, weights, add: torch.Tensor | None = None):
+        """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]; `add` [T, H]
+        (the shared expert's rows): returned added to the sums, `experts(x) + add` (in the combine's epilogue where the
+        runtime chose `ops.moe_combine_add`)."""
         if self.grouped:
-            return self._grouped(x, experts, weights)
+            return self._grouped(x, experts, weights, add)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             if e < 0:
@@ -755,20 +757,25 @@ class Experts(nn.Module):
             tok, k = torch.where(experts == e)
             h = self._act(self.expert_linear(x[tok], "gate_up_proj", e))
             out.index_add_(0, tok, (self.expert_linear(h, "down_proj", e) * weights[tok, k, None]).to(x.dtype))
-        return out
+        return out if add is None else out + add
 
-    def _grouped(self, x, experts, weights):
+    def _grouped(self, x, experts, weights, add=None):
         n, k = self.gate_up_proj.shape[0], experts.shape[1]
         if self.ops.moe_combine is not None:     # sorting, activation, combining: one kernel each
             _, rows, inv, offs = self.ops.expert_order(experts, n)
             h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs), self.limit, rounded=True)
-            return self.ops.moe_combine(self.grouped_mm(h, "down_proj", offs), inv, experts, weights, x.dtype)
+            y = self.grouped_mm(h, "down_proj", offs)
+            if add is not None and self.ops.moe_combine_add is not None:
+                return self.ops.moe_combine_add(y, inv, experts, weights, x.dtype, add)
+            out = self.ops.moe_combine(y, inv, experts, weights, x.dtype)
+            return out if add is None else out + add
         order, offs = sort_by_expert(experts, n)     # other ranks' experts (-1) last, past the final offset
         h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs))
         y = self.grouped_mm(h, "down_proj", offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
         y = torch.where(experts.flatten()[order, None] < 0, 0, y)   # rows past the last offset hold anything
-        return torch.zeros_like(x).index_add_(0, order // k, y)
+        out = torch.zeros_like(x).index_add_(0, order // k, y)
+        return out if add is None else out + add
 
 
 class QuantizedExperts(Experts):
@@ -831,7 +838,7 @@ class MoE(nn.Module):
     def forward(self, x, input_ids, meta: AttentionMetadata | None = None):
         experts, weights = self.gate(x, input_ids)
         if self.parallel.ep_size == 1:     # (tensor parallelism: partial sums, one all-reduce)
-            return tp_all_reduce(self.experts(x, experts, weights) + self.shared_experts(x), self.parallel)
+            return tp_all_reduce(self.experts(x, experts, weights, add=self.shared_experts(x)), self.parallel)
         return (expert_parallel_moe(x, experts, weights, self.routing, self.experts, meta, self.parallel)
                 + self.shared_experts(x))
 

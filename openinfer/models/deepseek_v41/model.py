@@ -594,22 +594,26 @@ class MoE(nn.Module):
         experts, weights = self.gate(x, image_mask)
         if hasattr(self, "routing"):
             y = expert_parallel_moe(x, experts, weights, self.routing, self.routed, meta, self.parallel)
+            if len(x):      # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
+                y = y + self.shared_experts(x)  # float32 by promotion: the sum of the widened values, one kernel
         else:
-            y = self.routed(x, experts, weights)
-        if len(x):          # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
-            y = y + self.shared_experts(x)      # float32 by promotion: the sum of the widened values, one kernel
+            y = self.routed(x, experts, weights, self.shared_experts(x) if len(x) else None)
         return y.to(x.dtype)
 
-    def routed(self, x, experts, weights) -> torch.Tensor:
+    def routed(self, x, experts, weights, add: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [T, dim]: the routed experts' weighted sum for rows x [T, dim]; experts [T, k] slot ids of this
-        layer's stack (-1: computed on another rank), weights [T, k] float32."""
+        layer's stack (-1: computed on another rank), weights [T, k] float32; `add` [T, dim] (the shared expert's
+        rows): added to the float32 sum (in the combine's epilogue where the runtime chose `ops.moe_combine_add`)."""
         ex = self.experts          # quantized experts round their rows to FP8 themselves (LayerOps.quantize_activations)
         if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
             order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
             h = self.ops.moe_act(ex.grouped_mm(x[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
                                  weights.flatten(), order)
             out = ex.grouped_mm(h, "down_proj", offs)
-            return self.ops.moe_combine(out, inv, experts, None, torch.float32)
+            if add is not None and self.ops.moe_combine_add is not None:
+                return self.ops.moe_combine_add(out, inv, experts, None, torch.float32, add)
+            y = self.ops.moe_combine(out, inv, experts, None, torch.float32)
+            return y if add is None else y + add
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if ex.grouped:
             k = experts.shape[1]
@@ -625,7 +629,7 @@ class MoE(nn.Module):
                 tok, j = torch.where(experts == e)
                 h = self._act(ex.expert_linear(x[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
                 y.index_add_(0, tok, ex.expert_linear(h, "down_proj", e).float())
-        return y
+        return y if add is None else y + add      # (float32 by promotion)
 
 
 class _ExpertShape:
