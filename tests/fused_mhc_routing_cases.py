@@ -26,16 +26,22 @@ import torch.nn.functional as F
 from openinfer.layers.basic import TORCH_OPS, sort_by_expert
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
-from openinfer.models.deepseek_v4.model import Experts, HyperConnection, HyperHead, Router
+from openinfer.models.deepseek_v4.model import Experts, HyperConnection, HyperHead, Router, SharedExpert
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
 from openinfer.models.deepseek_v41.model import Block, Gate
+from openinfer.models.deepseek_v41.model import Expert as SharedExpert41
 from openinfer.models.deepseek_v41.model import MoE as MoE41
 
 # V4-Flash and V4.1-Flash (the released config.json) at the widths the kernels see
 V4_FLASH = dict(hidden_size=4096, hc_mult=4, n_routed_experts=256, num_experts_per_tok=6, routed_scaling_factor=1.5)
 V41_FLASH = dict(dim=5120, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-20, n_routed_experts=384,
                  n_activated_experts=6, route_scale=1.5)
+
+
+def next_ops():
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+    return TRITON_OPS_NEXT
 
 
 def fused_ops():
@@ -360,6 +366,84 @@ def check_moe_act(ops, device, dtype, N: int, inter: int, seed: int = 0) -> dict
     return errs
 
 
+def check_shared_experts(ops, device, dtype, T: int, hidden: int, inter: int, seed: int = 0) -> dict:
+    """The shared experts with `ops.moe_act` after their stacked gate/up GEMM against their torch code (V4's
+    `SharedExpert`: clamped SwiGLU in the model dtype; V4.1's `Expert`: float32, rounded once, with and without the
+    clamp), the same modules and weights: equal on CUDA (the same GEMMs, the activation as torch rounds it); within
+    float32 rounding elsewhere (the interpreter's exp)."""
+    g = _gen(seed, device)
+    x = _randn(g, T, hidden, device=device, dtype=dtype, scale=3.0)
+    errs = {}
+    with torch.no_grad():
+        for name, module in (("V4", SharedExpert(hidden, inter, 10.0)),
+                             ("V4.1 limit 10", SharedExpert41(hidden, inter, 10.0)),
+                             ("V4.1 no limit", SharedExpert41(hidden, inter, 0.0))):
+            module = module.to(device, dtype)
+            for p in module.parameters():       # gate/up values well past the clamp at 10
+                p.copy_(_randn(g, *p.shape, device=device, dtype=dtype, scale=3.0 * p.shape[1] ** -0.5 * 4))
+            module.ops = TORCH_OPS
+            ref = module(x)
+            module.ops = ops
+            got = module(x)
+            assert got.dtype == ref.dtype and got.shape == ref.shape, f"shared expert ({name}): shape or dtype differs"
+            if device != "cpu":
+                assert torch.equal(got, ref), f"shared expert ({name}): differs from the torch path"
+            errs[name] = _close(got.float(), ref.float(), f"shared expert ({name})", 1e-5,
+                                1e-5 if dtype == torch.float32 else 2 ** -6)
+    return errs
+
+
+def check_moe_combine_add(ops, device, dtype, T: int, v4_widths: dict, v41_widths: dict, inter: int,
+                          seed: int = 0) -> dict:
+    """`ops.moe_combine_add` (the shared expert's rows added in the combine's epilogue) = `ops.moe_combine` then
+    torch's addition, every bit: the function in `dtype` and float32 (V4.1's sums), and the routed experts with the
+    shared rows through V4's `Experts` and V4.1's `MoE.routed` (`ops` against the same ops without the field)."""
+    g = _gen(seed, device)
+    without = dataclasses.replace(ops, moe_combine_add=None)
+    k, H = 3, 40
+    experts = torch.randint(-1, 8, (T, k), generator=g, device=device)
+    _, _, inv, _ = ops.expert_order(experts, 8)
+    y = _randn(g, T * k, H, device=device, dtype=dtype)
+    y[inv[(experts < 0).flatten()].long()] = float("nan")       # what skipped rows may hold: must not leak
+    w = _randn(g, T, k, device=device, dtype=dtype)
+    add = _randn(g, T, H, device=device, dtype=dtype)
+    for weights in (w, None):
+        for out_dtype in (dtype, torch.float32):
+            got = ops.moe_combine_add(y, inv, experts, weights, out_dtype, add)
+            ref = ops.moe_combine(y, inv, experts, weights, out_dtype) + add
+            assert got.dtype == ref.dtype and torch.equal(got, ref), f"moe_combine_add ({out_dtype}): differs"
+    cfg = v4_config(**v4_widths, moe_intermediate_size=inter)
+    H, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    with torch.device(device):
+        ex = _GroupedExperts(cfg, ops).to(dtype)
+    ex.gate_up_proj.data = _randn(g, E, 2 * inter, H, device=device, dtype=dtype, scale=H ** -0.5)
+    ex.down_proj.data = _randn(g, E, H, inter, device=device, dtype=dtype, scale=inter ** -0.5)
+    x, shared = _randn(g, T, H, device=device, dtype=dtype), _randn(g, T, H, device=device, dtype=dtype)
+    picks = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(T)])
+    picks = torch.where(torch.rand(T, k, generator=g, device=device) < 0.1, -1, picks)
+    pw = torch.rand(T, k, generator=g, device=device).to(dtype)
+    with torch.no_grad():
+        got = ex(x, picks, pw, add=shared)
+        ex.ops = without
+        assert torch.equal(got, ex(x, picks, pw, add=shared)), "V4 routed + shared experts: differ"
+    cfg = v41_config(**v41_widths, moe_inter_dim=inter)
+    with torch.device(device):
+        moe = MoE41(cfg, 0, ops).to(dtype)
+    moe.experts.__class__ = _GroupedExperts
+    D, E, k = cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts
+    moe.experts.gate_up_proj.data = _randn(g, E, 2 * inter, D, device=device, dtype=dtype, scale=D ** -0.5)
+    moe.experts.down_proj.data = _randn(g, E, D, inter, device=device, dtype=dtype, scale=inter ** -0.5)
+    x, shared = _randn(g, T, D, device=device, dtype=dtype), _randn(g, T, D, device=device, dtype=dtype)
+    picks = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(T)])
+    picks = torch.where(torch.rand(T, k, generator=g, device=device) < 0.1, -1, picks)
+    pw = torch.rand(T, k, generator=g, device=device)
+    with torch.no_grad():
+        got = moe.routed(x, picks, pw, shared)
+        moe.ops = without
+        assert torch.equal(got, moe.routed(x, picks, pw, shared)), "V4.1 routed + shared experts: differ"
+    return {"equal": True}
+
+
 class _GroupedExperts(Experts):
     """Test double: the grouped (expert-sorted) path on any device, as CUDA bf16 runs it."""
     grouped = True
@@ -474,9 +558,14 @@ def kernel_cases(ops, device: str) -> list:
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),
         ("expert order (torch sort past SORT_MAX_PICKS)", lambda: check_expert_order(ops, device, 1400, 6, 16)),
         ("moe act fp32", lambda: check_moe_act(ops, device, torch.float32, 7, 40)),
+        ("shared experts fp32", lambda: check_shared_experts(ops, device, torch.float32, 5, 48, 40)),
         ("moe combine fp32", lambda: check_moe_combine(ops, device, torch.float32, 11, 3, 40)),
         ("moe combine bf16", lambda: check_moe_combine(ops, device, torch.bfloat16, 5, 3, 40, seed=1)),
         ("moe fp32", lambda: check_moe(ops, device, torch.float32, 9, v4_moe, v41_moe, 16)),
+        ("moe combine add fp32 (next ops)",
+         lambda: check_moe_combine_add(next_ops(), device, torch.float32, 9, v4_moe, v41_moe, 16)),
+        ("moe combine add bf16 (next ops)",
+         lambda: check_moe_combine_add(next_ops(), device, torch.bfloat16, 5, v4_moe, v41_moe, 16, seed=1)),
     ]
 
 

@@ -43,7 +43,7 @@ from openinfer.quantization.kv_formats import Fp4BlockCodec, Fp8DsMlaCodec, Iden
 
 # full width: V4-Flash / V4.1-Flash (64 index heads of 128, top-512, head_dim 512 with 64 RoPE dims, ratios 4, 128)
 FULL = dict(heads=64, index_dim=128, topk=512, head_dim=512, rope_dim=64)
-QUICK = dict(heads=8, index_dim=64, topk=24, head_dim=32, rope_dim=8)
+QUICK = dict(heads=16, index_dim=64, topk=24, head_dim=32, rope_dim=8)     # (exact cases: 4^k heads and dims)
 
 
 def fused_ops():
@@ -128,9 +128,8 @@ def check_v4_indexer(device, g, dims: dict, dtype, batch: int, contexts: list[in
             cache, tables = paged(g, num_closed.tolist(), epb, (D,), dtype, device, fill=ints)
             q = ints((batch, H, D)).to(dtype)
             w = (2.0 ** torch.randint(-2, 3, (batch, H), generator=g)) * torch.randint(-1, 2, (batch, H), generator=g)
-            scale = D ** -0.5
-            if scale != 2.0 ** round(torch.log2(torch.tensor(scale)).item()):
-                continue                        # index_dim not a power of four: exactness needs a power-of-two scale
+            if any(s != 2.0 ** round(torch.log2(torch.tensor(s)).item()) for s in (D ** -0.5, H ** -0.5)):
+                continue        # index_dim or heads not a power of four: exactness needs power-of-two scales
         else:
             cache, tables = paged(g, num_closed.tolist(), epb, (D,), dtype, device)
             q = torch.randn(batch, H, D, generator=g).to(dtype)
@@ -138,7 +137,7 @@ def check_v4_indexer(device, g, dims: dict, dtype, batch: int, contexts: list[in
         q, w, pos_d, closed_d = q.to(device), w.float().to(device), positions.to(device), num_closed.to(device)
         flat = entry_index(tables, torch.arange(n, device=device).expand(batch, -1), epb)
         want_scores = ref_ix.scores(q, w, cache.view(-1, D)[flat], closed_d)
-        got_scores = fused_ops().index_scores(q, w, cache, tables, n, closed_d, D ** -0.5)
+        got_scores = fused_ops().index_scores(q, w, cache, tables, n, closed_d, D ** -0.5, weight_scale=H ** -0.5)
         picks, valid = fused_ix.select_decode(q, w, cache, tables, flat, closed_d)
         ref_picks, ref_valid = ref_ix.select_decode(q, w, cache, tables, flat, closed_d)
         if exact:

@@ -19,6 +19,7 @@ from openinfer.layers.attention import AttentionMetadata, PrefillChunk
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
 from openinfer.models.deepseek_v4.loader import init_random as init_deepseek_v4_random
+from openinfer.models.deepseek_v4.loader import unstacked
 from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from openinfer.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
@@ -40,8 +41,8 @@ def make_v4(path: Path, **overrides):
         ours = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(cfg.to_dict()))
     ours = ours.to_empty(device="cpu")
     init_deepseek_v4_random(ours, seed=0, std=0.2)    # larger than init, so every path shows in the logits
-    state = {("" if k.startswith("lm_head") else "model.") + k: v
-             for k, v in ours.state_dict().items() if not k.endswith("inv_freq")}
+    state = {("" if k.startswith("lm_head") else "model.") + k: v for name, t in ours.state_dict().items()
+             if not name.endswith("inv_freq") for k, v in unstacked(name, t)}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if "inv_freq" not in m]
     hf.save_pretrained(path)

@@ -76,8 +76,11 @@ def test_gpu_expert_order(T):
 @gpu
 @pytest.mark.parametrize("T", BATCHES)
 def test_gpu_moe_glue_at_flash_widths(T):
-    from tests.fused_mhc_routing_cases import check_moe, check_moe_act, check_moe_combine
+    from tests.fused_mhc_routing_cases import (check_moe, check_moe_act, check_moe_combine, check_moe_combine_add,
+                                               check_shared_experts, next_ops)
     print(check_moe_act(_ops(), "cuda", torch.bfloat16, 6 * T, 2048, seed=T))
+    print(check_shared_experts(_ops(), "cuda", torch.bfloat16, T, V4_FLASH["hidden_size"], 2048, seed=T))
+    print(check_moe_combine_add(next_ops(), "cuda", torch.bfloat16, T, V4_FLASH, V41_FLASH, inter=128, seed=T))
     print(check_moe_combine(_ops(), "cuda", torch.bfloat16, T, 6, V4_FLASH["hidden_size"], seed=T))
     print(check_moe(_ops(), "cuda", torch.bfloat16, T, V4_FLASH, V41_FLASH, inter=128, seed=T))
 

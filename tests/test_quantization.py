@@ -251,9 +251,10 @@ def test_published_layout_is_what_deepseek_publishes(published):
     engine = engine_for(src)
     model = engine.runner.model
     assert isinstance(model.layers[0].self_attn.q_a_proj, Fp8Linear)
+    assert isinstance(model.layers[2].mlp.shared_experts.gate_up_proj, Fp8Linear)     # w1 and w3 stacked
     assert isinstance(model.layers[2].mlp.experts, QuantizedExperts)
     assert model.layers[2].mlp.experts.gate_up_proj.dtype == torch.uint8            # kept packed
-    assert model.layers[1].self_attn.compressor.kv_proj.weight.dtype == torch.float32
+    assert model.layers[1].self_attn.compressor.kv_gate_proj.weight.dtype == torch.float32
 
 
 def test_weight_only_path_equals_transformers_on_the_dequantized_weights(published):

@@ -165,7 +165,7 @@ def test_gpu_compressor_and_entry_rows(T):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("op", ("v4_compressor_rows", "entry_rows"))
+@pytest.mark.parametrize("op", ("v4_compressor_rows", "entry_rows", "moe_combine_add"))
 def test_gpu_tiny_models_with_decode_glue_float32(op):
     """The engine in float32 on CUDA with `v4_norm_rope`, with and without the op: bit-exact ops, so the same greedy
     tokens and logprobs (the bound only admits run-to-run GPU noise)."""

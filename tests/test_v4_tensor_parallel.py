@@ -119,6 +119,10 @@ def test_v4_tp_shards_of_our_own_stacked_layout():
         assert torch.equal(got["layers.2.mlp.experts.gate_up_proj"],
                            torch.cat((gu[:, r * I:(r + 1) * I], gu[:, cfg.moe_intermediate_size + r * I:
                                                                      cfg.moe_intermediate_size + (r + 1) * I]), 1))
+        sg = state["layers.2.mlp.shared_experts.gate_up_proj.weight"]     # [gate | up], each cut the same way
+        assert torch.equal(got["layers.2.mlp.shared_experts.gate_up_proj.weight"],
+                           torch.cat((sg[r * I:(r + 1) * I], sg[cfg.moe_intermediate_size + r * I:
+                                                                cfg.moe_intermediate_size + (r + 1) * I])))
         assert torch.equal(got["layers.2.mlp.experts.down_proj"],
                            state["layers.2.mlp.experts.down_proj"][:, :, r * I:(r + 1) * I])
         assert torch.equal(got["layers.1.self_attn.sinks"], state["layers.1.self_attn.sinks"][r * H:(r + 1) * H])

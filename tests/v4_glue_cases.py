@@ -238,9 +238,9 @@ def check_compressor_rows(ops, device, dtype, T: int, hidden: int, dim: int, rat
     for m in (ref_mod, got_mod):
         m.to(device, dtype)
     ref_mod.position_bias.data = torch.randn(ratio, ref_mod.width, generator=g).to(device, bias_dtype)
-    for name in ("kv_proj", "gate_proj"):
-        getattr(ref_mod, name).weight.data = (torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5).to(
-            device, dtype)
+    # kv and gate stacked in one projection: the op reads the halves of its output rows (strided views)
+    ref_mod.kv_gate_proj.weight.data = torch.cat([torch.randn(ref_mod.width, hidden, generator=g) / hidden ** 0.5
+                                                  for _ in ("kv", "gate")]).to(device, dtype)
     got_mod.load_state_dict(ref_mod.state_dict())
     got_mod.position_bias.data = ref_mod.position_bias.data
     x = (torch.randn(T, hidden, generator=g) * 2).to(device, dtype)
@@ -336,7 +336,8 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
     sampled ones up to the first token that differs, and the share of equal tokens reported.
 
-    `op` "v4_kv_ring" ("v4_compressor_rows", "entry_rows"): both runs with `v4_norm_rope`, one with that op and one
+    `op` "v4_kv_ring" ("v4_compressor_rows", "entry_rows", "moe_combine_add"): both runs with `v4_norm_rope`, one with
+    that op and one
     without (the models' torch code). `engine_kwargs`: more EngineConfig fields (a small
     max_num_batched_tokens makes steps that mix decode rows and prefill chunks)."""
     from unittest import mock
@@ -344,11 +345,12 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
     from openinfer import LLM, SamplingParams
     from openinfer.engine import llm_engine
     from openinfer.layers.triton_compressor import v4_compressor_rows
+    from openinfer.layers.triton_moe_routing import moe_combine
     from openinfer.layers.triton_v4_glue import entry_rows, v4_kv_ring, v4_norm_rope
 
     make_kernels = llm_engine.make_kernels
     fused = {"v4_norm_rope": v4_norm_rope, "v4_kv_ring": v4_kv_ring, "v4_compressor_rows": v4_compressor_rows,
-             "entry_rows": entry_rows}[op]
+             "entry_rows": entry_rows, "moe_combine_add": moe_combine}[op]
     common = {"v4_norm_rope": v4_norm_rope} if op != "v4_norm_rope" else {}
 
     def glue_kernels(config):

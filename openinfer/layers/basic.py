@@ -100,6 +100,9 @@ class LayerOps:
     expert_order: Callable | None = None  # (experts, n) -> order, rows, inv, offs
     moe_act: Callable | None = None       # (gate_up, limit, weights=None, order=None, rounded=False) -> h
     moe_combine: Callable | None = None   # (y, inv, experts, weights | None, dtype) -> per-token sums
+    # ... and those sums plus the shared expert's rows, one launch: (y, inv, experts, weights | None, dtype, add) ->
+    # sums in dtype + add, rounded as torch's addition in dtype; None: the models add in torch
+    moe_combine_add: Callable | None = None
     # DeepSeek-V4/V4.1 decode rows: sparse attention over the window ring and the compressed cache, read in place
     # (layers/sparse_attention.py's contract; one fused launch per layer on CUDA, triton_sparse_decode.py)
     sparse_decode_attention: Callable = sparse_decode_attention

@@ -31,16 +31,29 @@ def stored_parameters(shape: tuple[int, ...], fmt: str, block: int) -> tuple[nn.
 
 class Fp8Linear(nn.Module):
     """y = x W^T with W stored FP8 E4M3 plus one E8M0 scale per block x block tile (no bias: DeepSeek's
-    projections have none)."""
+    projections have none). `parts`: W stacks that many checkpoint matrices of equal rows (a model's stacked
+    gate/up), each with its own scale tiles: the scale rows are the parts' scale rows in order. Parts of whole
+    tiles are one GEMM; parts narrower than a tile (tiny test configs) are one GEMM each."""
 
-    def __init__(self, in_features: int, out_features: int, block: int, ops: LayerOps = TORCH_OPS):
+    def __init__(self, in_features: int, out_features: int, block: int, ops: LayerOps = TORCH_OPS, parts: int = 1):
         super().__init__()
+        if out_features % parts:
+            raise ValueError(f"an FP8 linear stacking {parts} parts needs equal parts; {out_features} rows")
         self.in_features, self.out_features, self.block, self.ops = in_features, out_features, block, ops
-        self.weight, self.weight_scale = stored_parameters((out_features, in_features), "fp8", block)
+        self.parts = parts
+        self.weight = stored_parameters((out_features, in_features), "fp8", block)[0]
+        scale = stored_parameters((parts, out_features // parts, in_features), "fp8", block)[1]
+        self.weight_scale = nn.Parameter(scale.data.flatten(0, 1), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.ops.fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.block)
+        x = x.reshape(-1, shape[-1])
+        rows = self.out_features // self.parts
+        if rows % self.block == 0:
+            y = self.ops.fp8_linear(x, self.weight, self.weight_scale, self.block)
+        else:                   # each part's rows with its own (ragged) scale tiles
+            y = torch.cat([self.ops.fp8_linear(x, w, s, self.block) for w, s in
+                           zip(self.weight.chunk(self.parts), self.weight_scale.chunk(self.parts))], dim=-1)
         return y.view(*shape[:-1], self.out_features)
 
     def forward_groups(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,11 +85,12 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
 
 
-def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1) -> Fp8Linear:
-    """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time)."""
+def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1, parts: int = 1) -> Fp8Linear:
+    """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time);
+    `parts`: `linear` stacks that many checkpoint matrices (Fp8Linear's parts)."""
     if linear.bias is not None:
         raise ValueError("FP8 block-scaled linears have no bias")
     if linear.out_features % groups:
         raise ValueError(f"a grouped FP8 projection needs equal groups; {linear.out_features} rows in {groups} groups")
     with torch.device(linear.weight.device):
-        return Fp8Linear(linear.in_features, linear.out_features, block, ops)
+        return Fp8Linear(linear.in_features, linear.out_features, block, ops, parts)

@@ -118,7 +118,7 @@ def _e2m1(codes):
 # as the first row of a 16-entry run and load V4.1's 68-byte FP4 rows 16 bytes at a time (a misaligned address on the
 # H200); unspecialized, it proves only ROW's own alignment.
 @triton.jit(do_not_specialize=["n", "stride_tb", "stride_cb", "stride_ob", "epb"])
-def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_ptr, out_ptr, n, scale,
+def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_ptr, out_ptr, n, scale, w_scale,
                          stride_qb, stride_qh, stride_wb, stride_tb, stride_cb, stride_ob, epb, cand_block,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
                          BLOCK_N: tl.constexpr, FP4: tl.constexpr, ROUND: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -150,7 +150,7 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_p
         hm = hs < H
         qh = tl.load(q_ptr + b * stride_qb + hs[:, None] * stride_qh + d[None, :], mask=hm[:, None], other=0.0)
         s = tl.dot(qh, tl.trans(keys), input_precision=PRECISION)              # [BLOCK_H, BLOCK_N] float32
-        w = tl.load(w_ptr + b * stride_wb + hs, mask=hm, other=0.0).to(tl.float32)[:, None]
+        w = (tl.load(w_ptr + b * stride_wb + hs, mask=hm, other=0.0).to(tl.float32) * w_scale)[:, None]
         if ROUND:       # V4.1: the dot and each weighted head rounded to the model dtype, as its bf16 einsum
             s = round_to(s, dt)
             acc += tl.sum(round_to(tl.maximum(s, 0.0) * scale * w, dt), 0)
@@ -163,8 +163,10 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, tables_ptr, closed_ptr, cand_p
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, n: int,
                  num_closed: torch.Tensor, scale: float, *, fp4: bool = False, round_products: bool = False,
-                 candidates: torch.Tensor | None = None, candidate_block: int = 1) -> torch.Tensor:
-    """Decode rows' indexer scores [B, n] float32: sum_h weights[b, h] * relu(q[b, h] . key_e) * scale for entries
+                 candidates: torch.Tensor | None = None, candidate_block: int = 1,
+                 weight_scale: float = 1.0) -> torch.Tensor:
+    """Decode rows' indexer scores [B, n] float32: sum_h w[b, h] * relu(q[b, h] . key_e) * scale, w = the float32
+    weights[b, h] * weight_scale (V4's `weights_proj(x).float() * heads ** -0.5`, from the bf16 projection), for entries
     e < num_closed[b] of the paged index cache `cache` [blocks, entries_per_block, row] (entry e of sequence b at
     tables[b, e // entries_per_block]), -inf elsewhere and, with `candidates` [B, ceil(n / candidate_block)] bool,
     outside the candidate blocks. `fp4`: rows are V4.1's FP4 index keys (E2M1 pairs, E8M0 scale per 32), decoded to
@@ -178,7 +180,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, ta
         block_n = 64
         cand = num_closed if candidates is None else candidates.view(torch.int8)
         _index_scores_kernel[(B, triton.cdiv(n, block_n))](
-            q, weights, cache, tables, num_closed, cand, out, n, scale, q.stride(0), q.stride(1), weights.stride(0),
+            q, weights, cache, tables, num_closed, cand, out, n, scale, weight_scale, q.stride(0), q.stride(1),
+            weights.stride(0),
             tables.stride(0), cand.stride(0) if candidates is not None else 0, out.stride(0), cache.shape[1],
             candidate_block, H=H, BLOCK_H=max(16, min(64, triton.next_power_of_2(H))), D=D, ROW=cache.shape[2],
             BLOCK_N=block_n, FP4=fp4, ROUND=round_products, CANDIDATES=candidates is not None,

@@ -229,11 +229,12 @@ def moe_act(gate_up: torch.Tensor, limit: float | None, weights: torch.Tensor | 
     return h
 
 
-@triton.jit(do_not_specialize=["stride_y"])
-def _moe_combine_kernel(y_ptr, stride_y, inv_ptr, experts_ptr, w_ptr, out_ptr, H, K: tl.constexpr,
-                        BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_y", "stride_a"])
+def _moe_combine_kernel(y_ptr, stride_y, inv_ptr, experts_ptr, w_ptr, out_ptr, add_ptr, stride_a, H, K: tl.constexpr,
+                        BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, ADD: tl.constexpr):
     """Program (token t, hidden block): out[t] = sum over t's picks j (in pick order, skipped ones left out) of
-    y[inv[t, j]] (* w[t, j] when WEIGHTED), float32, rounded once to out's dtype."""
+    y[inv[t, j]] (* w[t, j] when WEIGHTED), float32, rounded once to out's dtype; ADD: then + add[t] (widened to
+    float32), rounded again (a torch addition in out's dtype after the sum)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -245,19 +246,28 @@ def _moe_combine_kernel(y_ptr, stride_y, inv_ptr, experts_ptr, w_ptr, out_ptr, H
         if WEIGHTED:
             yj = yj * tl.load(w_ptr + t * K + j).to(tl.float32)
         acc += yj
-    tl.store(out_ptr + t.to(tl.int64) * H + h, round_to(acc, out_ptr.dtype.element_ty), mask=hmask)
+    out = round_to(acc, out_ptr.dtype.element_ty)
+    if ADD:
+        a = tl.load(add_ptr + t.to(tl.int64) * stride_a + h, mask=hmask, other=0.0).to(tl.float32)
+        out = round_to(out + a, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t.to(tl.int64) * H + h, out, mask=hmask)
 
 
 def moe_combine(y: torch.Tensor, inv: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
     """Expert outputs y [T*k, H] in `expert_order`'s order -> [T, H] in `dtype`: each token's sum over its picks
-    (weighted by `weights` [T, k] if given; picks of expert -1 contribute nothing), float32 accumulation."""
+    (weighted by `weights` [T, k] if given; picks of expert -1 contribute nothing), float32 accumulation. `add`
+    [T, H] (unit last stride; the shared expert's output): the sums in `dtype` plus it, as torch's `sums + add`
+    in `dtype` (`LayerOps.moe_combine_add`: one kernel, not two)."""
     T, k = experts.shape
     H = y.shape[1]
+    if add is not None and (add.shape != (T, H) or add.stride(-1) != 1):
+        raise ValueError(f"moe_combine adds rows [T, H] = [{T}, {H}] with unit last stride (got {tuple(add.shape)})")
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     if T:
         w = weights.contiguous() if weights is not None else y
-        _moe_combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H))](y, y.stride(0), inv, experts.contiguous(), w, out, H,
-                                                                  K=k, BLOCK_H=COMBINE_BLOCK_H,
-                                                                  WEIGHTED=weights is not None)
+        _moe_combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H))](
+            y, y.stride(0), inv, experts.contiguous(), w, out, out if add is None else add,
+            0 if add is None else add.stride(0), H, K=k, BLOCK_H=COMBINE_BLOCK_H, WEIGHTED=weights is not None,
+            ADD=add is not None)
     return out

@@ -277,8 +277,11 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
 # one request, and the kernel-vs-contract case sweep failed on a case not yet identified (BENCHMARKS.md, issue 35).
 # Also the decode glue fused after it (issue 34), interpreter-tested, GPU tests written (tests/test_v4_glue.py): the
 # window keys' ring write in v4_norm_rope's epilogue (triton_v4_glue.v4_kv_ring), V4's compressor rows
-# (triton_compressor.v4_compressor_rows) and the decode rows' entry addresses (triton_v4_glue.entry_rows).
+# (triton_compressor.v4_compressor_rows) and the decode rows' entry addresses (triton_v4_glue.entry_rows). And the MoE
+# combine with the shared expert's rows added in its epilogue (triton_moe_routing.moe_combine's `add`; interpreter-
+# tested, GPU tests in tests/test_fused_mhc_routing.py).
 TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, sparse_prefill_attention=sparse_prefill_attention,
                                       v4_kv_ring=triton_v4_glue.v4_kv_ring,
                                       v4_compressor_rows=triton_compressor.v4_compressor_rows,
-                                      entry_rows=triton_v4_glue.entry_rows)
+                                      entry_rows=triton_v4_glue.entry_rows,
+                                      moe_combine_add=triton_moe_routing.moe_combine)

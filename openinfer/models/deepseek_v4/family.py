@@ -115,12 +115,13 @@ class DeepseekV4Family(ModelFamily):
 def _stored_quantization(headers: dict, scheme: QuantScheme | None) -> tuple[dict[str, str], dict[str, str]]:
     """(our module -> "fp8" | "mxfp4" for every module stored quantized, a stored scale's name -> the loader's
     canonical one `<weight>_scale`), checked: one format per module."""
-    from openinfer.models.deepseek_v4.loader import native_to_hf
+    from openinfer.models.deepseek_v4.loader import native_to_hf, stacked_part
 
     pairs = pair_quantized(headers, scheme, is_expert=lambda n: native_to_hf(n)[1] is not None)
     formats = {}
     for name, q in pairs.items():
-        module = native_to_hf(name)[0].rsplit(".", 1)[0]
+        ours = native_to_hf(name)[0]
+        module = (stacked_part(ours) or (ours,))[0].rsplit(".", 1)[0]     # a stacked matrix: the stacking module
         if formats.setdefault(module, q.fmt) != q.fmt:
             raise ValueError(f"{module} mixes {formats[module]} and {q.fmt} weights ({name!r})")
     return formats, {q.scale.name: q.weight.name + "_scale" for q in pairs.values()}

@@ -33,15 +33,24 @@ def load_weights(model: DeepseekV4ForCausalLM, weights: Iterable[tuple[str, torc
         local_slots = checkpoint_slots(model.expert_placement, model.parallel.ep_rank)
         local_logical = model.expert_placement.local_logical(model.parallel.ep_rank)[0]
     loaded = set()
+    weights = (part for name, tensor in weights for part in unstacked(name, tensor))   # (a state_dict of ours)
     for name, tensor in weights:
         name, part = native_to_hf(name)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        stacked = stacked_part(name)
+        if stacked is not None:
+            name = stacked[0]
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM")
         dst = params[name].data
         key = name
         dsts = [dst]
+        if stacked is not None:         # one matrix (or its scale) of a parameter stacking several along its rows
+            _, i, count = stacked
+            rows = dst.shape[0] // count
+            dsts = [dst[i * rows:(i + 1) * rows]]
+            key = f"{name}#{i}"
         if (part is None and local_slots is not None and ".experts." in name and tensor.dim() == 3
                 and tensor.shape[0] == n_experts):   # stacked experts (transformers' layout): this rank's
             tensor = tensor[local_logical]
@@ -75,7 +84,9 @@ def load_weights(model: DeepseekV4ForCausalLM, weights: Iterable[tuple[str, torc
     expected = set()
     for n in (*dict(model.named_parameters()), *[b for b in dict(model.named_buffers())
                                                  if b.endswith(("tid2eid", "e_score_correction_bias"))]):
-        if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")) and n not in loaded:
+        if stacked_parts(n):
+            expected |= {f"{n}#{i}" for i in range(len(stacked_parts(n)))}
+        elif n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")) and n not in loaded:
             expected |= {f"{n}#{e}.{w}" for e in range(n_experts) for w in ("w1", "w3")}
         elif n.endswith(("experts.down_proj", "experts.down_proj_scale")) and n not in loaded:
             expected |= {f"{n}#{e}.w2" for e in range(n_experts)}
@@ -123,7 +134,7 @@ _TP_SPLIT = [(re.compile(a), d) for a, d in (
     (r"^embed_tokens\.weight$", 0), (r"^lm_head\.weight$", 0),
     (r"\.self_attn\.q_b_proj\.weight(_scale)?$", 0), (r"\.self_attn\.sinks$", 0),
     (r"\.self_attn\.o_a_proj\.weight(_scale)?$", 0), (r"\.self_attn\.o_b_proj\.weight(_scale)?$", 1),
-    (r"\.shared_experts\.(gate|up)_proj\.weight(_scale)?$", 0), (r"\.shared_experts\.down_proj\.weight(_scale)?$", 1),
+    (r"\.shared_experts\.gate_up_proj\.weight(_scale)?$", 0), (r"\.shared_experts\.down_proj\.weight(_scale)?$", 1),
     (r"\.experts\.gate_up_proj(_scale)?$", 1), (r"\.experts\.down_proj(_scale)?$", 2))]
 
 
@@ -172,6 +183,45 @@ def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
         stacked = m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj") + (m.group(4) or "")
         return stacked, (int(m.group(2)), m.group(3))
     return name, None
+
+
+# our parameters that stack checkpoint matrices along their rows (one GEMM where the checkpoint has two): the owning
+# module's name pattern, the stacked linear's name and its parts' (transformers' names, which `native_to_hf` gives)
+_STACKED = [(r".*\.shared_experts", "gate_up_proj", ("gate_proj", "up_proj")),
+            (r".*\.compressor(?:\.indexer)?", "kv_gate_proj", ("kv_proj", "gate_proj"))]
+_STACKED_RE = [(re.compile(rf"^({stem})\.{stacked}\.(weight(?:_scale)?)$"),
+                re.compile(rf"^({stem})\.({'|'.join(parts)})\.(weight(?:_scale)?)$"), stacked, parts)
+               for stem, stacked, parts in _STACKED]
+
+
+def stacked_parts(name: str) -> list[str]:
+    """The checkpoint matrices (transformers' names) that our parameter `name` stacks along its rows, in row order;
+    [] when it stacks none (`SharedExpert.gate_up_proj.weight`: the gate_proj and up_proj weights;
+    `Compressor.kv_gate_proj.weight`: kv_proj and gate_proj)."""
+    for whole, _, _, parts in _STACKED_RE:
+        m = whole.match(name)
+        if m:
+            return [f"{m.group(1)}.{p}.{m.group(2)}" for p in parts]
+    return []
+
+
+def stacked_part(name: str) -> tuple[str, int, int] | None:
+    """A checkpoint matrix (transformers' name) that one of our parameters stacks -> (that parameter, the matrix's
+    index among its parts, the number of parts); None for any other name."""
+    for _, part, stacked, parts in _STACKED_RE:
+        m = part.match(name)
+        if m:
+            return f"{m.group(1)}.{stacked}.{m.group(3)}", parts.index(m.group(2)), len(parts)
+    return None
+
+
+def unstacked(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One of our tensors as the checkpoint matrices it holds (transformers' names): a stacked one split along its
+    rows, any other as itself."""
+    parts = stacked_parts(name)
+    if not parts:
+        return [(name, tensor)]
+    return list(zip(parts, tensor.chunk(len(parts))))
 
 
 # the inverse: our parameter name -> the upstream checkpoint's (for writing checkpoints in the published layout)
@@ -228,7 +278,9 @@ def published_formats(model: DeepseekV4ForCausalLM, scheme: QuantScheme | None) 
     for name, module in model.named_modules():
         if isinstance(module, Experts):
             formats[name] = scheme.expert_fmt
-        elif isinstance(module, torch.nn.Linear) and published_dtype(hf_to_native(name + ".weight"), "fp8") == "fp8":
+        elif (isinstance(module, torch.nn.Linear)      # (a stacked linear: as its parts, published alike)
+              and published_dtype(hf_to_native((stacked_parts(name + ".weight") or [name + ".weight"])[0]),
+                                  "fp8") == "fp8"):
             formats[name] = "fp8"
     return formats
 

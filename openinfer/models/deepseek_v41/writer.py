@@ -42,6 +42,11 @@ def published_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tenso
             name = name[:-len(".weight_scale")] + ".scale"
         if t.dtype == torch.float32 and not keep_fp32.search(name):
             t = t.to(torch.bfloat16)
+        m = re.match(r"^(.*\.shared_experts)\.w13\.(weight|scale)$", name)
+        if m:                   # our stacked w13: the checkpoint's w1 and w3
+            for w, half in zip(("w1", "w3"), t.chunk(2)):
+                out[f"{m.group(1)}.{w}.{m.group(2)}"] = half.contiguous()
+            continue
         out[name] = t.contiguous()
     return out
 
