@@ -97,18 +97,27 @@ def fp8_store(row, x_e, x_o, D: tl.constexpr, BLOCK: tl.constexpr):
     stored at `row` (uint8): D E4M3 bytes, then one E8M0 scale byte (2^ceil(log2(max(amax, 1e-4) / 448))) per BLOCK
     values."""
     NG: tl.constexpr = D // BLOCK
-    ge = tl.reshape(x_e, (NG, BLOCK // 2))
-    go = tl.reshape(x_o, (NG, BLOCK // 2))
+    be, bo, e = _fp8_tiles(x_e, x_o, D, BLOCK)
+    i = tl.arange(0, D // 2)
+    tl.store(row + 2 * i, be)
+    tl.store(row + 2 * i + 1, bo)
+    tl.store(row + D + tl.arange(0, NG), e.to(tl.uint8))
+
+
+@triton.jit
+def _fp8_tiles(x_e, x_o, D: tl.constexpr, TILE: tl.constexpr):
+    """A row's even and odd channels x_e, x_o [D/2] (float32) as E4M3 bytes [D/2] each, one E8M0 exponent per TILE
+    values (2^ceil(log2(max(amax, 1e-4) / 448)), as kv_formats) -> (even bytes, odd bytes, exponents [D / TILE])."""
+    NT: tl.constexpr = D // TILE
+    ge = tl.reshape(x_e, (NT, TILE // 2))
+    go = tl.reshape(x_o, (NT, TILE // 2))
     amax = tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1))
     t = tl.maximum(amax, 1e-4) * 0.0022321429569274187                     # float32(1 / 448), as kv_formats
     e = (t.to(tl.uint32, bitcast=True) + 0x7FFFFF) >> 23
     s = (e << 23).to(tl.float32, bitcast=True)
-    be = _e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -448.0), 448.0))
-    bo = _e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -448.0), 448.0))
-    i = tl.arange(0, D // 2)
-    tl.store(row + 2 * i, tl.reshape(be, (D // 2,)))
-    tl.store(row + 2 * i + 1, tl.reshape(bo, (D // 2,)))
-    tl.store(row + D + tl.arange(0, NG), e.to(tl.uint8))
+    be = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -448.0), 448.0)), (D // 2,))
+    bo = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -448.0), 448.0)), (D // 2,))
+    return be, bo, e
 
 
 @triton.jit
@@ -120,14 +129,7 @@ def ds_mla_store(row, x_e, x_o, D: tl.constexpr, NOPE: tl.constexpr, TILE: tl.co
     NT: tl.constexpr = D // TILE
     NS: tl.constexpr = NOPE // TILE
     PAD: tl.constexpr = (NS + 7) // 8 * 8 - NS
-    ge = tl.reshape(x_e, (NT, TILE // 2))
-    go = tl.reshape(x_o, (NT, TILE // 2))
-    amax = tl.maximum(tl.max(tl.abs(ge), axis=1), tl.max(tl.abs(go), axis=1))
-    t = tl.maximum(amax, 1e-4) * 0.0022321429569274187                     # float32(1 / 448), as kv_formats
-    e = (t.to(tl.uint32, bitcast=True) + 0x7FFFFF) >> 23
-    s = (e << 23).to(tl.float32, bitcast=True)
-    be = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(ge, s[:, None]), -448.0), 448.0)), (D // 2,))
-    bo = tl.reshape(_e4m3_bytes(tl.minimum(tl.maximum(tl.div_rn(go, s[:, None]), -448.0), 448.0)), (D // 2,))
+    be, bo, e = _fp8_tiles(x_e, x_o, D, TILE)
     i = tl.arange(0, D // 2)
     nope = 2 * i < NOPE
     tl.store(row + 2 * i, be, mask=nope)
