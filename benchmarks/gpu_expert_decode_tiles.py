@@ -1,7 +1,12 @@
-"""The MXFP4 (W4A16) grouped expert GEMM at decode sizes on one GPU: the tile plan `grouped_config` picks against
-the transposed product (`GroupedConfig.swap_ab`: the dequantized weight tile as the tensor-core instruction's wide
-A operand, the few rows as its narrow side) over a few tile shapes, in one run (issue 34: at b = 32 the expert GEMM
-is 3.8 of the 5.4 ms V4-Flash-width step, at 0.24-0.44 of the copy ceiling).
+"""The MXFP4 (W4A16) grouped expert GEMM on one GPU: the tile plan `grouped_config` picks against alternatives
+over a few tile shapes, in one run (issue 34: at b = 32 the expert GEMM is 3.8 of the 5.4 ms V4-Flash-width step,
+at 0.24-0.44 of the copy ceiling; issue 35: 74 of a 152 ms 32 x 1K prefill step, at ~150 TFLOP/s).
+
+`--plans dot_scaled` (default): the same kernel with `GroupedConfig.dot_scaled` (Triton's `tl.dot_scaled` upcasts
+the E2M1 codes after they reach the tensor-core operand layout, so the layout change moves packed bytes, not
+bf16 values), plain and swapped, over a few tiles. `--plans swap`: the transposed product with the kernel's own
+decode (`GroupedConfig.swap_ab`: the dequantized weight tile as the wide A operand), measured slower on
+2026-12-03. Token counts from 1 to 128 are decode batches; larger ones are prefill steps (TFLOP/s reported).
 
 V4-Flash (256 experts, gate_up 4096 x 4096, down 4096 x 2048) and V4.1-Flash (384 experts, gate_up 4608 x 5120,
 down 5120 x 2304) with top-6 routing of T tokens. Every time is the median of CUDA-event-timed replays of a CUDA
@@ -10,7 +15,8 @@ read exceed the L2); GB/s counts the bytes of the distinct experts hit, against 
 (bytes read + written; the run's read-only ceiling is in the JSON too).
 Writes JSON to $OUT (or benchmarks/results/) and prints the best plan per size.
 
-    python benchmarks/gpu_expert_decode_tiles.py [--tokens 1,8,32,64,128,256] [--models v4_flash,v41_flash]
+    python benchmarks/gpu_expert_decode_tiles.py [--tokens 1,32,128,1024,8192] [--models v4_flash,v41_flash]
+        [--plans dot_scaled|swap]
 """
 
 from __future__ import annotations
@@ -31,6 +37,24 @@ from openinfer.quantization import triton_kernels as tk  # noqa: E402
 MODELS = {"v4_flash": (256, 4096, 2048), "v41_flash": (384, 5120, 2304)}     # experts, hidden, intermediate
 TOP_K = 6
 SWAPPED = [(bn, bk, w, st) for bn in (64, 128) for bk in (128, 256) for w in (4,) for st in (3, 4)]
+DOT_SCALED_DECODE = [(64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 4, 4), (256, 128, 4, 3)]
+DOT_SCALED_PREFILL = [(256, 64, 8, 3), (128, 128, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4)]
+
+
+def plans_for(base: "tk.GroupedConfig", which: str) -> dict:
+    plans = {"today": base}
+    if which == "swap":
+        for bn, bk, warps, stages in SWAPPED:
+            plans[f"swap_bm{base.block_m}_bn{bn}_bk{bk}_w{warps}_s{stages}"] = tk.GroupedConfig(
+                base.block_m, bn, bk, warps, stages, True)
+        return plans
+    plans["ds_today_tiles"] = tk.GroupedConfig(base.block_m, base.block_n, base.block_k, base.num_warps,
+                                               base.num_stages, dot_scaled=True)
+    for bn, bk, warps, stages in (DOT_SCALED_PREFILL if base.block_m >= 64 else DOT_SCALED_DECODE):
+        for swap in (False, True):
+            name = f"ds{'_swap' if swap else ''}_bm{base.block_m}_bn{bn}_bk{bk}_w{warps}_s{stages}"
+            plans[name] = tk.GroupedConfig(base.block_m, bn, bk, warps, stages, swap_ab=swap, dot_scaled=True)
+    return plans
 
 
 def routing(tokens: int, experts: int, gen: torch.Generator):
@@ -41,8 +65,9 @@ def routing(tokens: int, experts: int, gen: torch.Generator):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,8,32,64,128,256")
+    ap.add_argument("--tokens", default="1,32,128,1024,8192")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--plans", default="dot_scaled", choices=("dot_scaled", "swap"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
     res = {**run_header(date), "benchmark": "gpu_expert_decode_tiles", "rows": []}
@@ -64,10 +89,7 @@ def main() -> None:
                 hit = sum(c for _, c in routings) / len(routings)
                 nbytes = hit * per_expert + 2 * m * k
                 base = tk.grouped_config(m, n, k, e, "mxfp4", 32)
-                plans = {"today": base}
-                for bn, bk, warps, stages in SWAPPED:
-                    plans[f"swap_bm{base.block_m}_bn{bn}_bk{bk}_w{warps}_s{stages}"] = tk.GroupedConfig(
-                        base.block_m, bn, bk, warps, stages, True)
+                plans = plans_for(base, args.plans)
                 times = {}
                 for name, cfg in plans.items():
                     t = try_time([lambda x=x, o=o, cfg=cfg: tk.grouped_gemm_with(x, o, w, s, "mxfp4", 32, cfg)
@@ -78,12 +100,14 @@ def main() -> None:
                 row = dict(model=model, proj=proj, N=n, K=k, tokens=tokens, M=m, experts_hit=hit,
                            today=base.__dict__, us=times, bytes=nbytes, best=best,
                            today_of_copy=nbytes / (ok["today"] * 1e-6) / 1e9 / ceiling if "today" in ok else None,
-                           best_of_copy=nbytes / (ok[best] * 1e-6) / 1e9 / ceiling)
+                           best_of_copy=nbytes / (ok[best] * 1e-6) / 1e9 / ceiling,
+                           TFLOPs={c: 2 * m * n * k / (v * 1e-6) / 1e12 for c, v in ok.items()})
                 res["rows"].append(row)
                 out.write_text(json.dumps(res, indent=1))
                 print(f"{model} {proj:7s} T={tokens:4d} ({hit:5.1f} experts): today {fmt(times['today'])} "
                       f"({row['today_of_copy'] or 0:.2f} of copy) | best {best} {ok[best]:8.1f} us "
-                      f"({row['best_of_copy']:.2f} of copy)", flush=True)
+                      f"({row['best_of_copy']:.2f} of copy; {row['TFLOPs'][best]:.0f} vs "
+                      f"{row['TFLOPs'].get('today', 0):.0f} TFLOP/s)", flush=True)
     print(f"wrote {out}")
 
 

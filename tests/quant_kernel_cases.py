@@ -1,14 +1,15 @@
-"""The W4A8 grouped GEMM (openinfer/quantization/triton_w4a8.py) against `reference.grouped_gemm_a8` on random
-small shapes: 1 x 32 and 1 x 128 activation groups, ragged routing with empty experts, K not a multiple of the
-activation group or of the tile, weight groups whose scales differ by many binades.
+"""The W4A8 grouped GEMM (openinfer/quantization/triton_w4a8.py) against `reference.grouped_gemm_a8`, and the
+W4A16 grouped GEMM's `tl.dot_scaled` tiles against `reference.grouped_gemm`, on random small shapes: 1 x 32 and
+1 x 128 activation groups, ragged routing with empty experts, K not a multiple of the activation group or of the
+tile, weight groups whose scales differ by many binades.
 
 Used by tests/test_quant_kernels_interpreted.py (Triton's interpreter on the CPU, a subprocess with
 TRITON_INTERPRET=1); tests/test_gpu_quant.py holds the kernels to the same references on CUDA at full width.
 What the interpreter cannot check, the GPU tests do: its float -> FP8 casts do not round to nearest even (so
 here the GEMM gets rows quantized by `formats.quantize_activations`, through its `grouped_gemm_w4a8_quantized`
-entry, not by the activation kernel), and it computes bf16 arithmetic on the raw uint16 bits (so the
-weight-only kernels, which scale bf16 weight tiles, run on the GPU only). Run directly it prints one line per
-case.
+entry, not by the activation kernel), its fp32 -> bf16 casts truncate (the `tl.dot_scaled` case's bound allows
+that), and it computes bf16 arithmetic on the raw uint16 bits (so the weight-only kernel's own decode, which
+scales bf16 weight tiles, runs on the GPU only). Run directly it prints one line per case.
 """
 
 from __future__ import annotations
@@ -77,10 +78,43 @@ def w4a8_case(rng: random.Random, act_block: int) -> float:
     return rel
 
 
+def dot_scaled_case(rng: random.Random) -> float:
+    """The W4A16 grouped GEMM's `tl.dot_scaled` tiles (GroupedConfig.dot_scaled, plain and swapped) vs
+    reference.grouped_gemm on bf16 rows: the weights decode exactly, so only the fp32 summation order and the
+    final bf16 rounding differ."""
+    from openinfer.quantization import triton_kernels
+
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    e, n, k = rng.choice([(3, 48, 256), (4, 80, 64), (2, 16, 160)])
+    m = rng.randint(1, 40)
+    counts, offs = _routing(rng, e, m)
+    weight, scale = _experts(g, e, n, k)
+    rows = (torch.randn(m + 2, k, generator=g) * rng.choice([0.01, 1.0, 30.0])).to(torch.bfloat16)
+    cfg = triton_kernels.GroupedConfig(rng.choice([16, 32]), rng.choice([16, 32, 64]), rng.choice([32, 64, 128]),
+                                       4, 1, swap_ab=rng.random() < 0.5, dot_scaled=True)
+    out = triton_kernels.grouped_gemm_with(rows, offs, weight, scale, "mxfp4", 32, cfg)
+    assert out.shape == (m + 2, n) and out.dtype == torch.bfloat16
+    ref = reference.grouped_gemm(rows.float(), offs, weight, scale, "mxfp4", 32)[:m]       # fp32, unrounded
+    size = reference.grouped_gemm(rows.float().abs(), offs, _magnitudes(weight), scale,
+                                  "mxfp4", 32)[:m]
+    # the interpreter casts fp32 -> bf16 by truncation (< 1 ulp, 2^-7 relative), and the fp32 sums' order
+    # differs (K * 2^-24 of the sum of magnitudes)
+    err = (out[:m].float() - ref).abs()
+    bound = 2.0 ** -7 * ref.abs() + k * 2.0 ** -24 * size
+    assert bool((err <= bound).all()), ((err - bound).max().item(), counts, cfg)
+    return _rel(out[:m], ref)
+
+
+def _magnitudes(packed: torch.Tensor) -> torch.Tensor:
+    """MXFP4 bytes with both codes' sign bits cleared: the weights' magnitudes."""
+    return (packed.view(torch.uint8) & 0x77).view(packed.dtype)
+
+
 def run(seed: int = 0, quick: bool = False) -> None:
     rng = random.Random(seed)
     reps = 3 if quick else 10
-    cases = [("w4a8 act 1x32", lambda: w4a8_case(rng, 32)), ("w4a8 act 1x128", lambda: w4a8_case(rng, 128))]
+    cases = [("w4a8 act 1x32", lambda: w4a8_case(rng, 32)), ("w4a8 act 1x128", lambda: w4a8_case(rng, 128)),
+             ("w4a16 dot_scaled", lambda: dot_scaled_case(rng))]
     for name, case in cases:
         for _ in range(reps):
             print(f"{name}: rel {case():.2e}")

@@ -280,7 +280,7 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
                          stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                          MXFP4: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, GROUP_K: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr = False):
+                         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr = False, DOT_SCALED: tl.constexpr = False):
     """Program (t, j): the t-th row tile over all experts (experts in order, ceil(count / BLOCK_M) tiles
     each) times output columns [j * BLOCK_N, (j + 1) * BLOCK_N). Programs past the last real tile exit.
 
@@ -291,7 +291,11 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
     bf16 rows, fp32 accumulation (every product of the reference's float32 arithmetic is exact in it).
     SWAP_AB: the product is taken transposed, w [BLOCK_N, K] @ x^T [K, BLOCK_M] (decode's few rows: the weight
     tile is the tensor-core instruction's wide A operand, which can stay in registers where it was dequantized,
-    and the rows its narrow N side), then stored transposed; the same products and sums."""
+    and the rows its narrow N side), then stored transposed; the same products and sums.
+    DOT_SCALED (MXFP4 only): w is read as the packed bytes [E, N, K/2] and the product is Triton's `tl.dot_scaled`
+    (E2M1 with E8M0 scales per 32 of K against bf16 rows): the compiler upcasts the codes after they reach the
+    tensor-core operand layout, so the layout change moves packed bytes rather than bf16 values. Same values:
+    each weight is its E2M1 value times its power-of-two scale, exact in bf16, fp32 accumulation."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, rm, m_mask, total = _expert_row_tile(offs_ptr, t, E, E_PAD, BLOCK_M)
@@ -310,20 +314,30 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
         k_mask = (k < K)[None, :] | EVEN_K
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
         g_mask = (k0 + tl.arange(0, GROUPS) * GROUP_K < K)[None, :]
-        scale = _e8m0_to_bf16(tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & g_mask, other=0))[:, :, None]
-        if MXFP4:
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)          # int32 words of 8 values
-            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & ((kw < K // 8)[None, :] | EVEN_K), other=0)
-            w = _mxfp4_words_to_bf16(tl.reshape(words, (BLOCK_N, GROUPS, GROUP_K // 8)), scale)
-            # the activations in the same order within each group of 8 (0 4 2 6 1 5 3 7: a bit reversal)
-            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)), (0, 1, 4, 3, 2)),
-                           (BLOCK_M, BLOCK_K))
+        codes = tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & g_mask, other=0)
+        if MXFP4 and DOT_SCALED:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)            # packed bytes of 2 values
+            packed = tl.load(w_rows + kb[None, :], mask=n_mask[:, None] & ((kb < K // 2)[None, :] | EVEN_K), other=0)
+            if SWAP_AB:
+                acc += tl.dot_scaled(packed, codes, "e2m1", tl.trans(x), None, "bf16")
+            else:
+                acc += tl.dot_scaled(x, None, "bf16", tl.trans(packed), codes, "e2m1")
         else:
-            w = _fp8_tile_to_bf16(tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0), scale)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x))
-        else:
-            acc += tl.dot(x, tl.trans(w))
+            scale = _e8m0_to_bf16(codes)[:, :, None]
+            if MXFP4:
+                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)          # int32 words of 8 values
+                words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & ((kw < K // 8)[None, :] | EVEN_K),
+                                other=0)
+                w = _mxfp4_words_to_bf16(tl.reshape(words, (BLOCK_N, GROUPS, GROUP_K // 8)), scale)
+                # the activations in the same order within each group of 8 (0 4 2 6 1 5 3 7: a bit reversal)
+                x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)), (0, 1, 4, 3, 2)),
+                               (BLOCK_M, BLOCK_K))
+            else:
+                w = _fp8_tile_to_bf16(tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask, other=0.0), scale)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
     if SWAP_AB:
         out = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
@@ -340,6 +354,7 @@ class GroupedConfig:
     num_warps: int
     num_stages: int
     swap_ab: bool = False       # the transposed product (the kernel's SWAP_AB)
+    dot_scaled: bool = False    # MXFP4 through tl.dot_scaled (the kernel's DOT_SCALED)
 
 
 def grouped_config(m: int, n: int, k: int, e: int, fmt: str, block: int) -> GroupedConfig:
@@ -370,7 +385,10 @@ def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
     if m == 0:
         return out
     s = scale.view(torch.uint8)
-    w = weight.view(torch.int32) if fmt == "mxfp4" else weight      # MXFP4 is read as words of 8 values
+    if cfg.dot_scaled and (fmt != "mxfp4" or rows.dtype != torch.bfloat16):
+        raise ValueError(f"dot_scaled tiles take MXFP4 weights and bf16 rows, not {fmt} and {rows.dtype}")
+    # MXFP4 is read as words of 8 values, or as its packed bytes by tl.dot_scaled
+    w = (weight.view(torch.uint8) if cfg.dot_scaled else weight.view(torch.int32)) if fmt == "mxfp4" else weight
     max_tiles = triton.cdiv(m, cfg.block_m) + min(e, m)
     grid = (max_tiles, triton.cdiv(n, cfg.block_n))
     scale_n, scale_k = (1, MXFP4_GROUP) if fmt == "mxfp4" else (block, block)
@@ -379,6 +397,7 @@ def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
         out.stride(0), MXFP4=fmt == "mxfp4", SCALE_N=scale_n, SCALE_K=scale_k,
         GROUP_K=min(scale_k, cfg.block_k), E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab,
+        DOT_SCALED=cfg.dot_scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
