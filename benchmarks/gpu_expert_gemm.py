@@ -124,7 +124,7 @@ def random_mxfp4(e: int, n: int, k: int, gen: torch.Generator):
     return w, s, dense
 
 
-EAGER_ROUTES = {"bf16_dequant"}        # timed by eager_time, the rest in CUDA graphs
+EAGER_ROUTES = {"bf16_dequant", "bf16_dequant_4g"}        # timed by eager_time, the rest in CUDA graphs
 
 
 def expert_variants(w, s, dense, act_block, quick: bool = False):
@@ -136,24 +136,35 @@ def expert_variants(w, s, dense, act_block, quick: bool = False):
                                               act_block),
         "bf16_dequant": lambda x, o: dequant_gemm.grouped_gemm_dequant(
             tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4", act_block),
+        "bf16_dequant_4g": lambda x, o: dequant_gemm.grouped_gemm_dequant(
+            tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4", act_block, 4 << 30),
         "w4a16_kernel_only": lambda x, o: tk.grouped_gemm(x, o, w, s, "mxfp4", act_block),
         "bf16_grouped_mm": lambda x, o: torch._grouped_mm(x, dt, offs=o),
     }
     if quick:
-        del out["w4a16_kernel_only"]
+        del out["w4a16_kernel_only"], out["bf16_dequant_4g"]
     return out
 
 
-def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, quick: bool = False) -> None:
+def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, quick: bool = False,
+                  tokens_list: list[int] | None = None, keep: set[str] | None = None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for model in models:
         e, h, inter, act_block = EXPERT_MODELS[model]
         for proj, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
             w, s, dense = random_mxfp4(e, n, k, gen)
             per_expert = n * k // 2 + n * k // 32
-            variants = expert_variants(w, s, dense, act_block, quick)
+            # the dequant kernel alone: every expert to bf16 (stored bytes read + bf16 written, over the time)
+            t = try_time([lambda: dequant_gemm.dequantize_to_bf16(w, s, "mxfp4", act_block, out=dense)])
+            if isinstance(t, float):
+                gbps = (e * per_expert + dense.numel() * 2) / t / 1e9
+                rows_out.append(dict(op="mxfp4_dequant", model=model, proj=proj, N=n, K=k, experts=e, us=t * 1e6,
+                                     GBps=gbps))
+                print(f"{model:9s} {proj:7s} dequant of {e} experts: {t * 1e6:.0f} us, {gbps:.0f} GB/s")
+            variants = {name: fn for name, fn in expert_variants(w, s, dense, act_block, quick).items()
+                        if keep is None or name in keep}
             sizes = ([(-(-m // TOP_K), m) for m in QUICK_MS] if quick
-                     else [(t, t * TOP_K) for t in TOKENS if t <= max_tokens])
+                     else [(t, t * TOP_K) for t in (tokens_list or TOKENS) if t <= max_tokens])
             for tokens, m in sizes:
                 copies = copies_for(per_expert * min(e, m))
                 offs = [top6(tokens, e, gen, m) for _ in range(copies)]
@@ -162,7 +173,7 @@ def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, qui
                 row = dict(op="expert_gemm", model=model, proj=proj, N=n, K=k, experts=e, act_block=act_block,
                            tokens=tokens, M=m, w4a8_config=triton_w4a8.w4a8_config(m, n, e, act_block).__dict__,
                            w4a16_config=tk.grouped_config(m, n, k, e, "mxfp4", act_block).__dict__,
-                           route_now=kernel_choice.expert_kernel(m))
+                           route_now=kernel_choice.expert_kernel(m, e))
                 for name, fn in variants.items():
                     timer = eager_time if name in EAGER_ROUTES else try_time
                     t = timer([lambda x=x, o=o, fn=fn: fn(x, o) for x, o in zip(xs, offs)])
@@ -297,9 +308,12 @@ FP8_ROUTES = ("fp8", "bf16", "bf16_dequant")
 def recommended_tables(result: dict) -> dict:
     out = {}
     for model in EXPERT_MODELS:
-        sizes = _summed([r for r in result.get("experts", []) if r["model"] == model], EXPERT_ROUTES)
+        sizes = _summed([r for r in result.get("experts", []) if r["model"] == model and r["op"] == "expert_gemm"],
+                        EXPERT_ROUTES)
         if sizes:
-            out[f"EXPERT_KERNEL_BY_ROWS ({model})"] = route_table(sizes, EXPERT_ROUTES)
+            experts = EXPERT_MODELS[model][0]
+            per_expert = {m // experts: times for m, times in sizes.items()}
+            out[f"EXPERT_KERNEL_BY_ROWS_PER_EXPERT ({model})"] = route_table(per_expert, EXPERT_ROUTES)
     sizes = _summed(result.get("fp8", []), FP8_ROUTES)
     if sizes:
         out["FP8_FINE_BLOCK_BY_M"] = route_table(sizes, FP8_ROUTES)
@@ -313,6 +327,8 @@ def main():
     ap.add_argument("--only", choices=["experts", "fp8"], help="run one half")
     ap.add_argument("--models", default=",".join(EXPERT_MODELS), help="expert shapes: v4_flash, v41_flash")
     ap.add_argument("--max-tokens", type=int, default=max(TOKENS), help="largest T for the experts")
+    ap.add_argument("--tokens", help="comma-separated T for the experts (default: TOKENS)")
+    ap.add_argument("--variants", help="comma-separated expert routes/peers to time (default: all)")
     ap.add_argument("--max-m", type=int, default=max(FP8_MS), help="largest M for the FP8 linears")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--quick", action="store_true", help="V4.1 shapes at M in QUICK_MS, the routes only (~2 min)")
@@ -324,15 +340,17 @@ def main():
         args.sweep = False
         gpu_quant_kernels.REPLAYS = 20
     result = run_header(date)
-    result["tables_in_code"] = {"EXPERT_KERNEL_BY_ROWS": kernel_choice.EXPERT_KERNEL_BY_ROWS,
+    result["tables_in_code"] = {"EXPERT_KERNEL_BY_ROWS_PER_EXPERT": kernel_choice.EXPERT_KERNEL_BY_ROWS_PER_EXPERT,
                                 "FP8_FINE_BLOCK_BY_M": kernel_choice.FP8_FINE_BLOCK_BY_M}
     result.update(ceilings())
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['git']}  bf16 mm "
           f"{fmt_tf(result['bf16_mm_TFLOPs'])} TFLOP/s  fp8 mm {fmt_tf(result['fp8_scaled_mm_TFLOPs'])} TFLOP/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
     parts = (("experts", lambda rows: bench_experts(args.models.split(","), args.max_tokens, args.sweep, rows,
-                                                    args.quick)),
+                                                    args.quick, tokens,
+                                                    set(args.variants.split(",")) if args.variants else None)),
              ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows, args.quick)))
     for part, fn in parts:
         if args.only and part != args.only:

@@ -67,7 +67,9 @@ def every_code_case() -> None:
     """Every byte (every E2M1 pair; every non-NaN E4M3 code) with scales over a wide range, bit for bit."""
     g = torch.Generator().manual_seed(0)
     packed = torch.arange(256, dtype=torch.uint8).repeat(8, 1)[None]                   # [1, 8, 256] -> K 512
-    scale = torch.randint(20, 200, (1, 8, 512 // 32), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    scale = torch.randint(20, 200, (1, 8, 512 // 32), generator=g, dtype=torch.uint8)
+    scale[0, :, :3] = torch.tensor([1, 2, 250], dtype=torch.uint8)      # 0.5 x 2^-126 is the bf16 subnormal 2^-127
+    scale = scale.view(torch.float8_e8m0fnu)
     got = dequant_gemm.dequantize_to_bf16(packed, scale, "mxfp4", 32)
     assert torch.equal(got, reference.dequantize_weight(packed, scale, "mxfp4", 32).to(torch.bfloat16))
     codes = torch.arange(256, dtype=torch.uint8).repeat(8, 1)

@@ -31,7 +31,7 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
     monkeypatch.setattr(triton_w4a8, "grouped_gemm", lambda *a: "w4a16")
     monkeypatch.setattr(triton_kernels, "fp8_gemm", lambda *a: "fp8")
     monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, "fp8"), (256, "bf16_dequant")))
-    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS", ((0, "w4a16"), (512, "bf16_dequant")))
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS_PER_EXPERT", ((0, "w4a16"), (256, "bf16_dequant")))
     import torch
 
     w = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
@@ -40,6 +40,6 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
     assert triton_kernels.fp8_linear(torch.zeros(256, 64), w, s, 32) == "dq"
     we, se = torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.uint8)
     offs = torch.zeros(2, dtype=torch.int32)
-    assert triton_w4a8.grouped_gemm_a8(torch.zeros(511, 64), offs, we, se, "mxfp4", 32) == "w4a16"
+    assert triton_w4a8.grouped_gemm_a8(torch.zeros(511, 64), offs, we, se, "mxfp4", 32) == "w4a16"  # 255 per expert
     assert triton_w4a8.grouped_gemm_a8(torch.zeros(512, 64), offs, we, se, "mxfp4", 32) == "dq"
     assert calls == [("linear", 32), ("experts", 32)]

@@ -127,7 +127,7 @@ def test_grouped_gemm_a8_dequant_route_at_full_width(model, tokens, monkeypatch)
     e, h, i, act_block = EXPERT_SHAPES[model]
     m = tokens * 6
     offs = _offs(_random_counts(rng, e, m))
-    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS", ((0, "bf16_dequant"),))
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS_PER_EXPERT", ((0, "bf16_dequant"),))
     for n, k in ((2 * i, h), (h, i)):
         weight, scale = _random_mxfp4(e, n, k, g)
         rows = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -161,7 +161,7 @@ def test_routes_captured_in_a_cuda_graph(experts_fit, monkeypatch):
     rows = torch.randn(24, k, generator=g, device="cuda", dtype=torch.bfloat16)
     offs = _offs([3, 0, 5, 0, 0, 16, 0, 0])
     monkeypatch.setattr(kernel_choice, "FP8_FINE_BLOCK_BY_M", ((0, "bf16_dequant"),))
-    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS", ((0, "bf16_dequant"),))
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS_PER_EXPERT", ((0, "bf16_dequant"),))
     monkeypatch.setattr(dequant_gemm, "SCRATCH_BYTES", (e if experts_fit else 2) * n * k * 2)
     assert dequant_gemm.fits_capture(w4, "mxfp4") == experts_fit
 

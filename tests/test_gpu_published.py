@@ -39,8 +39,8 @@ def test_published_v4_cuda_follows_cpu_reference(published_dir, quantize_activat
     assert rel < 1.5 * baseline
 
 
-@pytest.mark.parametrize("table, route", [("EXPERT_KERNEL_BY_ROWS", "w4a8"), ("EXPERT_KERNEL_BY_ROWS", "w4a16"),
-                                          ("EXPERT_KERNEL_BY_ROWS", "bf16_dequant"), ("FP8_FINE_BLOCK_BY_M", "bf16"),
+@pytest.mark.parametrize("table, route", [("EXPERT_KERNEL_BY_ROWS_PER_EXPERT", "w4a8"), ("EXPERT_KERNEL_BY_ROWS_PER_EXPERT", "w4a16"),
+                                          ("EXPERT_KERNEL_BY_ROWS_PER_EXPERT", "bf16_dequant"), ("FP8_FINE_BLOCK_BY_M", "bf16"),
                                           ("FP8_FINE_BLOCK_BY_M", "fp8"), ("FP8_FINE_BLOCK_BY_M", "bf16_dequant")])
 def test_published_v4_every_kernel_route_follows_cpu_reference(published_dir, table, route, monkeypatch):
     """Each route of the per-size kernel tables (quantization/kernel_choice.py) forced at every size: the W4A8

@@ -224,7 +224,7 @@ def test_kernel_tables_cover_every_size_with_known_kernels():
     kernels the dispatchers know; a lookup takes the last entry at or below the size."""
     from openinfer.quantization import kernel_choice
 
-    for table, names in ((kernel_choice.EXPERT_KERNEL_BY_ROWS, {"w4a16", "w4a8", "bf16_dequant"}),
+    for table, names in ((kernel_choice.EXPERT_KERNEL_BY_ROWS_PER_EXPERT, {"w4a16", "w4a8", "bf16_dequant"}),
                          (kernel_choice.FP8_FINE_BLOCK_BY_M, {"fp8", "bf16", "bf16_dequant"})):
         starts = [start for start, _ in table]
         assert starts[0] == 0 and starts == sorted(set(starts)), table

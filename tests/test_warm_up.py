@@ -28,7 +28,7 @@ def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
     def variant(m):
         return (fp8_variant(m, 4096, 7168, 128), fp8_variant(m, 512, 7168, 32),
                 grouped_config(m, 2048, 7168, experts, "mxfp4", 32), grouped_config(m, 2048, 7168, experts, "fp8", 128),
-                kernel_choice.fp8_fine_block_kernel(m), kernel_choice.expert_kernel(6 * m),   # the routes per size
+                kernel_choice.fp8_fine_block_kernel(m), kernel_choice.expert_kernel(6 * m, experts),   # the routes per size
                 m == 1, m % 16 == 0)
 
     seen = {variant(m) for m in counts}

@@ -26,13 +26,15 @@ _CPU_KV_BUDGET = 2 << 30
 
 class CachePool:
     def __init__(self, config: EngineConfig, specs: list[CacheSpec], device: torch.device, parallel: ParallelContext,
-                 per_request_state: bool, vocab_size: int, max_positions: int):
+                 per_request_state: bool, vocab_size: int, max_positions: int, scratch_bytes: int = 0):
         """`per_request_state`: the model keeps state per running request (one slot per running request);
         `vocab_size` sizes the logits reserve of the GPU budget; `max_positions` bounds a request's length when
-        every layer is windowed."""
+        every layer is windowed; `scratch_bytes`: the model's prefill scratch (ModelTraits.prefill_scratch_bytes),
+        kept back from the GPU budget too."""
         self.config, self.specs, self.device = config, specs, device
         self.block_size = config.block_size
         self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.scratch_bytes = scratch_bytes
         self.num_state_slots = config.max_num_seqs if per_request_state else 0
         if per_request_state != any(isinstance(s, RequestStateSpec) for s in specs):
             raise ValueError("the model's traits and cache specs disagree on per-request state (a model declaring "
@@ -85,7 +87,8 @@ class CachePool:
                 + self.num_window_blocks * self.bytes_per_block(window=True))
 
     def _kv_budget(self) -> int:
-        """Bytes for the paged pools: kv_cache_memory_bytes, else 2 GiB on the CPU or what the GPU has left."""
+        """Bytes for the paged pools: kv_cache_memory_bytes, else 2 GiB on the CPU or what the GPU has left less a
+        reserve (1 GiB of activations, the logits of a full step, the model's prefill scratch)."""
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cpu":
@@ -94,7 +97,7 @@ class CachePool:
                 free, total = torch.cuda.mem_get_info(self.device)
                 # memory PyTorch caches but no tensor uses is ours too
                 free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-                reserve = (1 << 30) + self.config.max_num_batched_tokens * self.vocab_size * 4
+                reserve = (1 << 30) + self.config.max_num_batched_tokens * self.vocab_size * 4 + self.scratch_bytes
                 budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
         return budget - self.state_bytes()
 

@@ -89,7 +89,7 @@ class ModelRunner:
         # per-request rings keep room for the rows a verify step (and a step guessed on it) may write, then reject
         self.cache_specs = model.cache_specs(self.dtype, rollback_rows=config.rollback_rows)
         self.pool = CachePool(config, self.cache_specs, self.device, self.parallel, self.traits.per_request_state,
-                              vocab_size, model.config.max_position_embeddings)
+                              vocab_size, model.config.max_position_embeddings, self.traits.prefill_scratch_bytes)
         self.caches = self.pool.caches
         # sliding-window models: which layers have a window (the store keeps the others' rows only)
         self.swa_layout = self.traits.sliding_window

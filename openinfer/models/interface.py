@@ -58,6 +58,9 @@ class ModelTraits:
     # images in prompts (docs/vision.md): the model checks image spans (`check_image`), embeds them
     # (`embed_image`) and its `forward` takes the step's image rows (`images=ImageRows`)
     vision: bool = False
+    # GPU memory a prefill step may take beyond its activations, which the KV budget keeps back (DeepSeek's quantized
+    # experts dequantized to bf16 in bounded chunks at large steps: quantization/dequant_gemm.py)
+    prefill_scratch_bytes: int = 0
 
 
 @dataclass

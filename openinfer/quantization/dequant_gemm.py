@@ -64,12 +64,18 @@ def _dequant_fp8_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """4-bit E2M1 codes (int32, bit 3 the sign) -> fp32 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives)."""
-    e = (code >> 1) & 3
-    f = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * f, (2.0 + f) * (1 << e).to(tl.float32) * 0.25)
-    return tl.where((code & 8) != 0, -mag, mag)
+def _mxfp4_to_bf16_bits(codes, s):
+    """4-bit E2M1 codes and their E8M0 scale bytes (int32, same shape) -> the bf16 bits of code value x 2^(s-127),
+    by integer ops alone (exact, and the same in Triton's interpreter, whose bf16 arithmetic is not IEEE): a normal
+    code (magnitude bits e m, e > 0) is 2^(e-1) (1 + m/2), so its bits are the magnitude bits shifted under the
+    exponent plus (s - 1) in the exponent; 0.5 is 2^(s-128) (the bf16 subnormal 2^-127 at s = 1); s = 0 gives 0
+    (the known limit the GEMM kernels share)."""
+    mag = codes & 7
+    normal = (mag << 6) + ((s - 1) << 7)
+    half = tl.where(s >= 2, (s - 1) << 7, tl.where(s == 1, 0x40, 0))
+    bits = tl.where(mag == 0, 0, tl.where(mag == 1, half, normal))
+    bits = tl.where(s == 0, 0, bits) | ((codes & 8) << 12)
+    return bits.to(tl.int16)
 
 
 @triton.jit
@@ -77,23 +83,27 @@ def _dequant_mxfp4_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, K, stride_we, strid
                           stride_oe, stride_on, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     """Program (i, j, c): output tile [i * BLOCK_N, j * BLOCK_K] of expert ids[c] (BLOCK_K / 2 packed bytes, the
-    even element in the low nibble) -> out[c]: E2M1 value times its group's E8M0 scale, fp32 then bf16 (exact)."""
+    even element in the low nibble; BLOCK_K a multiple of GROUP) -> out[c]: E2M1 value times its group's E8M0
+    scale, as bf16 bits made by integer ops (`_mxfp4_to_bf16_bits`)."""
     HALF: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.program_id(1) * HALF + tl.arange(0, HALF)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kg = tl.program_id(1) * G + tl.arange(0, G)
     c = tl.program_id(2)
     e = tl.load(ids_ptr + c).to(tl.int64)
     rn64 = rn.to(tl.int64)
     n_mask = (rn < N)[:, None]
     b = tl.load(w_ptr + e * stride_we + rn64[:, None] * stride_wn + kb[None, :],
                 mask=n_mask & (kb < K // 2)[None, :], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), (BLOCK_N, BLOCK_K))     # low nibble first
-    mask = n_mask & (rk < K)[None, :]
-    s = tl.load(s_ptr + e * stride_se + rn64[:, None] * stride_sn + (rk // GROUP)[None, :], mask=mask, other=0)
-    w = _e2m1_to_f32(codes) * _e8m0_to_f32(s)
+    codes = tl.reshape(tl.join(b & 0xF, (b >> 4) & 0xF), (BLOCK_N, G, GROUP))     # low nibble first
+    s = tl.load(s_ptr + e * stride_se + rn64[:, None] * stride_sn + kg[None, :],
+                mask=n_mask & (kg < K // GROUP)[None, :], other=0).to(tl.int32)
+    bits = _mxfp4_to_bf16_bits(codes, s[:, :, None])
+    w = tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.bfloat16, bitcast=True)
     tl.store(out_ptr + c.to(tl.int64) * stride_oe + rn64[:, None] * stride_on + rk[None, :],
-             w.to(out_ptr.dtype.element_ty), mask=mask)
+             w.to(out_ptr.dtype.element_ty), mask=n_mask & (rk < K)[None, :])
 
 
 def dequantize_to_bf16(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: int,

@@ -11,10 +11,13 @@ tests/test_dequant_gemm.py).
 
 from __future__ import annotations
 
-# MXFP4 routed experts with FP8-rounded activations (LayerOps.grouped_gemm_a8), by routed rows (tokens x top-k):
-# "w4a16" = round the rows, then the weight-only W4A16 kernel; "w4a8" = the FP8 tensor-core kernel; "bf16_dequant" =
-# round the rows, dequantize the experts to bf16 (bounded chunks), then torch._grouped_mm (dequant_gemm.py)
-EXPERT_KERNEL_BY_ROWS: tuple[tuple[int, str], ...] = ((0, "w4a16"),)
+# MXFP4 routed experts with FP8-rounded activations (LayerOps.grouped_gemm_a8), by routed rows per expert (tokens x
+# top-k / experts: what amortizes a dequantized expert): "w4a16" = round the rows, then the weight-only W4A16
+# kernel; "w4a8" = the FP8 tensor-core kernel; "bf16_dequant" = round the rows, dequantize the experts to bf16
+# (bounded chunks), then torch._grouped_mm (dequant_gemm.py). H200 (gpu_expert_gemm.py, 2026-12-03), TFLOP/s of
+# bf16_dequant / w4a16: V4-Flash 96 rows per expert 111-114 / 143-146, 192: 196-210 / 143-149, 384: 289-291 /
+# 167-172; V4.1-Flash 128: 133-135 / 138-141 (even), 256: 218-234 / 163-170
+EXPERT_KERNEL_BY_ROWS_PER_EXPERT: tuple[tuple[int, str], ...] = ((0, "w4a16"), (192, "bf16_dequant"))
 # FP8 linears with blocks under 128 (V4.1's 32 x 32; cuBLAS' blockwise scaling takes only 128), by tokens: "fp8" =
 # the W8A8 Triton kernel (a rescale per block of K); "bf16" = weight tiles dequantized to bf16 inside a bf16 GEMM,
 # on activations rounded as W8A8 rounds them; "bf16_dequant" = the same rounded activations, the weight dequantized
@@ -32,8 +35,9 @@ def choose(table: tuple[tuple[int, str], ...], m: int) -> str:
     return kernel
 
 
-def expert_kernel(rows: int) -> str:
-    return choose(EXPERT_KERNEL_BY_ROWS, rows)
+def expert_kernel(rows: int, experts: int) -> str:
+    """The route for `rows` routed rows over `experts` stacked experts (by whole rows per expert)."""
+    return choose(EXPERT_KERNEL_BY_ROWS_PER_EXPERT, rows // max(1, experts))
 
 
 def fp8_fine_block_kernel(m: int) -> str:

@@ -145,10 +145,11 @@ def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor
                     block: int) -> torch.Tensor:
     """`LayerOps.grouped_gemm_a8` on CUDA: rows quantized per token in groups of `block`, then either the W4A8
     kernel, the weight-only kernel on the rounded rows, or the rounded rows times the experts dequantized to bf16
-    through torch._grouped_mm (`dequant_gemm`), whichever `kernel_choice` measured faster at this row count
-    (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel; inside a
-    CUDA-graph capture the dequant route runs only if every expert fits its scratch at once, W4A16 otherwise)."""
-    route = kernel_choice.expert_kernel(rows.shape[0])
+    through torch._grouped_mm (`dequant_gemm`), whichever `kernel_choice` measured faster at this many rows per
+    expert (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel;
+    inside a CUDA-graph capture the dequant route runs only if every expert fits its scratch at once, W4A16
+    otherwise)."""
+    route = kernel_choice.expert_kernel(rows.shape[0], weight.shape[0])
     if fmt == "mxfp4" and block % MXFP4_GROUP == 0 and route == "w4a8":
         return grouped_gemm_w4a8(rows, offs, weight, scale, block)
     capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()

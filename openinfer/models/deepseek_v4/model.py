@@ -53,6 +53,7 @@ from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Con
 from openinfer.models.interface import ModelTraits
 from openinfer.quantization.kv_formats import Fp8BlockCodec, Fp8DsMlaCodec, IdentityCodec, KVCodec, fp4_block_qdq
 from openinfer.quantization.reference import grouped_gemm as reference_grouped_gemm
+from openinfer.quantization import dequant_gemm
 from openinfer.quantization.reference import grouped_gemm_a8 as reference_grouped_gemm_a8
 
 
@@ -821,6 +822,15 @@ class Experts(nn.Module):
         return out if add is None else out + add
 
 
+def expert_scratch_bytes(net: nn.Module) -> int:
+    """`ModelTraits.prefill_scratch_bytes` of a DeepSeek model: quantized experts on CUDA may take the dequant route
+    at large prefill steps (`kernel_choice`), whose bf16 scratch holds at most `dequant_gemm.SCRATCH_BYTES` (or
+    one expert) at a time."""
+    sizes = [m.gate_up_proj.shape[1] * m.down_proj.shape[1] * 2 for m in net.modules()
+             if isinstance(m, QuantizedExperts) and m.grouped]      # one bf16 gate_up [2I, H]
+    return max(dequant_gemm.SCRATCH_BYTES, *sizes) if sizes else 0
+
+
 class QuantizedExperts(Experts):
     """Routed experts kept as published (MXFP4, or block FP8 in older conversions): `<name>` holds the
     stored values and `<name>_scale` the E8M0 scales; GEMMs go through `LayerOps.grouped_gemm` (weights
@@ -1023,7 +1033,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         `finish`: two-batch overlap across attention)."""
         return ModelTraits(cuda_graph_decode=self.lm_head.weight.dtype == torch.bfloat16,
                            context_bucketed_graphs=True, per_request_state=True, two_batch_layers=True,
-                           drafters=frozenset({"mtp"}) if len(self.mtp) else frozenset())
+                           drafters=frozenset({"mtp"}) if len(self.mtp) else frozenset(),
+                           prefill_scratch_bytes=expert_scratch_bytes(self))
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS, parallel: ParallelContext | None = None,
                  kv_codec: KVCodec | None = None):

@@ -53,7 +53,8 @@ from openinfer.layers.fp8_linear import to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
-                                                apply_rope, decode_entries, entry_index, ring_in_glue)
+                                                apply_rope, decode_entries, entry_index, expert_scratch_bytes,
+                                                ring_in_glue)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.vision import Aligner, ViT, check_prompt_image, embed_span
 from openinfer.models.interface import ImageRows, ModelTraits
@@ -857,7 +858,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ModelTraits(cuda_graph_decode=graphs, context_bucketed_graphs=True, per_request_state=True,
                            prefill_modes=("exact", "yoco") if c.yoco_split is not None else ("exact",),
                            drafters=frozenset({"dspark"}) if c.dspark_block_size and len(self.mtp) else frozenset(),
-                           feature_layers=c.n_layers, vision=c.vision_n_layers > 0)
+                           feature_layers=c.n_layers, vision=c.vision_n_layers > 0,
+                           prefill_scratch_bytes=expert_scratch_bytes(self))
 
     def __init__(self, cfg: DeepseekV41Config, ops: LayerOps = TORCH_OPS, engram_layout: EngramLayout | None = None,
                  quantized_caches: bool = True, parallel: ParallelContext | None = None):
