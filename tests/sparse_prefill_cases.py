@@ -23,8 +23,10 @@ Run directly (`cpu [--quick | --engine]`, with TRITON_INTERPRET=1 on the CPU) it
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import sys
+import tempfile
 
 import torch
 
@@ -141,7 +143,9 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
         return "NaN in the output (an element not written, or an unreadable row read?)", err
     if q.dtype == torch.float32:
         bound = 1e-5 * max(1.0, ref.abs().max().item())
-        return (None if err <= bound else f"max |kernel - contract| = {err:.3g} > {bound:.3g}"), err
+        if err <= bound:
+            return None, err
+        return f"max |kernel - contract| = {err:.3g} > {bound:.3g}; {_rerun(case, tuning, got, ref)}", err
     oracle = sparse_prefill_attention(**{**case, "q": q.float()})
     err_k = (got.float() - oracle).abs().max().item()
     err_r = (ref.float() - oracle).abs().max().item()
@@ -149,6 +153,25 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
     if not err_k <= bound:
         return f"bf16: kernel vs float32 contract {err_k:.3g} > contract's {err_r:.3g} + one output rounding", err
     return None, err
+
+
+def _rerun(case: dict, tuning: dict | None, got: torch.Tensor, ref: torch.Tensor) -> str:
+    """A failing float32 case once more, to say which side moved: both sides are pure functions of the case, so a
+    second run that differs from the first names a nondeterministic side (the interpreted kernel or the torch
+    contract), and one that repeats the failure bit for bit names the inputs. The case and all four outputs are
+    saved for an offline look (tests/test_sparse_prefill_attention.py: an intermittent failure in full-suite runs
+    that no rerun reproduced)."""
+    from openinfer.layers.triton_sparse_prefill import sparse_prefill_attention as fused
+
+    got2 = fused(**case, out=torch.full_like(case["q"], float("nan")), tuning=tuning)
+    ref2 = sparse_prefill_attention(**case)
+    path = os.path.join(tempfile.gettempdir(), f"sparse_prefill_failure_{os.getpid()}.pt")
+    torch.save({"case": case, "tuning": tuning, "got": got, "ref": ref, "got2": got2, "ref2": ref2}, path)
+
+    def moved(a, b):
+        return "bit for bit the same" if torch.equal(a, b) else f"differs by {(a - b).abs().max().item():.3g}"
+    return (f"second run: kernel {moved(got, got2)}, contract {moved(ref, ref2)}, |kernel - contract| "
+            f"{(got2 - ref2).abs().max().item():.3g} (saved to {path})")
 
 
 def check_all(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")) -> list[str]:
