@@ -41,6 +41,7 @@ from gpu_llama8b import ceilings, start_decoding  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
 from openinfer.models.deepseek_v4.config import CSA, HCA  # noqa: E402
+from openinfer.quantization import kernel_choice  # noqa: E402
 
 FLASH_WIDTH = dict(
     model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=4096,
@@ -190,7 +191,9 @@ def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
-    top = top_kernels([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], 1)
+    step_kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = top_kernels(step_kernels, 1)
+    gpu_ms = sum(e.device_time for e in step_kernels) / 1e3        # the rest of a step's time is host work
     while eng.has_unfinished_requests():
         eng.step()
     fl = 0.0
@@ -198,7 +201,8 @@ def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
         seqs = min(per_step, batch - s * per_step)
         fl += floor_ms(eng.runner.model, [n] * seqs, [n] * seqs, ceil)[0]
     return {"batch": batch, "prompt_tokens": n, "steps": steps, "time_ms": t * 1e3, "ms_per_step": t * 1e3 / steps,
-            "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t, "top_kernels_one_step": top}
+            "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t,
+            "gpu_kernel_ms_one_step": gpu_ms, "top_kernels_one_step": top}
 
 
 def fidelity(tokenizer_json: str) -> dict:
@@ -285,12 +289,16 @@ def main() -> None:
     ap.add_argument("--skip-first-traffic", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_ds_mla"),
                     help="fp8_ds_mla: DeepSeek-V4's own cache format (FlashMLA's FP8 rows)")
+    ap.add_argument("--expert-route", choices=("table", "w4a16", "bf16_dequant"), default="table",
+                    help="force the MXFP4 experts' GEMM route at every size (kernel_choice's table by default)")
     ap.add_argument("--part-out", default=None, help="internal: run one weights kind, write its results here")
     ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.ops == "next":
         use_next_ops()
+    if args.expert_route != "table":
+        kernel_choice.EXPERT_KERNEL_BY_ROWS_PER_EXPERT = ((0, args.expert_route),)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
            "torch": torch.__version__, "ops": args.ops, "kv_cache_dtype": args.kv_cache_dtype,
@@ -361,7 +369,8 @@ def main() -> None:
         print("fidelity", json.dumps(res["fidelity"]), flush=True)
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
-    tag = ("_next" if args.ops == "next" else "") + ("_fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else "")
+    tag = (("_next" if args.ops == "next" else "") + ("" if args.expert_route == "table" else f"_{args.expert_route}")
+           + ("_fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else ""))
     (out / f"gpu_deepseek_v4_{res['date']}_{commit}{tag}.json").write_text(json.dumps(res, indent=1))
 
 
