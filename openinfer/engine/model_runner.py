@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from openinfer.config import EngineConfig
-from openinfer.device_io import D2HCopy, h2d
+from openinfer.device_io import D2HCopy, h2d, host_longs
 from openinfer.distributed.context_parallel import ContextParallelStep
 from openinfer.distributed.expert_parallel import MoeExchange, step_exchange
 from openinfer.distributed.parallel_state import ParallelContext
@@ -269,10 +269,10 @@ class ModelRunner:
             if grammar_bitmask is not None:   # row j of a request: its grammar after its first j drafts
                 meta_s.token_bitmask = h2d(grammar_bitmask.for_batch(
                     [(r.request_id, len(d)) for r, d in zip(sample_rows, row_drafts)]), dev)
-            logit_index = h2d(torch.tensor(logit_rows), dev)
+            logit_index = h2d(host_longs(logit_rows), dev)
         fixups = None
         if fix_rows:
-            fixups = (h2d(torch.tensor(fix_rows), dev), prev.sampled.token_ids[h2d(torch.tensor(fix_src), dev)])
+            fixups = (h2d(host_longs(fix_rows), dev), prev.sampled.token_ids[h2d(host_longs(fix_src), dev)])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         window = self._window_inputs(order, prefills) if self.num_window_blocks else None
@@ -447,7 +447,7 @@ class ModelRunner:
             if decode_tables:
                 windowed.decode_block_tables = h2d(torch.from_numpy(pad_tables(window_tables, fill=0)), dev)
             meta.layer_views = (dataclasses.replace(meta, slot_mapping=h2d(full_slots, dev)), windowed)
-        input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
+        input_ids = h2d(host_longs(ids), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
             if context_parallel is not None:    # (decode rows: the same rows of the whole step)
@@ -465,12 +465,12 @@ class ModelRunner:
                                  context_parallel=context_parallel, moe_exchange=moe_exchange)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
-            meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
+            meta.decode_context_lens = h2d(host_longs(decode_lens), dev)
             meta.max_decode_context_len = max(decode_lens)
             if self.num_state_slots:
-                meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
+                meta.decode_state_slots = h2d(host_longs(decode_state_slots), dev)
                 if offsets and any(offsets):
-                    meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+                    meta.decode_row_offsets = h2d(host_longs(offsets), dev)
         return meta
 
     def _image_rows(self, req: Request, start: int, end: int, row: int, rows: list[int], embeds: list) -> None:
