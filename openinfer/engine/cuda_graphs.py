@@ -204,27 +204,29 @@ class DecodeGraphs:
             return hidden[:0], None
         host_tables = pad_tables(tables, fill=pool.num_blocks)
         width = host_tables.shape[1]
-        dev = self.device
         if self._width > width:
             self.tables[:b, width:self._width].fill_(pool.num_blocks)
             if window is not None:
                 self.wtables[:b, width:self._width].fill_(pool.num_window_blocks)
         self._width = width
+        # the step's inputs through one pinned staging buffer and one host-to-device copy (one per input cost the
+        # host ~20 us each), then into the graph's buffers
+        parts = [(self.ids[:b], host_longs(ids)), (self.pos[:b], pos), (self.slots[:b], slots),
+                 (self.tables[:b, :width], torch.from_numpy(host_tables)), (self.lens[:b], host_longs(lens))]
+        if state_slots is not None and pool.num_state_slots:
+            parts.append((self.state_slots[:b], host_longs(state_slots)))
+        if self.offsets is not None:
+            parts.append((self.offsets[:b], host_longs(offsets or [0] * b)))
         if window is not None:   # window tables have the full tables' lengths (kv_cache/window_group.py)
-            self.wslots[:b].copy_(h2d(torch.from_numpy(window[0]), dev))
-            self.wtables[:b, :width].copy_(h2d(torch.from_numpy(pad_tables(window[1], fill=pool.num_window_blocks)),
-                                               dev))
-        self.ids[:b].copy_(h2d(host_longs(ids), dev))
+            parts += [(self.wslots[:b], torch.from_numpy(window[0])),
+                      (self.wtables[:b, :width], torch.from_numpy(pad_tables(window[1], fill=pool.num_window_blocks)))]
+        staged = h2d(torch.cat([src.reshape(-1) for _, src in parts]), self.device)
+        offset = 0
+        for dst, src in parts:
+            dst.copy_(staged[offset:offset + src.numel()].view(src.shape))
+            offset += src.numel()
         if fixups is not None:
             self.ids[fixups[0]] = fixups[1]
-        self.pos[:b].copy_(h2d(pos, dev))
-        self.slots[:b].copy_(h2d(slots, dev))
-        self.tables[:b, :width].copy_(h2d(torch.from_numpy(host_tables), dev))
-        self.lens[:b].copy_(h2d(host_longs(lens), dev))
-        if state_slots is not None and pool.num_state_slots:
-            self.state_slots[:b].copy_(h2d(host_longs(state_slots), dev))
-        if self.offsets is not None:
-            self.offsets[:b].copy_(h2d(host_longs(offsets or [0] * b), dev))
         graph.replay()
         self.replays += 1
         self.max_rows = max(self.max_rows, b)
