@@ -269,10 +269,14 @@ class ModelRunner:
             if grammar_bitmask is not None:   # row j of a request: its grammar after its first j drafts
                 meta_s.token_bitmask = h2d(grammar_bitmask.for_batch(
                     [(r.request_id, len(d)) for r, d in zip(sample_rows, row_drafts)]), dev)
-            logit_index = h2d(host_longs(logit_rows), dev)
+        # (the logit rows and the fix-ups' rows and sources in one copy)
+        rows_dev = h2d(host_longs(logit_rows + fix_rows + fix_src), dev) if logit_rows or fix_rows else None
+        if sampling_reqs:
+            logit_index = rows_dev[:len(logit_rows)]
         fixups = None
         if fix_rows:
-            fixups = (h2d(host_longs(fix_rows), dev), prev.sampled.token_ids[h2d(host_longs(fix_src), dev)])
+            k, f = len(logit_rows), len(fix_rows)
+            fixups = (rows_dev[k:k + f], prev.sampled.token_ids[rows_dev[k + f:]])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         window = self._window_inputs(order, prefills) if self.num_window_blocks else None
