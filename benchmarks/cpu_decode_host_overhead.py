@@ -5,9 +5,10 @@ host schedules, prepares and processes; what the host spends per step beyond tha
 step's wall time and its kernels' time. Here, on the CPU, that device work runs synchronously, so it is timed
 apart and subtracted: `host_ms` = a step's wall time minus the time spent inside the model's forward, its
 `compute_logits` and the sampler. Async scheduling is on, as on the GPU (the step queues step N+1 before reading
-step N back). Per step: wall, device (forward + logits + sampler) and host ms; `--profile` adds the host
-functions with the most cumulative time (cProfile, device work included under its callers: read it together
-with the device column).
+step N back). Per step: wall, device (forward + logits + sampler) and host ms, the phases' host ms, and the step's
+CPU time on this thread (with --stub the host work; less disturbed by other load on a shared machine than wall
+time); `--profile` adds Python function calls per step (deterministic) and the functions with the most
+cumulative time (cProfile, device work included under its callers: read it together with the device column).
 
     PYTHONPATH=. python benchmarks/cpu_decode_host_overhead.py [--batch 128] [--context 256] [--steps 20] [--profile]
 """
@@ -86,17 +87,18 @@ def measure(eng, steps: int, profile: bool, timer: "DeviceTimer") -> dict:
         return wrapper
 
     eng.scheduler.schedule, eng.runner.execute, eng._process = (timed(k, f) for k, f in zip(phases, originals))
-    walls, devices, per_step = [], [], []
+    walls, devices, per_step, cpu = [], [], [], []
     prof = cProfile.Profile() if profile else None
     for _ in range(steps):
         d0, p0 = timer.seconds, dict(phases)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         if prof is not None:
             prof.enable()
         eng.step()
         if prof is not None:
             prof.disable()
         walls.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
         devices.append(timer.seconds - d0)
         per_step.append({k: phases[k] - p0[k] for k in phases})
         per_step[-1]["execute"] -= devices[-1]        # the execute phase's host work
@@ -104,10 +106,14 @@ def measure(eng, steps: int, profile: bool, timer: "DeviceTimer") -> dict:
     host = sorted((w - d) * 1e3 for w, d in zip(walls, devices))
     res = {"steps": steps, "wall_ms": sum(walls) / steps * 1e3, "device_ms": sum(devices) / steps * 1e3,
            "host_ms_mean": sum(host) / steps, "host_ms_median": host[steps // 2], "host_ms_min": host[0],
+           # the step's CPU time on this thread (with --stub: its host work), robust to other load on the machine
+           "step_thread_cpu_ms_median": sorted(cpu)[steps // 2] * 1e3,
            "phase_ms_median": {k: sorted(p[k] for p in per_step)[steps // 2] * 1e3 for k in phases}}
     if prof is not None:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+        stats = pstats.Stats(prof, stream=s)
+        res["python_calls_per_step"] = stats.total_calls / steps     # deterministic: a noise-free proxy
+        stats.sort_stats("cumulative").print_stats(45)
         res["profile"] = s.getvalue()
     return res
 
@@ -129,7 +135,8 @@ def main():
     res = {"batch": args.batch, "context": args.context, "model": args.model, "stub": args.stub,
            **measure(eng, args.steps, False, timer)}
     if args.profile:
-        res["profile"] = measure(eng, min(args.steps, 8 if not args.stub else args.steps), True, timer)["profile"]
+        prof = measure(eng, min(args.steps, 8 if not args.stub else args.steps), True, timer)
+        res["python_calls_per_step"], res["profile"] = prof["python_calls_per_step"], prof["profile"]
     profile = res.pop("profile", None)
     print(json.dumps(res, indent=1))
     if profile:

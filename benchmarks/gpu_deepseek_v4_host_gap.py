@@ -16,7 +16,7 @@ The V4-Flash-width engine of gpu_deepseek_v4.py (random weights, bf16, `--layers
 If step ≈ gpu_step: the GPU is the limit; if gpu_idle_between_steps is large: the host's work per step
 (schedule + execute + process − readback_wait) is longer than the GPU's, or a sync serializes them.
 
-    python benchmarks/gpu_deepseek_v4_host_gap.py --tokenizer-json PATH [--layers 4] [--batches 1,32,128]
+    python benchmarks/gpu_deepseek_v4_host_gap.py --tokenizer-json PATH [--layers 4] [--batches 1,32,128] [--weights fp8]
 
 Writes JSON to $OUT (or benchmarks/results/).
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_deepseek_v4 import layout, model_dir  # noqa: E402
+from gpu_deepseek_v4 import PUBLISHED, layout, model_dir  # noqa: E402
 from gpu_llama8b import start_decoding  # noqa: E402
 
 from openinfer import LLM  # noqa: E402
@@ -173,12 +173,14 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--weights", choices=["fp8", "bf16"], default="fp8",
+                    help="fp8: DeepSeek's published formats (FP8 dense, MXFP4 experts), as issue 34's run; bf16")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"date": datetime.date.today().isoformat(), "commit": commit, "device": torch.cuda.get_device_name(),
-           "layers": args.layers, "decode": []}
-    d = model_dir(args.tokenizer_json, **layout(args.layers))
+           "layers": args.layers, "weights": args.weights, "decode": []}
+    d = model_dir(args.tokenizer_json, **layout(args.layers), **(PUBLISHED if args.weights == "fp8" else {}))
     llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
               max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len)
     llm.engine.warm_up()
