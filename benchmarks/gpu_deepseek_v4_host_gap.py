@@ -128,7 +128,7 @@ def sync_points(eng, steps: int) -> list[dict]:
 
 def decode(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     eng = llm.engine
-    start_decoding(eng, batch, ctx, 3 * steps + 40, warmup=4)
+    start_decoding(eng, batch, ctx, steps + 20, warmup=4)
     torch.cuda.synchronize()
     walls = []
     with Observe(eng) as obs:
@@ -158,6 +158,7 @@ def decode(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     res["profile_5_steps"] = buf.getvalue()[-6000:]
+    assert len(eng.scheduler.running) == batch, (len(eng.scheduler.running), batch)    # the batch stayed whole
     for rid in list(eng.requests):
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
