@@ -16,7 +16,8 @@ The V4-Flash-width engine of gpu_deepseek_v4.py (random weights, bf16, `--layers
 If step ≈ gpu_step: the GPU is the limit; if gpu_idle_between_steps is large: the host's work per step
 (schedule + execute + process − readback_wait) is longer than the GPU's, or a sync serializes them.
 
-    python benchmarks/gpu_deepseek_v4_host_gap.py --tokenizer-json PATH [--layers 4] [--batches 1,32,128] [--weights fp8]
+    python benchmarks/gpu_deepseek_v4_host_gap.py --tokenizer-json PATH [--layers 4] [--batches 1,32,128] \
+        [--weights fp8]
 
 Writes JSON to $OUT (or benchmarks/results/).
 """
