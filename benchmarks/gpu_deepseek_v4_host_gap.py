@@ -6,6 +6,7 @@ The V4-Flash-width engine of gpu_deepseek_v4.py (random weights, bf16, `--layers
 - `host_ms`: host time per step in each phase (schedule; execute = building inputs and queueing the step;
   process = reading the previous step back and the per-request bookkeeping, of which `readback_wait` is waiting
   for the GPU); `gc_ms`: Python's garbage collector;
+- `gpu_kernel_ms_per_step`: the kernels' own time (torch profiler, 3 steps at the same batch);
 - `gpu_step_ms`: from the GPU reaching a step's first queued work to its last (CUDA events around `execute`):
   more than the kernels' time means the GPU waited inside the step for the host to queue the rest;
   `gpu_idle_between_steps_ms`: the GPU idle between one step's last work and the next step's first (the host
@@ -129,7 +130,7 @@ def sync_points(eng, steps: int) -> list[dict]:
 
 def decode(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     eng = llm.engine
-    start_decoding(eng, batch, ctx, steps + 20, warmup=4)
+    start_decoding(eng, batch, ctx, steps + 24, warmup=4)   # timed, profiled, sync-checked, cProfiled
     torch.cuda.synchronize()
     walls = []
     with Observe(eng) as obs:
@@ -149,6 +150,14 @@ def decode(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
            "host_ms": {k: v / steps * 1e3 for k, v in obs.host.items()},
            "gpu_step_ms": sum(gpu_steps) / len(gpu_steps),
            "gpu_idle_between_steps_ms": sum(gaps) / max(1, len(gaps))}
+    # the kernels' own time per step at this batch (torch profiler, 3 steps): step_ms against it is the host's share
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as tprof:
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in tprof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    res["gpu_kernel_ms_per_step"] = sum(e.device_time for e in kernels) / 1e3 / 3
     res["syncs"] = sync_points(eng, 4)
     prof = cProfile.Profile()
     prof.enable()
