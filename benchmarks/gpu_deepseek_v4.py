@@ -148,6 +148,8 @@ def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 12) ->
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1e3 / 3
     top = top_kernels(kernels, 3)
+    # the timed and the profiled steps ran the whole batch (no request finished: start_decoding's budget)
+    assert len(eng.scheduler.running) == batch, (len(eng.scheduler.running), batch)
     for rid in list(eng.requests):
         eng.abort_request(rid)
     fl, detail = floor_ms(eng.runner.model, [1] * batch, [ctx + 3 + steps // 2] * batch, ceil)

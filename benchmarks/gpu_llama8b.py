@@ -100,15 +100,21 @@ def args_batches() -> list[int]:
 
 
 def start_decoding(eng, batch: int, ctx: int, max_tokens: int, warmup: int) -> None:
-    """`batch` random prompts of `ctx` tokens, prefilled, then `warmup` decode steps (graphs captured)."""
+    """`batch` random prompts of `ctx` tokens, prefilled, then `warmup` decode steps (graphs captured); after that
+    every request can still decode `max_tokens` tokens. With chunked prefill the first requests decode while the
+    last are prefilled (17 steps for 128 x 1K at 8K tokens a step): their budget counts those steps and the warm-up
+    too, so no request finishes inside the caller's measured steps and the batch stays `batch` wide."""
+    budget = eng.config.max_num_batched_tokens
+    prefill_steps = -(-batch * ctx // max(1, budget - batch)) + 1     # (decode rows take part of each step's budget)
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         eng.add_request(torch.randint(100, 128000, (ctx,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                        SamplingParams(temperature=0, max_tokens=max_tokens + prefill_steps + warmup, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
         eng.step()
     for _ in range(warmup):
         eng.step()
+    assert len(eng.scheduler.running) == batch, (len(eng.scheduler.running), batch)
 
 
 def decode_steps(llm: LLM, batch: int, ctx: int, ceil: dict, steps: int = 30) -> dict:

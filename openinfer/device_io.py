@@ -8,7 +8,14 @@ device result back waits on an event recorded right after it, not on later work.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def host_longs(values) -> torch.Tensor:
+    """A CPU int64 tensor of a list of ints, through numpy: several times faster than `torch.tensor(list)`, which
+    a wide step's per-row inputs (ids, lengths, slots) would otherwise pay each step."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
 
 
 def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -117,3 +117,36 @@ def test_async_never_schedules_past_max_model_len(tiny_llama_dir):
     assert [len(o.outputs[0].token_ids) for o in outs] == [10, 1, 1]
     assert max(seen) <= 40
     assert_pool_idle(eng)
+
+
+def test_a_decode_step_is_queued_before_the_previous_one_is_read_back(tiny_llama_dir):
+    """What lets the host's per-request work overlap the GPU's: in steady decoding each step() first queues its own
+    forward (runner.execute) and only then reads back and processes the step before it, never the one it just
+    queued (issue 34)."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", async_scheduling=True, block_size=16)
+    eng = llm.engine
+    calls = []
+    execute, process = eng.runner.execute, eng.output_processor.process
+
+    def logged_execute(*a, **k):
+        out = execute(*a, **k)
+        calls.append(("execute", out))
+        return out
+
+    def logged_process(runner_out, *a, **k):
+        calls.append(("process", runner_out))
+        return process(runner_out, *a, **k)
+
+    eng.runner.execute, eng.output_processor.process = logged_execute, logged_process
+    for i in range(4):
+        eng.add_request([5 + i, 6, 7, 8, 9], SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12,
+                                                            ignore_eos=True))
+    eng.step()                       # the prompts
+    for _ in range(8):
+        calls.clear()
+        eng.step()
+        assert [c[0] for c in calls] == ["execute", "process"]
+        queued, read_back = calls[0][1], calls[1][1]
+        assert read_back is not queued and eng._in_flight is queued
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -469,6 +469,39 @@ def test_traffic_after_start_up_compiles_and_captures_nothing(model):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_v4_decode_steps_never_make_the_host_wait_for_the_gpu(prefix_caching):
+    """Under async scheduling a decode step queues its work and reads the previous step back through an event; no
+    operation inside it may synchronize with the GPU (torch's sync debug mode raises on one: .item(), .tolist() of a
+    CUDA tensor, a copy from pageable memory), or the host's per-request work stops overlapping the GPU's
+    (issue 34). With prefix caching (block_size 16) requests cross block boundaries in the steps checked, so
+    their state snapshots are copied as well."""
+    llm = LLM("deepseek-v4-tiny", device="cuda", dtype="bfloat16", max_num_seqs=8, block_size=16,
+              enable_prefix_caching=prefix_caching, gpu_memory_utilization=0.3)
+    eng = llm.engine
+    assert eng.async_scheduling
+    for k, n in enumerate((20, 37, 64, 90, 5, 130, 47, 16)):
+        eng.add_request([(i * 7919 + k) % 120000 + 100 for i in range(n)],
+                        SamplingParams(temperature=0 if k % 2 else 0.8, seed=k, max_tokens=60, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    eng.step()       # (the step that read the last prefill chunk back)
+    pool, copied = eng.runner.pool, []
+    copy_states = pool.copy_states
+    pool.copy_states = lambda pairs, restore: (copied.extend(pairs), copy_states(pairs, restore))
+    replays = eng.runner.decode_graphs.replays
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(24):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        del pool.copy_states
+    assert eng.runner.decode_graphs.replays == replays + 24
+    assert bool(copied) == prefix_caching
+    llm.shutdown()
+
+
 # ---- batch-invariant mode (layers/triton_batch_invariant.py) ------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096), (576, 1536)])

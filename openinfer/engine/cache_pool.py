@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from openinfer.config import EngineConfig
+from openinfer.device_io import h2d, host_longs
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 
@@ -216,8 +217,10 @@ class CachePool:
         (`restore`), or (slot, snapshot) pairs saved."""
         if not pairs:
             return
-        src_idx = torch.tensor([a for a, _ in pairs], device=self.device)
-        dst_idx = torch.tensor([b for _, b in pairs], device=self.device)
+        # (through pinned memory: a plain torch.tensor(..., device=cuda) would make the host wait for the step in
+        # flight, and with prefix caching a wide batch has a request crossing a block boundary almost every step)
+        src_idx = h2d(host_longs([a for a, _ in pairs]), self.device)
+        dst_idx = h2d(host_longs([b for _, b in pairs]), self.device)
         for name, snaps in self.snapshots.items():
             for live, snap in zip(self.caches[name], snaps):
                 src, dst = (snap, live) if restore else (live, snap)

@@ -468,9 +468,12 @@ class LLMEngine:
         if sched.empty and prev is None:
             self.kv_manager.wait_for_store_reads(0.005)        # nor until a prefix read from the store is done
         if not sched.empty:
-            if any(s.start < s.request.num_prompt_tokens for s in sched.scheduled):
-                self.num_prefill_steps += 1
-            sampling_steps = [s for s in sched.scheduled if s.samples]
+            prefill, sampling_steps = False, []
+            for s in sched.scheduled:
+                prefill = prefill or s.request.num_computed_tokens < len(s.request.prompt_token_ids)
+                if s.samples:
+                    sampling_steps.append(s)
+            self.num_prefill_steps += prefill
             sampling = [s.request for s in sampling_steps]
             bitmask = None
             if self._structured is not None:
@@ -483,10 +486,11 @@ class LLMEngine:
                 raise
             self.scheduler.update_after_step(sched.scheduled)
             for s in sampling_steps:          # its sample, and its drafts as if all were kept
-                if s.request.num_pending and s.request.pending_drafts:
-                    s.request.metrics.num_guessed_steps += 1      # its verify step is still on the device
-                s.request.num_pending += 1 + len(s.draft_token_ids)
-                s.request.pending_drafts = s.draft_token_ids
+                req = s.request
+                if req.num_pending and req.pending_drafts:
+                    req.metrics.num_guessed_steps += 1      # its verify step is still on the device
+                req.num_pending += 1 + len(s.draft_token_ids)
+                req.pending_drafts = s.draft_token_ids
         elif self.runner.step_sync is not None:
             self.runner.execute_idle()       # expert parallelism: the other ranks' MoE layers need this one
         if prev is not None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from openinfer.config import EngineConfig
-from openinfer.device_io import D2HCopy, h2d
+from openinfer.device_io import D2HCopy, h2d, host_longs
 from openinfer.distributed.context_parallel import ContextParallelStep
 from openinfer.distributed.expert_parallel import MoeExchange, step_exchange
 from openinfer.distributed.parallel_state import ParallelContext
@@ -163,7 +163,10 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         self.store.before_forward(sched.state_copies)
         # decode rows first: they share one batched attention call (and the decode CUDA graphs)
-        order = sorted(sched.scheduled, key=lambda s: not self._as_decode_rows(s))
+        as_decode = [self._as_decode_rows(s) for s in sched.scheduled]
+        order = ([s for s, d in zip(sched.scheduled, as_decode) if d]
+                 + [s for s, d in zip(sched.scheduled, as_decode) if not d])
+        num_decode = sum(as_decode)
         ids: list[int] = []
         dec_pos, dec_slots = [], []             # decode rows: plain ints (most of a big batch)
         pre_pos, pre_slots = [], []             # prefill chunks: numpy ranges
@@ -180,31 +183,47 @@ class ModelRunner:
         capture = bool(self.model.capture_layers)
         row_drafts: list[list[int]] = []        # the drafts each row comes after
         image_rows, image_embeds = [], []       # rows inside image spans and the embeddings they take
-        for s in order:
-            req, start, n, table = s.request, s.start, s.num_new_tokens, s.block_ids
+        # (per-request work of a wide decode batch is the step's host cost: properties read once, plain
+        # decodes without inner loops)
+        for k, s in enumerate(order):
+            req, n, table = s.request, s.num_new_tokens, s.block_ids
+            start = req.num_computed_tokens
             drafts = s.draft_token_ids
-            if start >= req.num_tokens:          # the token is pending on the device
+            rid = req.request_id
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if start >= num_tokens:              # the token is pending on the device
                 assert n == 1 + len(drafts) and prev is not None, "only a decode can start from a pending token"
                 # (after a verify step still on the device: the sample after its last draft, the guess being
                 # that all its drafts are kept — the output processor drops these rows if not)
                 ids.append(0)
-                ids.extend(drafts)
+                if drafts:
+                    ids.extend(drafts)
                 fix_rows.append(row)
-                fix_src.append(prev.sample_index[req.request_id] + len(prev.drafts.get(req.request_id, ())))
+                fix_src.append(prev.sample_index[rid] + len(prev.drafts.get(rid, ())))
+            elif n == 1 and not drafts:
+                ids.append(req.prompt_token_ids[start] if start < len(req.prompt_token_ids)
+                           else req.output_token_ids[start - len(req.prompt_token_ids)])
             else:
                 ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
                 ids.extend(drafts)
             if req.images:
                 self._image_rows(req, start, start + n - len(drafts), row, image_rows, image_embeds)
-            replaying = _replaying(s)
-            if self._as_decode_rows(s):
-                for p in range(start, start + n):     # a verify step's rows: each sees the keys up to its own
-                    dec_pos.append(p)
-                    dec_slots.append(table[p // bs] * bs + p % bs)
+            if k < num_decode:
+                if n == 1:
+                    dec_pos.append(start)
+                    dec_slots.append(table[start // bs] * bs + start % bs)
                     decode_tables.append(table)
-                    decode_lens.append(p + 1)
+                    decode_lens.append(start + 1)
                     decode_state_slots.append(s.state_slot)
-                    decode_offsets.append(p - start)
+                    decode_offsets.append(0)
+                else:
+                    for p in range(start, start + n):     # a verify step's rows: each sees the keys up to its own
+                        dec_pos.append(p)
+                        dec_slots.append(table[p // bs] * bs + p % bs)
+                        decode_tables.append(table)
+                        decode_lens.append(p + 1)
+                        decode_state_slots.append(s.state_slot)
+                        decode_offsets.append(p - start)
             else:
                 positions = np.arange(start, start + n)
                 np_table = np.asarray(table, dtype=np.int64)
@@ -218,26 +237,30 @@ class ModelRunner:
                     decoder_start = req.num_tokens - self.yoco_keep if req.num_tokens > self.yoco_keep else None
                 prefills.append(PrefillChunk(row, n, start + n, h2d(torch.from_numpy(np_table), dev), bs,
                                              s.state_slot, decoder_start))
-                if replaying:
+                if _replaying(s):
                     replays.append((len(prefills) - 1, s.replay))
-            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            if start < len(req.prompt_token_ids) - 1 and req.sampling_params.prompt_logprobs is not None:
                 # from the row predicting prompt_logprobs_start on (a replay may compute earlier rows)
                 first = max(start, req.sampling_params.prompt_logprobs_start - 1)
                 end = min(start + n, req.num_prompt_tokens - 1)
                 if first < end:
                     plp_spans.append((req, row + first - start, end - first, first + 1))
             if capture:
-                out.rows[req.request_id] = (row, start, n, s.state_slot)
-            if s.samples:
+                out.rows[rid] = (row, start, n, s.state_slot)
+            if start + n - len(drafts) == num_tokens + req.num_pending:     # s.samples
                 # the last token's row, then one row per draft: row j samples the token after draft j
                 sampling_reqs.append(req)
-                out.sample_index[req.request_id] = len(sample_rows)
-                first = row + n - 1 - len(drafts)
-                logit_rows.extend(range(first, row + n))
-                sample_rows.extend([req] * (1 + len(drafts)))
-                row_drafts.extend(drafts[:j] for j in range(1 + len(drafts)))
+                out.sample_index[rid] = len(sample_rows)
                 if drafts:
-                    out.drafts[req.request_id] = drafts
+                    first = row + n - 1 - len(drafts)
+                    logit_rows.extend(range(first, row + n))
+                    sample_rows.extend([req] * (1 + len(drafts)))
+                    row_drafts.extend(drafts[:j] for j in range(1 + len(drafts)))
+                    out.drafts[rid] = drafts
+                else:
+                    logit_rows.append(row + n - 1)
+                    sample_rows.append(req)
+                    row_drafts.append([])
             row += n
         # Host-to-device copies first: made after the forward is queued, each would wait for it.
         if sampling_reqs:
@@ -246,10 +269,14 @@ class ModelRunner:
             if grammar_bitmask is not None:   # row j of a request: its grammar after its first j drafts
                 meta_s.token_bitmask = h2d(grammar_bitmask.for_batch(
                     [(r.request_id, len(d)) for r, d in zip(sample_rows, row_drafts)]), dev)
-            logit_index = h2d(torch.tensor(logit_rows), dev)
+        # (the logit rows and the fix-ups' rows and sources in one copy)
+        rows_dev = h2d(host_longs(logit_rows + fix_rows + fix_src), dev) if logit_rows or fix_rows else None
+        if sampling_reqs:
+            logit_index = rows_dev[:len(logit_rows)]
         fixups = None
         if fix_rows:
-            fixups = (h2d(torch.tensor(fix_rows), dev), prev.sampled.token_ids[h2d(torch.tensor(fix_src), dev)])
+            k, f = len(logit_rows), len(fix_rows)
+            fixups = (rows_dev[k:k + f], prev.sampled.token_ids[rows_dev[k + f:]])
         pos = torch.from_numpy(np.concatenate([np.asarray(dec_pos, dtype=np.int64), *pre_pos]))
         slots = torch.from_numpy(np.concatenate([np.asarray(dec_slots, dtype=np.int64), *pre_slots]))
         window = self._window_inputs(order, prefills) if self.num_window_blocks else None
@@ -424,7 +451,7 @@ class ModelRunner:
             if decode_tables:
                 windowed.decode_block_tables = h2d(torch.from_numpy(pad_tables(window_tables, fill=0)), dev)
             meta.layer_views = (dataclasses.replace(meta, slot_mapping=h2d(full_slots, dev)), windowed)
-        input_ids = h2d(torch.tensor(ids, dtype=torch.long), dev)
+        input_ids = h2d(host_longs(ids), dev)
         if fixups is not None:
             input_ids[fixups[0]] = fixups[1]
             if context_parallel is not None:    # (decode rows: the same rows of the whole step)
@@ -442,12 +469,12 @@ class ModelRunner:
                                  context_parallel=context_parallel, moe_exchange=moe_exchange)
         if decode_tables:
             meta.decode_block_tables = h2d(torch.from_numpy(pad_tables(decode_tables, fill=0)), dev)
-            meta.decode_context_lens = h2d(torch.tensor(decode_lens), dev)
+            meta.decode_context_lens = h2d(host_longs(decode_lens), dev)
             meta.max_decode_context_len = max(decode_lens)
             if self.num_state_slots:
-                meta.decode_state_slots = h2d(torch.tensor(decode_state_slots), dev)
+                meta.decode_state_slots = h2d(host_longs(decode_state_slots), dev)
                 if offsets and any(offsets):
-                    meta.decode_row_offsets = h2d(torch.tensor(offsets), dev)
+                    meta.decode_row_offsets = h2d(host_longs(offsets), dev)
         return meta
 
     def _image_rows(self, req: Request, start: int, end: int, row: int, rows: list[int], embeds: list) -> None:

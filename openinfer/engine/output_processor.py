@@ -64,11 +64,12 @@ class OutputProcessor:
         token_ids, lps, ranks = lists["token_ids"], lists["logprobs"], lists["ranks"]
         top_ids, top_lps = lists["top_ids"], lists["top_logprobs"]
         now = time.time()
+        all_drafts = runner_out.drafts
         for rid, i in runner_out.sample_index.items():
             req = requests.get(rid)
-            if req is None or req.is_finished:   # finished or aborted while this step ran: token discarded
+            if req is None or req.status.finished:   # finished or aborted while this step ran: token discarded
                 continue
-            drafts = runner_out.drafts.get(rid, ())
+            drafts = all_drafts.get(rid, ()) if all_drafts else ()
             req.num_pending = max(0, req.num_pending - 1 - len(drafts))
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -130,7 +131,8 @@ class OutputProcessor:
             req.detok_state = self.tokenizer.decode_stream(p.skip_special_tokens)
         new_text = self.tokenizer.step_decode(req.detok_state, tok)
         req.output_text += new_text
-        past_min = req.num_output_tokens >= p.min_tokens
+        num_output = len(req.output_token_ids)
+        past_min = num_output >= p.min_tokens
         if req.grammar is not None:
             # the mask only offered tokens the grammar accepts, EOS only in an accepting state
             if not req.grammar.accept(tok):
@@ -152,14 +154,15 @@ class OutputProcessor:
                     req.output_text = text[:idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
                     req.stop_reason = stop
                     return RequestStatus.FINISHED_STOPPED
-        if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        if ((p.max_tokens is not None and num_output >= p.max_tokens)
+                or len(req.prompt_token_ids) + num_output >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def make_output(self, req: Request) -> RequestOutput | None:
         """The RequestOutput to report now, per the request's output kind (None: nothing to report)."""
         kind = req.sampling_params.output_kind
-        finished = req.is_finished
+        finished = req.status.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text, token_ids, logprobs = req.output_text, req.output_token_ids, req.logprobs

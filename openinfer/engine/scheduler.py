@@ -40,7 +40,9 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the last token (known or still on the device), so it yields a new one."""
-        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens_with_pending
+        r = self.request      # (num_tokens_with_pending, spelled out: read per request per step)
+        return (r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+                == len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_pending)
 
 
 @dataclass
@@ -102,10 +104,10 @@ class Scheduler:
                 # it waits for its verify step's read-back: spec_decode/speculator.py)
                 i += 1
                 continue
-            n = self._snapshot_aligned(req, req.num_computed_tokens,
-                                       self._chunk(req.num_computed_tokens,
-                                                   min(req.num_tokens_with_pending - req.num_computed_tokens, budget),
-                                                   share=0.5 if self.waiting else 1.0))
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            if n != 1:           # (a decode is neither cut by the time budget nor at a snapshot boundary)
+                n = self._snapshot_aligned(req, req.num_computed_tokens,
+                                           self._chunk(req.num_computed_tokens, n, share=0.5 if self.waiting else 1.0))
             if n == 0 and self._time_left is not None:
                 i += 1           # no time left for its prefill chunk this step
                 continue
@@ -210,10 +212,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, scheduled: list[ScheduledRequest]) -> None:
+        prompt_tokens = 0
         for s in scheduled:
-            req = s.request
-            self.num_prompt_tokens_computed += max(0, min(s.start + s.num_new_tokens, req.num_prompt_tokens) - s.start)
-            req.num_computed_tokens += s.num_new_tokens
+            req, n = s.request, s.num_new_tokens
+            start, num_prompt = req.num_computed_tokens, len(req.prompt_token_ids)
+            if start < num_prompt:
+                prompt_tokens += min(start + n, num_prompt) - start
+            req.num_computed_tokens = start + n
+        self.num_prompt_tokens_computed += prompt_tokens
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length or aborted) and return its blocks."""

@@ -56,10 +56,12 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor      # [N] float
-    top_k: torch.Tensor            # [N] long
-    top_p: torch.Tensor            # [N] float
-    min_p: torch.Tensor            # [N] float
+    # per-row knobs, on the device only where a row samples at random (None in an all-greedy batch: the sampler
+    # reads them only then, and a greedy step then copies none of them to the device)
+    temperature: torch.Tensor | None   # [N] float
+    top_k: torch.Tensor | None         # [N] long (None also when no row uses top-k)
+    top_p: torch.Tensor | None         # [N] float
+    min_p: torch.Tensor | None         # [N] float
     all_greedy: bool
     any_random: bool
     # which masks any row uses, known on the host (no device sync to find out)
@@ -91,15 +93,20 @@ class SamplingMetadata:
         def col(values, dtype=torch.float32):
             return h2d(torch.tensor(values, dtype=dtype), device)
 
+        all_greedy = all(p.greedy for p in ps)
+        any_top_k = any(p.top_k > 0 for p in ps)
+        temperature = top_k = top_p = min_p = None
+        if not all_greedy:       # (the float knobs in one copy)
+            knobs = col([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]])
+            temperature, top_p, min_p = knobs[0], knobs[1], knobs[2]
+            if any_top_k:
+                top_k = col([p.top_k for p in ps], torch.long)
         meta = cls(
-            temperature=col([p.temperature for p in ps]),
-            top_k=col([p.top_k for p in ps], torch.long),
-            top_p=col([p.top_p for p in ps]),
-            min_p=col([p.min_p for p in ps]),
-            all_greedy=all(p.greedy for p in ps),
-            any_random=any(not p.greedy for p in ps),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            all_greedy=all_greedy,
+            any_random=not all_greedy,
             any_min_p=any(p.min_p > 0 for p in ps),
-            any_top_k=any(p.top_k > 0 for p in ps),
+            any_top_k=any_top_k,
             any_top_p=any(p.top_p < 1.0 for p in ps),
             generators=[r.generator for r in requests],
             max_num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=None),
@@ -121,6 +128,8 @@ class SamplingMetadata:
         banned = []
         for i, r in enumerate(requests):
             p = r.sampling_params
+            if not p.min_tokens:
+                continue
             # a constrained request ends where its grammar allows EOS: min_tokens does not ban it there
             offset = len(row_drafts[i]) if row_drafts is not None else 0
             if r.num_output_tokens + r.num_pending + offset < p.min_tokens and r.grammar is None:
