@@ -901,7 +901,7 @@ class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection: from the n residual streams, weights to collapse them into
     the block input (pre), to spread the block output back (post), and an n x n stream mix projected onto
     doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference; the merge
-    in the model dtype, as transformers computes it. `ops.hc_pre` / `ops.hc_post`: the same in 2 + 1 kernels."""
+    in the model dtype, as transformers computes it. `ops.hc_pre` / `ops.hc_post`: the same in 1 + 1 kernels."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
@@ -933,7 +933,7 @@ class HyperConnection(nn.Module):
 
 
 class HyperHead(nn.Module):
-    """The final collapse of the n streams into one hidden vector (`ops.hc_head`: in two kernels)."""
+    """The final collapse of the n streams into one hidden vector (`ops.hc_head`: in one kernel)."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()

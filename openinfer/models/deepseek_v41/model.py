@@ -690,7 +690,7 @@ class Block(nn.Module):
 
     def hc_pre(self, streams, kind: str, lagged):
         """Before a sublayer: (its pre, post, comb) from `streams`, and the streams collapsed by the previous
-        sublayer's pre, `lagged` (the sublayer's input); `ops.hc_pre`: in two kernels."""
+        sublayer's pre, `lagged` (the sublayer's input); `ops.hc_pre`: in one kernel."""
         if self.ops.hc_pre is not None:
             return self.ops.hc_pre(streams, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
                                    getattr(self, f"hc_{kind}_scale"), self.iters, self.hc_eps, self.eps, lagged)
