@@ -198,6 +198,41 @@ def check_v41_mhc(ops, device, dtype, T: int, dim: int, seed: int = 0) -> dict:
     return errs
 
 
+def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, seed: int = 0) -> dict:
+    """mHC pre (with and without a lagged pre) and V4's head in one launch, whose K splits are counted in as they
+    arrive, equal the two-launch path bit for bit at any row count (hc_pre takes one launch up to ONE_LAUNCH_MAX_T
+    rows); launched `repeats` times they give the same bits each time (a split read before it was stored would
+    not), and leave the kernel's arrival counts zero for the next launch."""
+    from openinfer.layers import triton_mhc
+    n = 4
+    g = _gen(seed, device)
+    streams = _randn(g, T, n, hidden, device=device, dtype=dtype)
+    fn = _randn(g, (2 + n) * n, n * hidden, device=device, scale=(n * hidden) ** -0.5)
+    base, scale = _randn(g, (2 + n) * n, device=device, scale=0.5), torch.rand(3, generator=g, device=device) + 0.5
+    lagged = torch.rand(T, n, generator=g, device=device) + 0.5
+
+    def launch(one: bool) -> list[torch.Tensor]:
+        outs = []
+        for lag in (None, lagged):
+            pre, post = torch.empty(T, n, device=device), torch.empty(T, n, device=device)
+            comb, y = torch.empty(T, n, n, device=device), torch.empty(T, hidden, device=device, dtype=dtype)
+            triton_mhc._hc_launch(streams, fn, base, scale, 20, 1e-6, 1e-6, lag, pre, post, comb, y, False, one)
+            outs += [pre, post, comb, y]
+        head = torch.empty(T, hidden, device=device, dtype=dtype)
+        triton_mhc._hc_launch(streams, fn[:n], base[:n], scale[:1], 0, 1e-6, 1e-6, None, head, head, head, head,
+                              True, one)
+        return outs + [head]
+
+    names = ["pre", "post", "comb", "collapse", "lagged pre", "lagged post", "lagged comb", "lagged collapse", "head"]
+    two = launch(False)
+    for k in range(repeats):
+        for name, got, want in zip(names, launch(True), two):
+            assert torch.equal(got, want), f"hc_pre in one launch ({T} rows, repeat {k}): {name} differs from two"
+    arrivals = triton_mhc._arrivals(torch.device(device))
+    assert not bool(arrivals.any()), f"hc_pre left arrival counts {arrivals.nonzero().flatten().tolist()} set"
+    return {"one_launch_repeats": repeats}
+
+
 # ---- routing ------------------------------------------------------------------------------------------
 def reference_route(logits, bias, k: int, scale: float, renormalize: bool, table=None, ids=None):
     """The models' routing in the logits' dtype with the CUDA tie rule (a stable sort: lowest id first)."""
@@ -543,7 +578,8 @@ def check_tiny_models(ops) -> dict:
 # ---- the interpreter run --------------------------------------------------------------------------------
 def kernel_cases(ops, device: str) -> list:
     """Tiny widths for Triton's CPU interpreter; float32, and bf16 where the CPU's torch rounds as CUDA's does.
-    Widths with partial K and hidden blocks, several hidden splits, and (2056) the K-split count capped."""
+    Widths with partial K and hidden blocks, several token blocks over split K, K in one split, and (2056) the
+    K-split count capped."""
     v4_route = dict(hidden_size=64, hc_mult=4, n_routed_experts=16, num_experts_per_tok=3)
     v41_route = dict(dim=64, n_routed_experts=12, n_activated_experts=3)
     v4_moe = dict(hidden_size=32, n_routed_experts=8, num_experts_per_tok=3)
@@ -553,6 +589,10 @@ def kernel_cases(ops, device: str) -> list:
         ("v4 mhc bf16", lambda: check_v4_mhc(ops, device, torch.bfloat16, 1, 2056, seed=1)),
         ("v41 mhc fp32", lambda: check_v41_mhc(ops, device, torch.float32, 4, 64)),
         ("v41 mhc bf16", lambda: check_v41_mhc(ops, device, torch.bfloat16, 3, 72, seed=1)),
+        ("v41 mhc fp32, 3 token blocks over split K", lambda: check_v41_mhc(ops, device, torch.float32, 70, 64, seed=3)),
+        ("v4 mhc fp32, K in one split", lambda: check_v4_mhc(ops, device, torch.float32, 9, 16, seed=4)),
+        ("hc_pre one launch = two, 1 row", lambda: check_hc_pre_launches(device, torch.bfloat16, 1, 40)),
+        ("hc_pre one launch = two, 2 token blocks", lambda: check_hc_pre_launches(device, torch.float32, 33, 24, 1)),
         ("route fp32", lambda: check_route(ops, device, torch.float32, 9, 24, 3)),
         ("routers fp32", lambda: check_routers(ops, device, torch.float32, 6, v4_route, v41_route)),
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),

@@ -197,3 +197,35 @@ def test_llm_chat_with_an_image_runs_the_vision_tower(llm):
     assert a.prompt_token_ids.count(129264) > 100           # the image's span, not one placeholder id
     assert a.prompt_token_ids == b.prompt_token_ids         # same size: same span
     assert a.outputs[0].logprobs[0] != b.outputs[0].logprobs[0]
+
+
+def test_joined_wq_a_wkv_gives_the_unjoined_outputs(llm, monkeypatch):
+    """Every attention's wq_a and wkv (FP8, 32 + 64 rows of 32-row tiles) joined at load into one GEMM gives the
+    tokens and logprobs of the same checkpoint loaded unjoined, through a prefill and decode steps."""
+    from openinfer.layers.fp8_linear import Fp8Linear
+    from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    model = llm.engine.runner.model
+    attns = [layer.attn for layer in (*model.layers, *model.mtp)]
+    assert all(isinstance(a.wq_a_kv, Fp8Linear) and a.wq_a_kv.parts == (32, 64) for a in attns)
+    from safetensors.torch import load_file
+    from openinfer.models.deepseek_v41.writer import published_state_dict
+    stored, written = load_file(str(generated_model_dir(NAME, default_cache_dir()) / "model.safetensors")), \
+        published_state_dict(model)                          # each part's rows and scale rows back where they were
+    for name in (f"{layer}.attn.{w}.{t}" for layer in ("layers.1", "mtp.0") for w in ("wq_a", "wkv")
+                 for t in ("weight", "scale")):
+        assert torch.equal(written[name].view(torch.uint8), stored[name].view(torch.uint8)), name
+    prompt = torch.randint(2, 129000, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=6, logprobs=5, prompt_logprobs=5, **GREEDY)
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "join_projections", lambda self: [])
+    separate = LLM(NAME, device="cpu")
+    try:
+        assert separate.engine.runner.model.layers[0].attn.wq_a_kv is None
+        want = separate.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    finally:
+        separate.shutdown()
+    assert got.outputs[0].logprobs and got.prompt_logprobs
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert got.prompt_logprobs == want.prompt_logprobs

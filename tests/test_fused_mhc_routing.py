@@ -54,6 +54,21 @@ def test_gpu_mhc_at_flash_widths(T):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("T", (1, 2, 3, 7, 100, 1000, 4500))
+def test_gpu_hc_pre_one_launch_at_flash_widths(T):
+    """hc_pre in one launch (1, 2 rows: 128 and 64 K splits arriving at one count) or two, equal to the torch path;
+    and the one-launch kernel forced at every row count (1000 rows: 32 token blocks of 8 splits; 4500: K unsplit,
+    more token blocks than SMs) equal to the two-launch path bit for bit over 20 launches, its arrival counts left
+    zero."""
+    from tests.fused_mhc_routing_cases import check_hc_pre_launches, check_v4_mhc, check_v41_mhc
+    print(check_v4_mhc(_ops(), "cuda", torch.bfloat16, T, V4_FLASH["hidden_size"], seed=T))
+    print(check_v41_mhc(_ops(), "cuda", torch.bfloat16, T, V41_FLASH["dim"], seed=T))
+    for hidden in (V4_FLASH["hidden_size"], V41_FLASH["dim"]):
+        print(check_hc_pre_launches("cuda", torch.bfloat16, T, hidden, repeats=20, seed=T))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("T", BATCHES)
 def test_gpu_routing_at_flash_widths(T):
     from tests.fused_mhc_routing_cases import check_route, check_routers

@@ -335,3 +335,34 @@ def test_grouped_wo_a_with_narrow_groups_on_the_grouped_kernel(rows_per_group, b
     ref = lin.forward_groups(x)
     lin.ops = TRITON_OPS
     assert _rel(lin.forward_groups(x), ref) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("k, rows, block", [(4096, (1024, 512), 128),     # V4-Flash: wq_a + wkv, 128 x 128 tiles
+                                            (5120, (1280, 512), 32)])     # V4.1-Flash: 32 x 32 tiles
+def test_joined_wq_a_wkv_at_flash_widths(m, k, rows, block):
+    """The attention's wq_a and wkv joined (fp8_linear.join_linears: one Triton FP8 GEMM) against the two GEMMs
+    it replaces and the reference: the same values up to the GEMM's own rounding (its split over K may follow N, so
+    the float32 sums may round to the neighbouring bf16), each part's columns where the separate GEMM put them."""
+    from openinfer.layers.basic import TORCH_OPS
+    from openinfer.layers.fp8_linear import Fp8Linear, join_linears
+    from openinfer.layers.triton_ops import TRITON_OPS
+
+    g = _gen()
+    parent = torch.nn.Module()
+    for name, n in zip(("wq_a", "wkv"), rows):
+        lin = Fp8Linear(k, n, block, TRITON_OPS).cuda()
+        lin.weight.data, lin.weight_scale.data = formats.quantize_fp8(
+            torch.randn(n, k, generator=g, device="cuda") * k ** -0.5, block)
+        setattr(parent, name, lin)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    want = torch.cat((parent.wq_a(x), parent.wkv(x)), dim=-1)
+    assert join_linears(parent, ("wq_a", "wkv"), "wq_a_kv") and parent.wq_a_kv.one_gemm
+    got = parent.wq_a_kv(x)
+    q_a, kv = parent.wq_a_kv.split(got)
+    assert q_a.shape == (m, rows[0]) and kv.shape == (m, rows[1])
+    ulp = torch.ldexp(torch.ones_like(want.float()), torch.frexp(want.float().abs().clamp_min(1e-30))[1] - 8)
+    assert bool(((got.float() - want.float()).abs() <= ulp).all()), "joined GEMM off by more than a bf16 ulp"
+    parent.wq_a_kv.ops = TORCH_OPS
+    assert _rel(got, parent.wq_a_kv(x)) < 1e-2
+    print(f"m={m}: {float((got == want).float().mean()):.4f} of the values bit-equal to the two GEMMs'")

@@ -5,6 +5,7 @@ engine with the logits of transformers' fp32 model on the dequantized copy of th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.layers.fp8_linear import Fp8Linear
+from openinfer.layers.fp8_linear import Fp8Linear, join_linears
 from openinfer.models.deepseek_v4.family import DEEPSEEK_V4_TINY_CONFIG
 from openinfer.models.deepseek_v4.loader import native_to_hf
 from openinfer.models.deepseek_v4.model import QuantizedExperts
@@ -250,7 +251,8 @@ def test_published_layout_is_what_deepseek_publishes(published):
                                  "layers.2.ffn.gate.bias")} == {"F32"}
     engine = engine_for(src)
     model = engine.runner.model
-    assert isinstance(model.layers[0].self_attn.q_a_proj, Fp8Linear)
+    assert isinstance(model.layers[0].self_attn.q_a_kv_proj, Fp8Linear)           # wq_a and wkv joined at load
+    assert model.layers[0].self_attn.q_a_kv_proj.parts == (32, 32)
     assert isinstance(model.layers[2].mlp.shared_experts.gate_up_proj, Fp8Linear)     # w1 and w3 stacked
     assert isinstance(model.layers[2].mlp.experts, QuantizedExperts)
     assert model.layers[2].mlp.experts.gate_up_proj.dtype == torch.uint8            # kept packed
@@ -331,8 +333,9 @@ def test_bf16_partial_and_fp8_expert_checkpoints_load(tmp_path, published):
                                                           tensors.pop("layers.0.attn.wq_a.scale"), 32).to(torch.bfloat16)
     save_file(tensors, str(shard))
     engine = engine_for(partial, quantize_activations=False)
-    assert not isinstance(engine.runner.model.layers[0].self_attn.q_a_proj, Fp8Linear)
-    assert isinstance(engine.runner.model.layers[1].self_attn.q_a_proj, Fp8Linear)
+    attn0, attn1 = engine.runner.model.layers[0].self_attn, engine.runner.model.layers[1].self_attn
+    assert not isinstance(attn0.q_a_proj, Fp8Linear) and isinstance(attn0.kv_proj, Fp8Linear)   # mixed: not joined
+    assert attn0.q_a_kv_proj is None and isinstance(attn1.q_a_kv_proj, Fp8Linear)
     torch.testing.assert_close(logits(engine), want, atol=1e-5, rtol=0)
     fp8_experts = write_published(tmp_path / "fp8experts",
                                   {k: v for k, v in TINY_PUBLISHED.items() if k != "expert_dtype"})
@@ -509,6 +512,84 @@ def test_ragged_fp8_tiles_load_and_equal_the_dequantized_weights(tmp_path):
     w8a16 = reference.weight_only_fp8_linear(reference.grouped_gemm)(x, lin.weight, lin.weight_scale, 32)
     torch.testing.assert_close(w8a16, x @ dequantize_fp8(lin.weight, lin.weight_scale, 32).T, rtol=1e-6, atol=1e-6)
     src = write_published(tmp_path / "ragged", {**TINY_PUBLISHED, "q_lora_rank": 48})   # wq_a: 48 rows, wq_b: 48 inputs
-    (o, lg), = run_recording(engine_for(src, quantize_activations=False), prompts_of(20),
-                             SamplingParams(max_tokens=2, **GREEDY))
+    engine = engine_for(src, quantize_activations=False)
+    attn = engine.runner.model.layers[0].self_attn
+    assert attn.q_a_kv_proj is None and isinstance(attn.q_a_proj, Fp8Linear)    # wq_a's 48 rows: not joined
+    (o, lg), = run_recording(engine, prompts_of(20), SamplingParams(max_tokens=2, **GREEDY))
     assert lg.isfinite().all()
+
+
+def _fp8_linears(g, k: int, rows: tuple[int, ...], block: int) -> torch.nn.Module:
+    parent = torch.nn.Module()
+    for i, n in enumerate(rows):
+        lin = Fp8Linear(k, n, block)
+        lin.weight.data, lin.weight_scale.data = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, block)
+        setattr(parent, f"p{i}", lin)
+    return parent
+
+
+@pytest.mark.parametrize("rows, block, joined", [((128, 64), 64, True),      # V4-Flash's wq_a + wkv, scaled down
+                                                 ((64, 40), 32, True),       # the last part ragged: still one GEMM
+                                                 ((48, 32), 32, False)])     # a ragged first part: not joined
+def test_joined_fp8_projections_equal_the_separate_ones(rows, block, joined):
+    """join_linears stacks FP8 linears that read one input (the attention's wq_a and wkv) into one Fp8Linear whose
+    scale rows are the parts' own: its output is the separate outputs side by side, bit for bit, in both activation
+    modes. A part before the last that is not whole tiles would put rows under another part's scale tile: refused
+    (the linears stay), and an Fp8Linear stacking such parts runs one GEMM per part, equal too."""
+    g = torch.Generator().manual_seed(sum(rows))
+    k = 96
+    parent = _fp8_linears(g, k, rows, block)
+    parts = [getattr(parent, f"p{i}") for i in range(len(rows))]
+    x = torch.randn(7, k, generator=g)
+    assert join_linears(parent, tuple(f"p{i}" for i in range(len(rows))), "both") == joined
+    if joined:
+        both = parent.both
+        assert not hasattr(parent, "p0") and both.parts == rows and both.one_gemm
+        assert both.weight_scale.shape[0] == sum(-(-n // block) for n in rows)
+    else:
+        assert parent.p0 is parts[0] and not hasattr(parent, "both")
+        both = Fp8Linear(k, sum(rows), block, parts=rows)          # stacked anyway: one GEMM per ragged part
+        both.weight.data = torch.cat([p.weight for p in parts])
+        both.weight_scale.data = torch.cat([p.weight_scale for p in parts])
+        assert not both.one_gemm
+    weight_only = reference.weight_only_fp8_linear(reference.grouped_gemm)
+    for fp8_linear in (reference.fp8_linear, weight_only):          # W8A8 (per-token activation scales), W8A16
+        for m in (*parts, both):
+            m.ops = dataclasses.replace(m.ops, fp8_linear=fp8_linear)
+        want = [p(x) for p in parts]
+        got = both(x)
+        assert torch.equal(got, torch.cat(want, dim=-1))
+        assert all(torch.equal(a, b) for a, b in zip(both.split(got), want))
+
+
+def test_linears_stored_differently_are_not_joined():
+    g = torch.Generator().manual_seed(0)
+    parent = _fp8_linears(g, 64, (32,), 32)
+    parent.p1 = torch.nn.Linear(64, 32, bias=False)                 # bf16 wq_a beside an FP8 wkv: two GEMMs
+    assert not join_linears(parent, ("p0", "p1"), "both")
+    parent.p0 = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    assert not join_linears(parent, ("p0", "p1"), "both")            # two dtypes
+    parent.p0 = torch.nn.Linear(64, 16, bias=False)
+    x = torch.randn(3, 64, generator=g)
+    want = torch.cat((parent.p0(x), parent.p1(x)), -1)
+    assert join_linears(parent, ("p0", "p1"), "both") and parent.both.parts == (16, 32)
+    torch.testing.assert_close(parent.both(x), want, rtol=0, atol=0)
+
+
+def test_joined_q_a_kv_gives_the_unjoined_outputs(published, monkeypatch):
+    """The tiny V4 in the published formats with wq_a and wkv joined at load (one FP8 GEMM per layer) gives the
+    logits of the same checkpoint loaded unjoined, through prefill chunks and decode steps."""
+    from openinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    src, _ = published
+    prompts = prompts_of(40, 9)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    joined = engine_for(src)
+    assert all(layer.self_attn.q_a_kv_proj is not None for layer in joined.runner.model.layers)
+    got = run_recording(joined, prompts, params, budgets=(3, 40))
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "join_projections", lambda self: [])
+    separate = engine_for(src)
+    assert separate.runner.model.layers[0].self_attn.q_a_kv_proj is None
+    want = run_recording(separate, prompts, params, budgets=(3, 40))
+    for (o, lg), (o_r, lg_r) in zip(got, want):
+        assert o.outputs[0].token_ids == o_r.outputs[0].token_ids
+        assert torch.equal(lg, lg_r)

@@ -137,6 +137,23 @@ class LayerOps:
 TORCH_OPS = LayerOps(torch_rms_norm, torch_add_rms_norm, torch_silu_mul, torch_rotary, torch_hc_weights)
 
 
+class StackedLinear(nn.Linear):
+    """A bias-free linear whose rows stack checkpoint matrices of `parts` rows each, in order, that read the same
+    input: one GEMM where the checkpoint has several (the models' loaders fill and split it part by part). `split`
+    cuts its output into the parts' columns (views)."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], **factory):
+        super().__init__(in_features, sum(parts), bias=False, **factory)
+        self.parts = tuple(parts)
+
+    def part_rows(self, param: str) -> tuple[int, ...]:
+        """The rows each part holds of parameter `param` ("weight")."""
+        return self.parts
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.parts, dim=-1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS):
         super().__init__()

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from openinfer.layers.basic import TORCH_OPS, LayerOps
+from openinfer.layers.basic import TORCH_OPS, LayerOps, StackedLinear
 from openinfer.quantization.formats import MXFP4_GROUP, fp8_scale_shape, mxfp4_scale_shape
 
 
@@ -31,30 +31,42 @@ def stored_parameters(shape: tuple[int, ...], fmt: str, block: int) -> tuple[nn.
 
 class Fp8Linear(nn.Module):
     """y = x W^T with W stored FP8 E4M3 plus one E8M0 scale per block x block tile (no bias: DeepSeek's
-    projections have none). `parts`: W stacks that many checkpoint matrices of equal rows (a model's stacked
-    gate/up), each with its own scale tiles: the scale rows are the parts' scale rows in order. Parts of whole
-    tiles are one GEMM; parts narrower than a tile (tiny test configs) are one GEMM each."""
+    projections have none). `parts`: the rows of the checkpoint matrices W stacks (a model's `StackedLinear`: its
+    gate/up, its query down-projection and KV projection), each with its own scale tiles: the scale rows are the
+    parts' scale rows in order (`part_rows`). Where every part but the last is whole tiles, a weight row's tile is
+    still row // block: one GEMM; otherwise (parts narrower than a tile, tiny test configs) one GEMM per part."""
 
-    def __init__(self, in_features: int, out_features: int, block: int, ops: LayerOps = TORCH_OPS, parts: int = 1):
+    def __init__(self, in_features: int, out_features: int, block: int, ops: LayerOps = TORCH_OPS,
+                 parts: tuple[int, ...] | None = None):
         super().__init__()
-        if out_features % parts:
-            raise ValueError(f"an FP8 linear stacking {parts} parts needs equal parts; {out_features} rows")
+        parts = tuple(parts) if parts else (out_features,)
+        if sum(parts) != out_features or min(parts) <= 0:
+            raise ValueError(f"an FP8 linear of {out_features} rows cannot stack parts of {parts} rows")
         self.in_features, self.out_features, self.block, self.ops = in_features, out_features, block, ops
         self.parts = parts
         self.weight = stored_parameters((out_features, in_features), "fp8", block)[0]
-        scale = stored_parameters((parts, out_features // parts, in_features), "fp8", block)[1]
-        self.weight_scale = nn.Parameter(scale.data.flatten(0, 1), requires_grad=False)
+        scales = [stored_parameters((rows, in_features), "fp8", block)[1].data for rows in parts]
+        self.weight_scale = nn.Parameter(torch.cat(scales) if len(scales) > 1 else scales[0], requires_grad=False)
+        self.one_gemm = all(rows % block == 0 for rows in parts[:-1])
+
+    def part_rows(self, param: str) -> tuple[int, ...]:
+        """The rows each part holds of parameter `param` ("weight" or "weight_scale")."""
+        return self.parts if param == "weight" else tuple(-(-rows // self.block) for rows in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        rows = self.out_features // self.parts
-        if rows % self.block == 0:
+        if self.one_gemm:
             y = self.ops.fp8_linear(x, self.weight, self.weight_scale, self.block)
         else:                   # each part's rows with its own (ragged) scale tiles
             y = torch.cat([self.ops.fp8_linear(x, w, s, self.block) for w, s in
-                           zip(self.weight.chunk(self.parts), self.weight_scale.chunk(self.parts))], dim=-1)
+                           zip(self.weight.split(self.parts), self.weight_scale.split(self.part_rows("weight_scale")))],
+                          dim=-1)
         return y.view(*shape[:-1], self.out_features)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' columns of an output (views), as `StackedLinear.split`."""
+        return y.split(self.parts, dim=-1)
 
     def forward_groups(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use (DeepSeek-V4's grouped output projection `wo_a`): x [T, g, K]; group i
@@ -85,12 +97,43 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
 
 
-def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1, parts: int = 1) -> Fp8Linear:
-    """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time);
-    `parts`: `linear` stacks that many checkpoint matrices (Fp8Linear's parts)."""
+def to_fp8_linear(linear: nn.Linear, block: int, ops: LayerOps, groups: int = 1) -> Fp8Linear:
+    """The Fp8Linear that takes `linear`'s place (built on whatever device `linear` is: meta at load time), with
+    the parts of a `StackedLinear`."""
     if linear.bias is not None:
         raise ValueError("FP8 block-scaled linears have no bias")
     if linear.out_features % groups:
         raise ValueError(f"a grouped FP8 projection needs equal groups; {linear.out_features} rows in {groups} groups")
     with torch.device(linear.weight.device):
-        return Fp8Linear(linear.in_features, linear.out_features, block, ops, parts)
+        return Fp8Linear(linear.in_features, linear.out_features, block, ops,
+                         linear.parts if isinstance(linear, StackedLinear) else None)
+
+
+def join_linears(parent: nn.Module, names: tuple[str, ...], joined: str) -> bool:
+    """Replace `parent`'s bias-free linears `names`, which read the same input, by one linear `joined` stacking their
+    rows in order (a `StackedLinear`, or an `Fp8Linear` with those parts): one GEMM where there were len(names).
+    Only where they are stored alike: all nn.Linear of one dtype, or all single-part Fp8Linear of one block whose
+    rows, but the last one's, are whole tiles (a weight row's scale tile then stays row // block, so the stacked
+    weight is one GEMM). Otherwise (formats mixed, ragged FP8 tiles) they stay as they are and it returns False. At
+    load, on the meta device, nothing is copied; materialized weights (and scales) are copied in row order."""
+    mods = [getattr(parent, n) for n in names]
+    rows = tuple(m.out_features for m in mods)
+    first = mods[0]
+    if len({m.in_features for m in mods}) != 1:
+        return False
+    if all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == first.weight.dtype for m in mods):
+        new = StackedLinear(first.in_features, rows, device=first.weight.device, dtype=first.weight.dtype)
+    elif (all(type(m) is Fp8Linear and len(m.parts) == 1 and m.block == first.block and m.ops is first.ops
+              for m in mods) and all(r % first.block == 0 for r in rows[:-1])):
+        with torch.device(first.weight.device):
+            new = Fp8Linear(first.in_features, sum(rows), first.block, first.ops, rows)
+    else:
+        return False
+    if first.weight.device.type != "meta":
+        with torch.no_grad():
+            for name, p in new.named_parameters():
+                p.copy_(torch.cat([getattr(m, name) for m in mods]))
+    for n in names:
+        delattr(parent, n)
+    setattr(parent, joined, new)
+    return True

@@ -1,13 +1,14 @@
-"""DeepSeek-V4/V4.1 manifold-constrained hyper-connections (mHC) in three Triton kernels per sublayer.
+"""DeepSeek-V4/V4.1 manifold-constrained hyper-connections (mHC) in two Triton kernels per sublayer.
 
 The torch path (the models' `HyperConnection` / `Block` code, the reference and the CPU path) spends ~15 small
 kernels on each sublayer's mHC: casts, the unweighted RMS norm of the flattened streams, the mixes' linear, the
 Sinkhorn weights, the collapse, and the merge. Here:
 
-- `hc_pre` = two launches: `_hc_mix_partials_kernel` (the [T, n*H] x [n*H, (2+n)*n] product and the sum of squares,
-  split over K so a decode step's handful of rows still spreads the 1.5-2 MB of `fn` over every SM) and
-  `_hc_pre_kernel` (sum the splits, normalize, sigmoids, softmax and every Sinkhorn iteration, then the collapse of
-  the streams into the sublayer input: by this pre, or by the lagged pre V4.1 passes in);
+- `hc_pre` = one launch of `_hc_pre_kernel`: the [T, n*H] x [n*H, (2+n)*n] product and the sum of squares, split
+  over K so a decode step's handful of rows still spreads the 1.5-2 MB of `fn` over every SM; the last split of a
+  token block to store its partials (an arrival count per block) then sums the splits, normalizes, takes the
+  sigmoids, softmax and every Sinkhorn iteration, and collapses the streams into the sublayer input (by this pre, or
+  by the lagged pre V4.1 passes in) for each of the block's tokens (`hc_head`, V4's final collapse: the same kernel);
 - `hc_post` = one launch: post * sublayer output + comb^T @ streams.
 
 Float32 math throughout, as the references. Two roundings are offered for the merge: V4's torch path (transformers'
@@ -20,6 +21,8 @@ per model width, whatever the batch: openinfer/engine/compile_watch.py). Tests: 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +31,12 @@ from openinfer.quantization.triton_kernels import num_sms
 
 BLOCK_T, BLOCK_K = 32, 64          # the mixes' product: tokens x K per tile
 MAX_SPLITS = 128                   # K splits of one token block (summed by `_hc_pre_kernel` in one load)
-BLOCK_H = 512                      # hidden columns per program of the collapse and the merge
+BLOCK_H = 512                      # hidden columns per program of the merge
+BLOCK_HC = 2048                    # hidden columns per step of a token's collapse
+# up to this many rows (a decode step of a batch of 1 or 2) hc_pre / hc_head take one launch, whose last K split
+# finishes the rows one after another; past it two, the second spreading the finish over T x hidden-split programs
+# (the serial finish of a 32-row block would cost more than the launch it saves: an estimate, to be measured)
+ONE_LAUNCH_MAX_T = 2
 
 
 @triton.jit
@@ -59,13 +67,12 @@ def sinkhorn(w, iters, eps, ROW: tl.constexpr, COL: tl.constexpr):
     return comb
 
 
-@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps"])
-def _hc_mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_x, stride_ps,
-                            MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (token block, K split): x [T, K] (the flattened streams) times fn [MIX, K]^T over the split's K range,
-    float32 (IEEE products, not TF32), and the split's sum of squares in column MIX: part[split, t, :MIX + 1]."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    split = tl.program_id(1)
+@triton.jit
+def _mix_partial(x_ptr, fn_ptr, part_ptr, blk, split, T, K, k_per_split, stride_x, stride_ps, MIX: tl.constexpr,
+                 MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Token block `blk`, K split `split`: x [T, K] (the flattened streams) times fn [MIX, K]^T over the split's K
+    range, float32 (IEEE products, not TF32), and the split's sum of squares in column MIX: part[split, t, :MIX + 1]."""
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, MIXP)
     rmask = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -84,47 +91,92 @@ def _hc_mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_x
     tl.store(part_ptr + split * stride_ps + rows[:, None] * MIXP + cols[None, :], acc, mask=rmask[:, None])
 
 
-@triton.jit(do_not_specialize=["S", "stride_ps", "h_per_split"])
-def _hc_pre_kernel(part_ptr, S, stride_ps, x_ptr, stride_xt, lag_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                   y_ptr, stride_y, H, h_per_split, inv_k, iters, eps, norm_eps,
-                   N: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_H: tl.constexpr, HEAD: tl.constexpr, LAGGED: tl.constexpr):
-    """Program (token t, hidden split): the mixes of token t from the K splits' partials, normalized by the RMS of
-    the flattened streams; pre (+ post and the Sinkhorn comb unless HEAD, stored by split 0); then the split's
-    columns of sum_i w_i * streams[t, i] with w = pre, or the lagged pre given (LAGGED)."""
-    t = tl.program_id(0)
-    hsplit = tl.program_id(1)
+@triton.jit
+def _hc_token(part_ptr, S, stride_ps, t, h_lo, h_hi, store, x_ptr, stride_xt, H, lag_ptr, base_ptr, scale_ptr, pre_ptr,
+              post_ptr, comb_ptr, y_ptr, stride_y, inv_k, iters, eps, norm_eps, N: tl.constexpr, MIX: tl.constexpr,
+              MIXP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr,
+              LAGGED: tl.constexpr):
+    """Token t once its S K-splits' partials are stored (read past L1: other programs may have written them): its
+    mixes, normalized by the RMS of the flattened streams; pre (+ post and the Sinkhorn comb unless HEAD, stored
+    where `store`); then the hidden columns [h_lo, h_hi) of sum_i w_i * streams[t, i] with w = pre, or the lagged
+    pre given (LAGGED)."""
     s = tl.arange(0, BLOCK_S)[:, None]
     part = part_ptr + s * stride_ps + t * MIXP
     smask = s < S
     c = tl.arange(0, N)
-    squares = tl.sum(tl.load(part + MIX, mask=smask, other=0.0), axis=0)                     # [1]
+    squares = tl.sum(tl.load(part + MIX, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)          # [1]
     rs = 1.0 / tl.sqrt(squares * inv_k + norm_eps)
-    pre_w = tl.sum(tl.load(part + c[None, :], mask=smask, other=0.0), axis=0) * rs
+    pre_w = tl.sum(tl.load(part + c[None, :], mask=smask, other=0.0, cache_modifier=".cg"), axis=0) * rs
     pre = tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + c)) + eps
     if not HEAD:
-        first = (c * 0 + hsplit) == 0                      # split 0 stores the weights
-        post_w = tl.sum(tl.load(part + N + c[None, :], mask=smask, other=0.0), axis=0) * rs
+        post_w = tl.sum(tl.load(part + N + c[None, :], mask=smask, other=0.0, cache_modifier=".cg"), axis=0) * rs
         post = 2 * tl.sigmoid(post_w * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + c))
         cc = tl.arange(0, N * N)
-        comb_w = tl.sum(tl.load(part + 2 * N + cc[None, :], mask=smask, other=0.0), axis=0) * rs
+        comb_w = tl.sum(tl.load(part + 2 * N + cc[None, :], mask=smask, other=0.0, cache_modifier=".cg"),
+                        axis=0) * rs
         comb_w = comb_w * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cc)
         comb = tl.reshape(sinkhorn(tl.reshape(comb_w, (N, N)), iters, eps, 1, 0), (N * N,))
-        tl.store(pre_ptr + t * N + c, pre, mask=first)
-        tl.store(post_ptr + t * N + c, post, mask=first)
-        tl.store(comb_ptr + t * (N * N) + cc, comb, mask=(cc * 0 + hsplit) == 0)
+        tl.store(pre_ptr + t * N + c, pre, mask=(c * 0 + store) != 0)
+        tl.store(post_ptr + t * N + c, post, mask=(c * 0 + store) != 0)
+        tl.store(comb_ptr + t * (N * N) + cc, comb, mask=(cc * 0 + store) != 0)
     if LAGGED:
         pre = tl.load(lag_ptr + t * N + c).to(tl.float32)
-    x_row = x_ptr + t.to(tl.int64) * stride_xt
-    y_row = y_ptr + t.to(tl.int64) * stride_y
-    h_lo = hsplit * h_per_split
-    h_hi = tl.minimum(h_lo + h_per_split, H)
+    t64 = tl.cast(t, tl.int64)
+    x_row = x_ptr + t64 * stride_xt
+    y_row = y_ptr + t64 * stride_y
     for h0 in range(h_lo, h_hi, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hmask = h < h_hi
-        x = tl.load(x_row + c[:, None] * H + h[None, :], mask=hmask[None, :], other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * x, axis=0)
+        x = tl.load(x_row + c[:, None] * H + h[None, :], mask=hmask[None, :], other=0.0)
+        y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
         tl.store(y_row + h, round_to(y, y_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "S"])
+def _hc_pre_kernel(x_ptr, fn_ptr, part_ptr, arrivals_ptr, T, K, k_per_split, stride_x, stride_ps, S, lag_ptr,
+                   base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, y_ptr, stride_y, H, inv_k, iters, eps, norm_eps,
+                   N: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr,
+                   LAGGED: tl.constexpr):
+    """mHC pre in one launch. Program (token block, K split) of S splits: the split's partials (`_mix_partial`);
+    the block's last program to store them (the S-th arrival counted in arrivals[token block], which it sets back
+    to 0 for the next launch) then finishes each of the block's tokens over every hidden column (`_hc_token`)."""
+    blk = tl.program_id(0)
+    _mix_partial(x_ptr, fn_ptr, part_ptr, blk, tl.program_id(1), T, K, k_per_split, stride_x, stride_ps, MIX, MIXP,
+                 BLOCK_T, BLOCK_K)
+    arrived = S
+    if S > 1:           # this program's partials all stored (bar.sync) before its arrival is released
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + blk, 1, sem="acq_rel", scope="gpu") + 1
+    if arrived == S:
+        if S > 1:
+            tl.atomic_xchg(arrivals_ptr + blk, 0, sem="relaxed", scope="gpu")
+        for t in range(blk * BLOCK_T, tl.minimum(blk * BLOCK_T + BLOCK_T, T)):
+            _hc_token(part_ptr, S, stride_ps, t, 0, H, 1, x_ptr, stride_x, H, lag_ptr, base_ptr, scale_ptr, pre_ptr,
+                      post_ptr, comb_ptr, y_ptr, stride_y, inv_k, iters, eps, norm_eps, N, MIX, MIXP, BLOCK_S,
+                      BLOCK_H, HEAD, LAGGED)
+
+
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps"])
+def _hc_mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_x, stride_ps,
+                            MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The two-launch pre's first: program (token block, K split) -> the split's partials (`_mix_partial`)."""
+    _mix_partial(x_ptr, fn_ptr, part_ptr, tl.program_id(0), tl.program_id(1), T, K, k_per_split, stride_x, stride_ps,
+                 MIX, MIXP, BLOCK_T, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["S", "stride_ps", "h_per_split"])
+def _hc_finish_kernel(part_ptr, S, stride_ps, x_ptr, stride_xt, lag_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                      comb_ptr, y_ptr, stride_y, H, h_per_split, inv_k, iters, eps, norm_eps,
+                      N: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_H: tl.constexpr, HEAD: tl.constexpr, LAGGED: tl.constexpr):
+    """The two-launch pre's second: program (token t, hidden split) -> `_hc_token` over the split's columns (the
+    weights recomputed by each split, stored by split 0)."""
+    hsplit = tl.program_id(1)
+    h_lo = hsplit * h_per_split
+    _hc_token(part_ptr, S, stride_ps, tl.program_id(0), h_lo, tl.minimum(h_lo + h_per_split, H),
+              (hsplit == 0).to(tl.int32), x_ptr, stride_xt, H, lag_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+              y_ptr, stride_y, inv_k, iters, eps, norm_eps, N, MIX, MIXP, BLOCK_S, BLOCK_H, HEAD, LAGGED)
 
 
 @triton.jit
@@ -164,36 +216,60 @@ def _check_streams(n: int) -> None:
                          f"attention_backend='torch'")
 
 
-def _mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Kernel A over streams [T, n, H] and fn [mix, n*H]: (partials [S, T, MIXP], S)."""
+@functools.lru_cache(maxsize=None)
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """`_hc_pre_kernel`'s arrival counts, one per token block of a launch that splits K (at most one per SM: the
+    split rule), zero between launches (each block's last arrival sets its count back). The kernel's own workspace,
+    made once per device at the first (eager) call, as `num_sms` is looked up once; launches on a device run in
+    stream order, so every layer's calls share it as they share the SMs."""
+    return torch.zeros(num_sms(device), dtype=torch.int32, device=device)
+
+
+def _hc_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+               eps: float, norm_eps: float, lagged: torch.Tensor | None, pre, post, comb, y, head: bool,
+               one_launch: bool) -> None:
+    """mHC pre (or `head`) over streams [T, n, H] (T > 0) and fn [mix, n*H]: K split until the token blocks and their
+    splits fill the GPU twice over (a decode step's handful of rows still spreads the 1.5-2 MB of fn over every SM).
+    `one_launch`: `_hc_pre_kernel`, whose last split of a block finishes the block's tokens one after another (over
+    the whole width, a few BLOCK_H steps); else the partials' launch and a second launch of T x hidden-split programs
+    (`_hc_finish_kernel`), which spreads the finish over the GPU."""
     T, n, H = streams.shape
     _check_streams(n)
     K, mix = n * H, fn.shape[0]
     mixp = max(16, triton.next_power_of_2(mix + 1))
     token_blocks = triton.cdiv(T, BLOCK_T)
     k_blocks = triton.cdiv(K, BLOCK_K)
-    splits = max(1, min(MAX_SPLITS, k_blocks, 2 * num_sms(streams.device) // token_blocks))
+    sms = num_sms(streams.device)
+    splits = max(1, min(MAX_SPLITS, k_blocks, 2 * sms // token_blocks))
     k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
     splits = triton.cdiv(K, k_per_split)
     part = torch.empty(splits, T, mixp, dtype=torch.float32, device=streams.device)
+    lag = lagged if lagged is not None else y
+    if one_launch:
+        arrivals = _arrivals(streams.device)
+        assert splits == 1 or token_blocks <= arrivals.numel()      # (splits > 1 only where token_blocks <= sms)
+        _hc_pre_kernel[(token_blocks, splits)](
+            streams, fn, part, arrivals, T, K, k_per_split, streams.stride(0), part.stride(0), splits, lag, base,
+            scale, pre, post, comb, y, y.stride(0), H, 1.0 / K, iters, eps, norm_eps, N=n, MIX=mix, MIXP=mixp,
+            BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_HC, HEAD=head, LAGGED=lagged is not None)
+        return
     _hc_mix_partials_kernel[(token_blocks, splits)](streams, fn, part, T, K, k_per_split, streams.stride(0),
                                                    part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=BLOCK_T,
                                                    BLOCK_K=BLOCK_K)
-    return part, splits
-
-
-def _h_splits(T: int, H: int, device: torch.device) -> int:
-    """Hidden splits of the collapse: enough programs to fill the GPU at small T, one per token at large T (each
-    split recomputes the token's Sinkhorn weights)."""
-    blocks = triton.cdiv(H, BLOCK_H)
-    return max(1, min(blocks, triton.cdiv(2 * num_sms(device), T)))
+    h_splits = max(1, min(triton.cdiv(H, BLOCK_HC), triton.cdiv(2 * sms, T)))   # one per token at large T
+    h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_HC) * BLOCK_HC
+    _hc_finish_kernel[(T, triton.cdiv(H, h_per_split))](
+        part, splits, part.stride(0), streams, streams.stride(0), lag, base, scale, pre, post, comb, y, y.stride(0),
+        H, h_per_split, 1.0 / K, iters, eps, norm_eps, N=n, MIX=mix, MIXP=mixp, BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_HC,
+        HEAD=head, LAGGED=lagged is not None)
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
            norm_eps: float, lagged: torch.Tensor | None = None):
-    """mHC before a sublayer: streams [T, n, H] -> (pre [T, n], post [T, n], comb [T, n, n] float32, the sublayer
-    input [T, H] in the streams' dtype) = the streams collapsed by `pre`, or by `lagged` [T, n] when given (V4.1
-    collapses a sublayer's streams by the previous sublayer's pre). fn [(2+n)*n, n*H], base [(2+n)*n], scale [3]."""
+    """mHC before a sublayer, in one launch: streams [T, n, H] -> (pre [T, n], post [T, n], comb [T, n, n] float32,
+    the sublayer input [T, H] in the streams' dtype) = the streams collapsed by `pre`, or by `lagged` [T, n] when
+    given (V4.1 collapses a sublayer's streams by the previous sublayer's pre). fn [(2+n)*n, n*H], base [(2+n)*n],
+    scale [3]."""
     streams = streams.contiguous()
     T, n, H = streams.shape
     dev = streams.device
@@ -201,35 +277,22 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post = torch.empty_like(pre)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     y = torch.empty(T, H, dtype=streams.dtype, device=dev)
-    if T == 0:
-        return pre, post, comb, y
-    part, splits = _mix_partials(streams, fn)
-    h_splits = _h_splits(T, H, dev)
-    h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_H) * BLOCK_H
-    lag = lagged.contiguous() if lagged is not None else pre
-    _hc_pre_kernel[(T, triton.cdiv(H, h_per_split))](
-        part, splits, part.stride(0), streams, streams.stride(0), lag, base, scale, pre, post, comb, y, y.stride(0),
-        H, h_per_split, 1.0 / (n * H), iters, eps, norm_eps, N=n, MIX=fn.shape[0], MIXP=part.shape[2],
-        BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_H, HEAD=False, LAGGED=lagged is not None)
+    if T:
+        _hc_launch(streams, fn, base, scale, iters, eps, norm_eps, None if lagged is None else lagged.contiguous(),
+                   pre, post, comb, y, head=False, one_launch=T <= ONE_LAUNCH_MAX_T)
     return pre, post, comb, y
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
-    """V4's final collapse (`HyperHead`): streams [T, n, H] -> [T, H], by pre = sigmoid(mixes * scale + base) + eps
-    with fn [n, n*H], base [n], scale [1]."""
+    """V4's final collapse (`HyperHead`), in one launch: streams [T, n, H] -> [T, H], by pre = sigmoid(mixes * scale
+    + base) + eps with fn [n, n*H], base [n], scale [1]."""
     streams = streams.contiguous()
     T, n, H = streams.shape
     y = torch.empty(T, H, dtype=streams.dtype, device=streams.device)
-    if T == 0:
-        return y
-    part, splits = _mix_partials(streams, fn)
-    h_splits = _h_splits(T, H, streams.device)
-    h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_H) * BLOCK_H
-    _hc_pre_kernel[(T, triton.cdiv(H, h_per_split))](
-        part, splits, part.stride(0), streams, streams.stride(0), y, base, scale, y, y, y, y, y.stride(0),
-        H, h_per_split, 1.0 / (n * H), 0, eps, norm_eps, N=n, MIX=n, MIXP=part.shape[2], BLOCK_S=MAX_SPLITS,
-        BLOCK_H=BLOCK_H, HEAD=True, LAGGED=False)
+    if T:
+        _hc_launch(streams, fn, base, scale, 0, eps, norm_eps, None, y, y, y, y, head=True,
+                   one_launch=T <= ONE_LAUNCH_MAX_T)
     return y
 
 

@@ -79,9 +79,10 @@ class DeepseekV4Family(ModelFamily):
             formats = published_formats(net, scheme)
         else:
             headers = read_headers(model.path)
-            formats, scale_names = _stored_quantization(headers, scheme)
+            formats, scale_names = _stored_quantization(headers, scheme, dict(net.named_parameters()))
         if formats:
             net.quantize(formats, scheme.block)
+        net.join_projections()          # q_a_proj and kv_proj in one GEMM where stored alike
         if not dummy:
             load_weights(net, ((scale_names.get(t.name, t.name), t.meta()) for t in headers.values()), dry_run=True)
 
@@ -112,16 +113,18 @@ class DeepseekV4Family(ModelFamily):
         write_tiny(tiny.config, out, tiny.seed)
 
 
-def _stored_quantization(headers: dict, scheme: QuantScheme | None) -> tuple[dict[str, str], dict[str, str]]:
-    """(our module -> "fp8" | "mxfp4" for every module stored quantized, a stored scale's name -> the loader's
-    canonical one `<weight>_scale`), checked: one format per module."""
+def _stored_quantization(headers: dict, scheme: QuantScheme | None,
+                         params=None) -> tuple[dict[str, str], dict[str, str]]:
+    """(our module -> "fp8" | "mxfp4" for every module stored quantized, of a model with parameters `params` (as
+    constructed: not yet joined), a stored scale's name -> the loader's canonical one `<weight>_scale`), checked: one
+    format per module."""
     from openinfer.models.deepseek_v4.loader import native_to_hf, stacked_part
 
     pairs = pair_quantized(headers, scheme, is_expert=lambda n: native_to_hf(n)[1] is not None)
     formats = {}
     for name, q in pairs.items():
         ours = native_to_hf(name)[0]
-        module = (stacked_part(ours) or (ours,))[0].rsplit(".", 1)[0]     # a stacked matrix: the stacking module
+        module = (stacked_part(ours, params) or (ours,))[0].rsplit(".", 1)[0]   # a stacked matrix: the stacking one
         if formats.setdefault(module, q.fmt) != q.fmt:
             raise ValueError(f"{module} mixes {formats[module]} and {q.fmt} weights ({name!r})")
     return formats, {q.scale.name: q.weight.name + "_scale" for q in pairs.values()}

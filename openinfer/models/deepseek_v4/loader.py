@@ -33,12 +33,12 @@ def load_weights(model: DeepseekV4ForCausalLM, weights: Iterable[tuple[str, torc
         local_slots = checkpoint_slots(model.expert_placement, model.parallel.ep_rank)
         local_logical = model.expert_placement.local_logical(model.parallel.ep_rank)[0]
     loaded = set()
-    weights = (part for name, tensor in weights for part in unstacked(name, tensor))   # (a state_dict of ours)
+    weights = (part for name, tensor in weights for part in unstacked(name, tensor, model))   # (a state_dict of ours)
     for name, tensor in weights:
         name, part = native_to_hf(name)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        stacked = stacked_part(name)
+        stacked = stacked_part(name, params)
         if stacked is not None:
             name = stacked[0]
         if name not in params:
@@ -47,9 +47,9 @@ def load_weights(model: DeepseekV4ForCausalLM, weights: Iterable[tuple[str, torc
         key = name
         dsts = [dst]
         if stacked is not None:         # one matrix (or its scale) of a parameter stacking several along its rows
-            _, i, count = stacked
-            rows = dst.shape[0] // count
-            dsts = [dst[i * rows:(i + 1) * rows]]
+            i = stacked[1]
+            rows = _part_rows(model, name)
+            dsts = [dst[sum(rows[:i]):sum(rows[:i + 1])]]
             key = f"{name}#{i}"
         if (part is None and local_slots is not None and ".experts." in name and tensor.dim() == 3
                 and tensor.shape[0] == n_experts):   # stacked experts (transformers' layout): this rank's
@@ -186,9 +186,12 @@ def native_to_hf(name: str) -> tuple[str, tuple[int, str] | None]:
 
 
 # our parameters that stack checkpoint matrices along their rows (one GEMM where the checkpoint has two): the owning
-# module's name pattern, the stacked linear's name and its parts' (transformers' names, which `native_to_hf` gives)
+# module's name pattern, the stacked linear's name and its parts' (transformers' names, which `native_to_hf` gives).
+# The attention's q_a_kv_proj exists only where `join_projections` joined its parts at load (else they load as
+# themselves).
 _STACKED = [(r".*\.shared_experts", "gate_up_proj", ("gate_proj", "up_proj")),
-            (r".*\.compressor(?:\.indexer)?", "kv_gate_proj", ("kv_proj", "gate_proj"))]
+            (r".*\.compressor(?:\.indexer)?", "kv_gate_proj", ("kv_proj", "gate_proj")),
+            (r".*\.self_attn", "q_a_kv_proj", ("q_a_proj", "kv_proj"))]
 _STACKED_RE = [(re.compile(rf"^({stem})\.{stacked}\.(weight(?:_scale)?)$"),
                 re.compile(rf"^({stem})\.({'|'.join(parts)})\.(weight(?:_scale)?)$"), stacked, parts)
                for stem, stacked, parts in _STACKED]
@@ -197,7 +200,7 @@ _STACKED_RE = [(re.compile(rf"^({stem})\.{stacked}\.(weight(?:_scale)?)$"),
 def stacked_parts(name: str) -> list[str]:
     """The checkpoint matrices (transformers' names) that our parameter `name` stacks along its rows, in row order;
     [] when it stacks none (`SharedExpert.gate_up_proj.weight`: the gate_proj and up_proj weights;
-    `Compressor.kv_gate_proj.weight`: kv_proj and gate_proj)."""
+    `Compressor.kv_gate_proj.weight`: kv_proj and gate_proj; a joined `q_a_kv_proj.weight`: q_a_proj and kv_proj)."""
     for whole, _, _, parts in _STACKED_RE:
         m = whole.match(name)
         if m:
@@ -205,23 +208,38 @@ def stacked_parts(name: str) -> list[str]:
     return []
 
 
-def stacked_part(name: str) -> tuple[str, int, int] | None:
+def stacked_part(name: str, params=None) -> tuple[str, int, int] | None:
     """A checkpoint matrix (transformers' name) that one of our parameters stacks -> (that parameter, the matrix's
-    index among its parts, the number of parts); None for any other name."""
+    index among its parts, the number of parts); None for any other name, and (with `params`, a model's parameter
+    names) where the model has no such parameter (q_a_proj and kv_proj not joined)."""
     for _, part, stacked, parts in _STACKED_RE:
         m = part.match(name)
         if m:
-            return f"{m.group(1)}.{stacked}.{m.group(3)}", parts.index(m.group(2)), len(parts)
+            whole = f"{m.group(1)}.{stacked}.{m.group(3)}"
+            if params is not None and whole not in params:
+                return None
+            return whole, parts.index(m.group(2)), len(parts)
     return None
 
 
-def unstacked(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _part_rows(model: torch.nn.Module, name: str) -> tuple[int, ...]:
+    """The rows of each part of our stacked parameter `name` (its module's `part_rows`: StackedLinear, Fp8Linear)."""
+    module_name, _, param = name.rpartition(".")
+    return model.get_submodule(module_name).part_rows(param)
+
+
+def unstacked(name: str, tensor: torch.Tensor, model: torch.nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
     """One of our tensors as the checkpoint matrices it holds (transformers' names): a stacked one split along its
-    rows, any other as itself."""
+    rows in the proportions of `model`'s parts (the tensor may be a whole one, `model` a tensor-parallel shard;
+    without a model in equal parts, as constructed), any other as itself."""
     parts = stacked_parts(name)
     if not parts:
         return [(name, tensor)]
-    return list(zip(parts, tensor.chunk(len(parts))))
+    rows = _part_rows(model, name) if model is not None else (1,) * len(parts)
+    n = tensor.shape[0]
+    if any(n * r % sum(rows) for r in rows):
+        raise ValueError(f"{name!r}: {n} rows do not split into parts of {rows} rows' proportions")
+    return list(zip(parts, tensor.split([n * r // sum(rows) for r in rows])))
 
 
 # the inverse: our parameter name -> the upstream checkpoint's (for writing checkpoints in the published layout)

@@ -45,9 +45,9 @@ from openinfer.distributed.expert_parallel import (ExpertRouting, expert_paralle
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
-from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert
+from openinfer.layers.basic import TORCH_OPS, LayerOps, StackedLinear, sort_by_expert
 from openinfer.layers.sparse_attention import V4_SOFTMAX, attend_v4, prefill_batch, stack_picks
-from openinfer.layers.fp8_linear import stored_parameters, to_fp8_linear
+from openinfer.layers.fp8_linear import join_linears, stored_parameters, to_fp8_linear
 from openinfer.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.interface import ModelTraits
@@ -260,7 +260,7 @@ class Compressor(nn.Module):
         super().__init__()
         width = self.width_factor * dim
         # the checkpoint's kv_proj and gate_proj stacked at load (the loader's stacked parts): one GEMM for both
-        self.kv_gate_proj = nn.Linear(hidden, 2 * width, bias=False)
+        self.kv_gate_proj = StackedLinear(hidden, (width, width))
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
         self.dim, self.ratio, self.width, self.ops = dim, ratio, width, ops
@@ -534,6 +534,8 @@ class DeepseekV4Attention(nn.Module):
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        # q_a_proj and kv_proj (both read x) joined at load where stored alike (`join_projections`): one GEMM
+        self.q_a_kv_proj: nn.Module | None = None
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.o_a_proj = nn.Linear(cfg.num_attention_heads * self.head_dim // cfg.o_groups,
                                   self.o_groups * cfg.o_lora_rank, bias=False)
@@ -552,7 +554,8 @@ class DeepseekV4Attention(nn.Module):
         `meta` are the whole step's; the KV side (window ring, compressors, indexer keys) runs on every row as one
         process does, queries and their attention only on this rank's rows, whose outputs are returned."""
         at = RopeRows(rope, positions, x.dtype, self.ops)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q_a, kv_x = self.q_a_kv(x)
+        q_residual = self.q_a_norm(q_a)
         qx, q_at = x, at
         if cp is not None:
             mine = cp.local_index
@@ -561,7 +564,7 @@ class DeepseekV4Attention(nn.Module):
         q = q_at(self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
         codec = state.get("codec")
         stored = ring_in_glue(self.ops, meta, codec)    # the decode rows' window keys stored as they are made
-        kv = at(self.kv_proj(x), self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None,
+        kv = at(kv_x, self.kv_norm, ring=(state["swa"], meta.decode_state_slots) if stored else None,
                 ring_codec=codec)
         keys = kv if codec is None or not meta.prefills else codec.qdq(kv)    # prefill's own keys, as read back
         comp = self.compressor
@@ -605,6 +608,16 @@ class DeepseekV4Attention(nn.Module):
             self._prefill(q, out, kv, keys, positions, chunks, state)
         o = q_at(out, inverse=True).reshape(T, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
         return tp_all_reduce(self.o_b_proj(grouped_projection(self.o_a_proj, o).flatten(1)), self.parallel)
+
+    def q_a_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_a_proj(x), kv_proj(x)): one GEMM and two column views of it where the loader joined them."""
+        if self.q_a_kv_proj is not None:
+            return self.q_a_kv_proj.split(self.q_a_kv_proj(x))
+        return self.q_a_proj(x), self.kv_proj(x)
+
+    def join_projections(self) -> bool:
+        """Join q_a_proj and kv_proj into `q_a_kv_proj` (fp8_linear.join_linears: where they are stored alike)."""
+        return join_linears(self, ("q_a_proj", "kv_proj"), "q_a_kv_proj")
 
     def _decode(self, q, out, kv, positions, rows, index_rows, index_q, rope, state, meta, stored=False) -> None:
         """Decode rows (one token each): store their window keys in the ring (`stored`: `ops.v4_kv_ring` did) and
@@ -717,7 +730,7 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.gate_up_proj = StackedLinear(hidden, (inter, inter))
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.limit, self.ops = limit, ops
 
@@ -911,7 +924,7 @@ class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection: from the n residual streams, weights to collapse them into
     the block input (pre), to spread the block output back (post), and an n x n stream mix projected onto
     doubly-stochastic matrices by Sinkhorn iterations (comb). Float32 throughout, as the reference; the merge
-    in the model dtype, as transformers computes it. `ops.hc_pre` / `ops.hc_post`: the same in 2 + 1 kernels."""
+    in the model dtype, as transformers computes it. `ops.hc_pre` / `ops.hc_post`: the same in 1 + 1 kernels."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
@@ -943,7 +956,7 @@ class HyperConnection(nn.Module):
 
 
 class HyperHead(nn.Module):
-    """The final collapse of the n streams into one hidden vector (`ops.hc_head`: in two kernels)."""
+    """The final collapse of the n streams into one hidden vector (`ops.hc_head`: in one kernel)."""
 
     def __init__(self, cfg: DeepseekV4Config, ops: LayerOps = TORCH_OPS):
         super().__init__()
@@ -1174,6 +1187,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Logits of MTP head k for the token after `next_ids` (mtp_hidden, then mtp_head)."""
         return self.mtp_head(k, self.mtp_hidden(k, prev_hidden, next_ids, positions, caches, meta))
 
+    def join_projections(self) -> list[str]:
+        """At load, after `quantize` (on the meta model): every attention's q_a_proj and kv_proj joined into one
+        GEMM where the checkpoint stores them alike (the loader then fills `q_a_kv_proj` part by part). Returns the
+        attentions joined."""
+        return [n for n, m in list(self.named_modules()) if isinstance(m, DeepseekV4Attention) and m.join_projections()]
+
     def quantize(self, formats: dict[str, str], block: int) -> None:
         """Give the modules named in `formats` ("fp8" | "mxfp4") stored-format weights; called on the meta
         model before allocation, so memory is only ever taken in the published formats."""
@@ -1192,8 +1211,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError("the checkpoint stores lm_head quantized: not supported with "
                                  "tensor_parallel_size > 1 (the vocabulary-parallel head is bf16/float)")
             elif isinstance(module, nn.Linear) and fmt == "fp8":
-                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1,
-                                    parts=2 if child == "gate_up_proj" else 1)     # (SharedExpert's w1 and w3)
+                new = to_fp8_linear(module, block, self.ops, parent.o_groups if child == "o_a_proj" else 1)
             else:
                 raise ValueError(f"{name} cannot hold {fmt} weights")
             setattr(parent, child, new)

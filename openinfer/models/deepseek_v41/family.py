@@ -105,6 +105,7 @@ class DeepseekV41Family(ModelFamily):
         fp8, experts = published_modules(net, scheme) if dummy else stored_modules(headers, scheme)
         if fp8 or experts:
             net.quantize(fp8, scheme.block, experts)
+        net.join_projections()          # wq_a and wkv in one GEMM where stored alike
         if headers is not None:
             load_weights(net, ((n, t.meta()) for n, t in headers.items()), dry_run=True)
 

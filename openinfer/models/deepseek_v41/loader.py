@@ -26,6 +26,11 @@ _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
 # the shared expert's w1 / w3 (or their scales): the halves of our stacked `w13` (model.Expert), in that order
 _SHARED_PART = re.compile(r"^(.*\.shared_experts)\.(w1|w3)\.(weight|scale)$")
 _SHARED_STACK = re.compile(r"^(.*\.shared_experts)\.w13\.(weight|weight_scale)$")
+# an attention's wq_a / wkv (or their scales): the parts of its `wq_a_kv` where the model joined them at load
+# (`join_projections`; else they load as themselves)
+_JOINED_PART = re.compile(r"^(.*\.attn)\.(wq_a|wkv)\.(weight|scale)$")
+_JOINED_STACK = re.compile(r"^(.*\.attn)\.wq_a_kv\.(weight|weight_scale)$")
+_PART_INDEX = {"w1": 0, "w3": 1, "wq_a": 0, "wkv": 1}       # a part's place among its stacked linear's parts
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
 _SHARED_WITH_BACKBONE = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")     # DSpark stages' copies
 
@@ -166,14 +171,19 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
             shared.append((ckpt_name, tensor))
             continue
         name, part = checkpoint_to_param(ckpt_name)
+        m = _JOINED_PART.match(ckpt_name)
+        if m and f"{m.group(1)}.wq_a_kv.weight" in params:
+            name = f"{m.group(1)}.wq_a_kv.{'weight_scale' if m.group(3) == 'scale' else 'weight'}"
+            part = (None, m.group(2))
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__}")
         dsts = [params[name].data]
         key = name
-        if part is not None and part[0] is None:          # a half of the shared expert's w13 (w1 rows first)
-            w = part[1]
-            half = dsts[0].shape[0] // 2
-            dsts = [dsts[0][:half] if w == "w1" else dsts[0][half:]]
+        if part is not None and part[0] is None:    # a part of a stacked linear (the shared expert's w13, wq_a_kv)
+            w, i = part[1], _PART_INDEX[part[1]]
+            module_name, _, leaf = name.rpartition(".")
+            rows = model.get_submodule(module_name).part_rows(leaf)
+            dsts = [dsts[0][sum(rows[:i]):sum(rows[:i + 1])]]
             key = f"{name}#{w}"
         elif part is not None:
             e, w = part
@@ -208,6 +218,8 @@ def load_weights(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[str, tor
             expected |= {f"{n}#{e}.w2" for e in expected_experts(n, p)}
         elif _SHARED_STACK.match(n):
             expected |= {f"{n}#w1", f"{n}#w3"}
+        elif _JOINED_STACK.match(n):
+            expected |= {f"{n}#wq_a", f"{n}#wkv"}
         else:
             expected.add(n)
     missing = sorted(expected - loaded)

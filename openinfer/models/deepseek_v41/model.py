@@ -47,9 +47,9 @@ from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel
 from openinfer.distributed.parallel_state import ParallelContext
 from openinfer.kv_cache.spec import CacheSpec, PagedCacheSpec, RequestStateSpec
 from openinfer.layers.attention import AttentionMetadata
-from openinfer.layers.basic import TORCH_OPS, LayerOps, sort_by_expert, torch_hc_weights
+from openinfer.layers.basic import TORCH_OPS, LayerOps, StackedLinear, sort_by_expert, torch_hc_weights
 from openinfer.layers.engram import Engram, EngramLayout, NgramHasher
-from openinfer.layers.fp8_linear import to_fp8_linear
+from openinfer.layers.fp8_linear import join_linears, to_fp8_linear
 from openinfer.layers.index_topk import torch_index_topk
 from openinfer.layers.sparse_attention import V41_SOFTMAX, attend_v41, prefill_batch, stack_picks
 from openinfer.models.deepseek_v4.model import (Experts, InterleavedRope, QuantizedExperts, RMSNorm, RopeRows,
@@ -230,6 +230,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
         self.wkv = nn.Linear(cfg.dim, D, bias=False)
+        # wq_a and wkv (both read x) joined at load where stored alike (`join_projections`): one GEMM
+        self.wq_a_kv: nn.Module | None = None
         self.kv_norm = RMSNorm(D, cfg.norm_eps, ops)
         self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False)
@@ -255,11 +257,12 @@ class Attention(nn.Module):
         rope = ropes["compress" if self.ratio else "main"]
         at = RopeRows(rope, positions, torch.float32, self.ops)
         qx, q_at = (x, at) if cp is None else (x[cp.local_index], at.take(cp.local_index))
-        qr = self.q_norm(self.wq_a(qx))
+        q_a, kv_x = self.q_kv(x)
+        qr = self.q_norm(q_a if cp is None else q_a[cp.local_index])
         T = qr.shape[0]
         q = q_at(self.wq_b(qr).view(T, self.n_heads, self.head_dim))
         stored = ring_in_glue(self.ops, meta, state["codecs"]["swa"])    # decode rows' keys stored as they are made
-        kv_stored = at(self.wkv(x), self.kv_norm, codec=state["codecs"]["swa"],
+        kv_stored = at(kv_x, self.kv_norm, codec=state["codecs"]["swa"],
                        ring=(state["swa"], meta.decode_state_slots) if stored else None)
         # as every later step reads them (prefill chunks; decode rows read the ring in place)
         kv = state["codecs"]["swa"].decode(kv_stored, x.dtype) if meta.prefills else None
@@ -298,6 +301,16 @@ class Attention(nn.Module):
         o = q_at(out, inverse=True).view(T, self.cfg.o_groups, self.n_heads * self.head_dim // self.cfg.o_groups)
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1))
+
+    def q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(wq_a(x), wkv(x)): one GEMM and two column views of it where the loader joined them (`wq_a_kv`)."""
+        if self.wq_a_kv is not None:
+            return self.wq_a_kv.split(self.wq_a_kv(x))
+        return self.wq_a(x), self.wkv(x)
+
+    def join_projections(self) -> bool:
+        """Join wq_a and wkv into `wq_a_kv` (fp8_linear.join_linears: where they are stored alike)."""
+        return join_linears(self, ("wq_a", "wkv"), "wq_a_kv")
 
     def _decode(self, q, out, kv_stored, positions, rows, iq, x, rope, state, meta, shared: StepShared, span: int,
                 close_groups: bool, stored: bool = False) -> None:
@@ -543,7 +556,7 @@ class Expert(nn.Module):
 
     def __init__(self, dim: int, inter: int, limit: float, ops: LayerOps = TORCH_OPS):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * inter, bias=False)
+        self.w13 = StackedLinear(dim, (inter, inter))
         self.w2 = nn.Linear(inter, dim, bias=False)
         self.limit, self.ops = limit, ops
 
@@ -691,7 +704,7 @@ class Block(nn.Module):
 
     def hc_pre(self, streams, kind: str, lagged):
         """Before a sublayer: (its pre, post, comb) from `streams`, and the streams collapsed by the previous
-        sublayer's pre, `lagged` (the sublayer's input); `ops.hc_pre`: in two kernels."""
+        sublayer's pre, `lagged` (the sublayer's input); `ops.hc_pre`: in one kernel."""
         if self.ops.hc_pre is not None:
             return self.ops.hc_pre(streams, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
                                    getattr(self, f"hc_{kind}_scale"), self.iters, self.hc_eps, self.eps, lagged)
@@ -769,7 +782,7 @@ class DSparkStage(Block):
         """This stage's window keys of context rows at `positions`, encoded by `codec` (the window cache's)."""
         a = self.attn
         cos, sin = ropes["main"].cos_sin(positions, torch.float32)
-        return codec.encode(apply_rope(a.kv_norm(a.wkv(main_x)), cos, sin))
+        return codec.encode(apply_rope(a.kv_norm(a.q_kv(main_x)[1]), cos, sin))
 
     def forward(self, streams, pre_mix, positions, ropes, ring: torch.Tensor, ring_valid: torch.Tensor, codec):
         """streams [B * n, hc, dim] (request-major: request b's block is rows b*n .. b*n+n-1), positions [B * n],
@@ -786,9 +799,10 @@ class DSparkStage(Block):
         T, B = x.shape[0], ring.shape[0]
         n = T // B
         cos, sin = ropes["main"].cos_sin(positions, torch.float32)
-        qr = a.q_norm(a.wq_a(x))
+        q_a, kv_x = a.q_kv(x)
+        qr = a.q_norm(q_a)
         q = apply_rope(a.wq_b(qr).view(T, a.n_heads, a.head_dim), cos[:, None], sin[:, None])
-        kv = codec.decode(codec.encode(apply_rope(a.kv_norm(a.wkv(x)), cos, sin)), x.dtype)
+        kv = codec.decode(codec.encode(apply_rope(a.kv_norm(kv_x), cos, sin)), x.dtype)
         keys = torch.cat((ring.to(x.dtype), kv.view(B, n, -1)), dim=1).repeat_interleave(n, dim=0)
         valid = torch.cat((ring_valid, ring_valid.new_ones(B, n)), dim=1).repeat_interleave(n, dim=0)
         out = a._attend(q, (keys, None, valid), None)
@@ -945,14 +959,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         parts = name.split(".")
         return self.config.ratio(int(parts[1])) if parts[0] == "layers" else 0
 
+    def join_projections(self) -> list[str]:
+        """At load, after `quantize` (on the meta model): every attention's wq_a and wkv joined into one GEMM where
+        the checkpoint stores them alike (the loader then fills `wq_a_kv` part by part). Returns the attentions
+        joined."""
+        return [n for n, m in list(self.named_modules()) if isinstance(m, Attention) and m.join_projections()]
+
     def quantize(self, modules: list[str], block: int, expert_modules: dict[str, str]) -> None:
         """Give the named linears FP8 block-scaled weights and the named expert stacks `fmt` weights, on the meta
         model before allocation (memory is only taken in the published formats)."""
         for name in modules:
             parent_name, _, child = name.rpartition(".")
             parent = self.get_submodule(parent_name)
-            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops,
-                                                 parts=2 if child == "w13" else 1))     # (Expert's w1 and w3)
+            setattr(parent, child, to_fp8_linear(getattr(parent, child), block, self.ops))
         for name, fmt in expert_modules.items():
             parent = self.get_submodule(name.rpartition(".")[0])
             old = parent.experts

@@ -47,6 +47,13 @@ def published_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tenso
             for w, half in zip(("w1", "w3"), t.chunk(2)):
                 out[f"{m.group(1)}.{w}.{m.group(2)}"] = half.contiguous()
             continue
+        m = re.match(r"^(.*\.attn)\.wq_a_kv\.(weight|scale)$", name)
+        if m:                   # wq_a and wkv joined at load (an engine's model): the checkpoint's two
+            rows = model.get_submodule(f"{m.group(1)}.wq_a_kv").part_rows(
+                "weight" if m.group(2) == "weight" else "weight_scale")
+            for w, part in zip(("wq_a", "wkv"), t.split(rows)):
+                out[f"{m.group(1)}.{w}.{m.group(2)}"] = part.contiguous()
+            continue
         out[name] = t.contiguous()
     return out
 
