@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from openinfer.device_io import h2d
 from openinfer.quantization.formats import MXFP4_GROUP
 from openinfer.quantization.triton_act_quant import _e8m0_to_f32, quantize_dequantize_activations
 
@@ -184,14 +185,19 @@ def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.T
     hit = [i for i in range(e) if ends[i] > starts[i]]      # experts with rows, in row order
     if not hit:
         return out
-    ids = torch.tensor(hit, dtype=torch.int32).to(rows.device)
+    # every chunk's expert ids, then its group ends (relative to its first row), in one copy that does not wait for
+    # the GPU (a plain copy of host values drains the stream: with one per chunk the host would wait for each
+    # chunk's GEMM before launching the next)
+    group_ends = [ends[j] - starts[hit[i - i % chunk]] for i, j in enumerate(hit)]
+    table = h2d(torch.tensor(hit + group_ends, dtype=torch.int32), rows.device)
+    ids, group_ends_dev = table[:len(hit)], table[len(hit):]
     scratch = torch.empty(min(chunk, len(hit)), n, k, dtype=torch.bfloat16, device=rows.device)
     for i in range(0, len(hit), chunk):
         part = hit[i:i + chunk]
         r0, r1 = starts[part[0]], ends[part[-1]]
         w = dequantize_to_bf16(weight, scale, fmt, block, ids[i:i + len(part)], scratch[:len(part)])
-        group_ends = torch.tensor([ends[j] - r0 for j in part], dtype=torch.int32).to(rows.device)
-        y = torch._grouped_mm(rows[r0:r1].to(torch.bfloat16), w.transpose(1, 2), offs=group_ends)
+        y = torch._grouped_mm(rows[r0:r1].to(torch.bfloat16), w.transpose(1, 2),
+                              offs=group_ends_dev[i:i + len(part)])
         if r0 == 0 and r1 == m and y.dtype == out.dtype:
             return y                                        # one chunk over every row: no copy
         out[r0:r1] = y
