@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from openinfer.device_io import h2d
 from openinfer.quantization.kv_formats import KVCodec
 
 V4_SOFTMAX = "v4"
@@ -209,15 +210,16 @@ def sparse_prefill_attention(q: torch.Tensor, *, sinks: torch.Tensor, scale: flo
 
 def prefill_batch(chunks: list, device: torch.device) -> tuple[slice, torch.Tensor, torch.Tensor]:
     """A step's prefill chunks (PrefillChunk, consecutive rows) as `sparse_prefill_attention` takes them: (their
-    rows in the step, cu_seqlens [C+1], state slots [C])."""
+    rows in the step, cu_seqlens [C+1], state slots [C]), both made from the host's values in one copy that does not
+    wait for the GPU (`device_io.h2d`; a plain copy would drain the stream at every layer)."""
     first, bounds = chunks[0].query_start, [0]
     for p in chunks:
         if p.query_start != first + bounds[-1]:
             raise ValueError(f"prefill chunks must be consecutive rows: one starts at {p.query_start}, "
                              f"not {first + bounds[-1]}")
         bounds.append(bounds[-1] + p.query_len)
-    return (slice(first, first + bounds[-1]), torch.tensor(bounds, dtype=torch.int32, device=device),
-            torch.tensor([p.state_slot for p in chunks], dtype=torch.int32, device=device))
+    table = h2d(torch.tensor(bounds + [p.state_slot for p in chunks], dtype=torch.int32), device)
+    return slice(first, first + bounds[-1]), table[:len(bounds)], table[len(bounds):]
 
 
 def stack_picks(rows: list[torch.Tensor], valid: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

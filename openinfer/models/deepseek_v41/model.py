@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.device_io import h2d
 from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
@@ -341,8 +342,8 @@ class Attention(nn.Module):
             comp = dict(cache=state["ckv"], rows=rows, valid=valid, cache_codec=codecs["ckv"])
         floors = None
         if self.is_decoder and any(p.decoder_start is not None for p, _ in chunks):   # YOCO: the decoder's tokens
-            floors = torch.tensor([-1 if p.decoder_start is None else p.decoder_start for p, _ in chunks],
-                                  dtype=torch.int64, device=q.device)
+            floors = h2d(torch.tensor([-1 if p.decoder_start is None else p.decoder_start for p, _ in chunks],
+                                      dtype=torch.int64), q.device)
         self.ops.sparse_prefill_attention(q[sl], sinks=self.attn_sink, scale=self.scale, softmax=V41_SOFTMAX,
                                           kv=kv[sl], positions=positions[sl], cu_seqlens=cu, ring=ring, slots=slots,
                                           window=self.window, ring_codec=codecs["swa"], floors=floors, out=out[sl],
