@@ -82,7 +82,7 @@ class BufferExperts(Experts):
     alone. Built with an intermediate width of 1: only the number of expert slots matters."""
     grouped = True
 
-    def grouped_mm(self, rows, name, offs):
+    def grouped_mm(self, rows, name, offs, host_offs=None):
         return self.outs[name][: rows.shape[0]]
 
 

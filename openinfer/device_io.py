@@ -25,6 +25,20 @@ def h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class ReadOnce:
+    """A device tensor's values on the host, read at the first `tolist()` (one sync: it waits for the GPU) and kept
+    for the later calls: for consumers that need the same device values on the host (a MoE's two grouped GEMMs share
+    their offsets), so that only the first of them waits."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self._values = t, None
+
+    def tolist(self) -> list:
+        if self._values is None:
+            self._values = self.tensor.tolist()
+        return self._values
+
+
 class D2HCopy:
     """Device tensors copied to pinned host buffers, readable once the GPU has produced them."""
 

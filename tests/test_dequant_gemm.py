@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from openinfer.device_io import ReadOnce
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,7 +28,8 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
 
     calls = []
     monkeypatch.setattr(dequant_gemm, "fp8_linear_dequant", lambda *a: calls.append(("linear", a[-1])) or "dq")
-    monkeypatch.setattr(dequant_gemm, "grouped_gemm_dequant", lambda *a: calls.append(("experts", a[-1])) or "dq")
+    monkeypatch.setattr(dequant_gemm, "grouped_gemm_dequant",
+                        lambda *a, host_offs=None: calls.append(("experts", a[-1], host_offs)) or "dq")
     monkeypatch.setattr(triton_w4a8, "quantize_dequantize_activations", lambda x, block: x)
     monkeypatch.setattr(triton_w4a8, "grouped_gemm", lambda *a: "w4a16")
     monkeypatch.setattr(triton_kernels, "fp8_gemm", lambda *a: "fp8")
@@ -42,4 +45,21 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
     offs = torch.zeros(2, dtype=torch.int32)
     assert triton_w4a8.grouped_gemm_a8(torch.zeros(511, 64), offs, we, se, "mxfp4", 32) == "w4a16"  # 255 per expert
     assert triton_w4a8.grouped_gemm_a8(torch.zeros(512, 64), offs, we, se, "mxfp4", 32) == "dq"
-    assert calls == [("linear", 32), ("experts", 32)]
+    host = ReadOnce(offs)
+    assert triton_w4a8.grouped_gemm_a8(torch.zeros(512, 64), offs, we, se, "mxfp4", 32, host_offs=host) == "dq"
+    assert calls == [("linear", 32), ("experts", 32, None), ("experts", 32, host)]
+
+
+def test_calls_sharing_offsets_read_them_on_the_host_once():
+    """A MoE's two grouped GEMMs share one ReadOnce of their offsets: the first route that needs the values on the
+    host reads them (one sync on CUDA), the second reuses them."""
+    reads = []
+
+    class Offs:
+        def tolist(self):
+            reads.append(1)
+            return [3, 5]
+
+    host = ReadOnce(Offs())
+    assert host.tolist() == [3, 5] and host.tolist() == [3, 5]
+    assert len(reads) == 1

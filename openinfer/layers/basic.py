@@ -81,7 +81,8 @@ class LayerOps:
     rotary: Callable         # (positions, cos, sin, *xs) -> rotated xs
     hc_weights: Callable = torch_hc_weights   # DeepSeek-V4 mHC: (mixes, base, scale, n, iters, eps) -> pre, post, comb
     # published quantized weights (openinfer/quantization): (x, weight, scale, block) -> y, and
-    # (expert-sorted rows, offs, weight, scale, fmt, block) -> y
+    # (expert-sorted rows, offs, weight, scale, fmt, block, host_offs=None) -> y (host_offs: a device_io.ReadOnce of
+    # offs that calls sharing them read once, where a route needs them on the host)
     fp8_linear: Callable = quant_reference.fp8_linear
     grouped_gemm: Callable = quant_reference.grouped_gemm
     # the same grouped GEMM with the rows quantized to FP8 per token in groups of `block` first (W4A8 / W8A8)

@@ -248,10 +248,10 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
 
 def _bf16_io(kernel):
     """The quantized-weight kernels take bf16 activations (tensor-core operands); other dtypes go through bf16."""
-    def run(x, *args):
+    def run(x, *args, **kwargs):
         if x.dtype == torch.bfloat16:
-            return kernel(x, *args)
-        return kernel(x.to(torch.bfloat16), *args).to(x.dtype)
+            return kernel(x, *args, **kwargs)
+        return kernel(x.to(torch.bfloat16), *args, **kwargs).to(x.dtype)
     return run
 
 

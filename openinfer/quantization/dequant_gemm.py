@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from openinfer.device_io import h2d
+from openinfer.device_io import ReadOnce, h2d
 from openinfer.quantization.formats import MXFP4_GROUP
 from openinfer.quantization.triton_act_quant import _e8m0_to_f32, quantize_dequantize_activations
 
@@ -162,11 +162,13 @@ def fits_capture(weight: torch.Tensor, fmt: str, scratch_bytes: int | None = Non
 
 
 def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         fmt: str, block: int, scratch_bytes: int | None = None) -> torch.Tensor:
+                         fmt: str, block: int, scratch_bytes: int | None = None,
+                         host_offs: ReadOnce | None = None) -> torch.Tensor:
     """rows [M, K] sorted by expert, offs [E] int32 cumulative counts -> [M, N] (`reference.grouped_gemm`,
     weight-only): experts dequantized to bf16 in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, read
     at the call), a `torch._grouped_mm` per chunk (see the module docstring for memory and CUDA graphs). Rows past
-    offs[-1] are left unwritten."""
+    offs[-1] are left unwritten. `host_offs`: `offs` read on the host at most once for every call that shares them
+    (a MoE's two GEMMs: one sync for both); None: read here."""
     m, k = rows.shape
     e, n = weight.shape[:2]
     scratch_bytes = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
@@ -180,7 +182,7 @@ def grouped_gemm_dequant(rows: torch.Tensor, offs: torch.Tensor, weight: torch.T
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    ends = offs.tolist()                                   # the one host sync
+    ends = (host_offs or ReadOnce(offs)).tolist()          # the one host sync (none if another call read them)
     starts = [0] + ends[:-1]
     hit = [i for i in range(e) if ends[i] > starts[i]]      # experts with rows, in row order
     if not hit:

@@ -65,10 +65,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                 block: int) -> torch.Tensor:
+                 block: int, host_offs=None) -> torch.Tensor:
+    """`host_offs`: a `device_io.ReadOnce` of `offs` shared with other calls (read once for all), or None."""
     out = torch.empty(rows.shape[0], weight.shape[1], dtype=rows.dtype, device=rows.device)
     start = 0
-    for e, end in enumerate(offs.tolist()):
+    for e, end in enumerate((host_offs or offs).tolist()):
         if end > start:
             out[start:end] = block_scaled_matmul(rows[start:end].float(),
                                                  *_stored_values(weight[e], scale[e], fmt, block)).to(rows.dtype)
@@ -77,9 +78,9 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
 
 
 def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                    block: int) -> torch.Tensor:
+                    block: int, host_offs=None) -> torch.Tensor:
     a = dequantize_activations(*quantize_activations(rows.float(), block), block)
-    return grouped_gemm(a, offs, weight, scale, fmt, block).to(rows.dtype)
+    return grouped_gemm(a, offs, weight, scale, fmt, block, host_offs).to(rows.dtype)
 
 
 def weight_only_fp8_linear(grouped_gemm):

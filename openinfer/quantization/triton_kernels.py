@@ -403,8 +403,9 @@ def grouped_gemm_with(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
 
 
 def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                 block: int) -> torch.Tensor:
-    """rows [M, K] bf16 sorted by expert, offs [E] int32 cumulative counts -> [M, N] (reference.grouped_gemm)."""
+                 block: int, host_offs=None) -> torch.Tensor:
+    """rows [M, K] bf16 sorted by expert, offs [E] int32 cumulative counts -> [M, N] (reference.grouped_gemm;
+    `host_offs` unused: no host read)."""
     m, k = rows.shape
     e, n = weight.shape[:2]
     return grouped_gemm_with(rows, offs, weight, scale, fmt, block, grouped_config(m, n, k, e, fmt, block))

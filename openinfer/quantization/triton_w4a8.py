@@ -142,18 +142,19 @@ def grouped_gemm_w4a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tens
 
 
 def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                    block: int) -> torch.Tensor:
+                    block: int, host_offs=None) -> torch.Tensor:
     """`LayerOps.grouped_gemm_a8` on CUDA: rows quantized per token in groups of `block`, then either the W4A8
     kernel, the weight-only kernel on the rounded rows, or the rounded rows times the experts dequantized to bf16
     through torch._grouped_mm (`dequant_gemm`), whichever `kernel_choice` measured faster at this many rows per
     expert (block-FP8 experts, and activation groups that are not whole 32-groups, never take the W4A8 kernel;
     inside a CUDA-graph capture the dequant route runs only if every expert fits its scratch at once, W4A16
-    otherwise)."""
+    otherwise). `host_offs` (a `device_io.ReadOnce` of `offs`, or None): what the dequant route reads offs through,
+    so that calls sharing the offsets read them once."""
     route = kernel_choice.expert_kernel(rows.shape[0], weight.shape[0])
     if fmt == "mxfp4" and block % MXFP4_GROUP == 0 and route == "w4a8":
         return grouped_gemm_w4a8(rows, offs, weight, scale, block)
     capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()
     if route == "bf16_dequant" and (not capturing or dequant_gemm.fits_capture(weight, fmt)):
         return dequant_gemm.grouped_gemm_dequant(quantize_dequantize_activations(rows, block), offs, weight, scale,
-                                                 fmt, block)
+                                                 fmt, block, host_offs=host_offs)
     return grouped_gemm(quantize_dequantize_activations(rows, block), offs, weight, scale, fmt, block)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.device_io import ReadOnce
 from openinfer.distributed.collectives import tp_all_reduce
 from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import (ExpertRouting, expert_parallel_moe, initial_layout,
@@ -798,7 +799,8 @@ class Experts(nn.Module):
     def expert_linear(self, x, name: str, e: int):
         return F.linear(x, getattr(self, name)[e])
 
-    def grouped_mm(self, rows, name: str, offs):
+    def grouped_mm(self, rows, name: str, offs, host_offs: ReadOnce | None = None):
+        """`host_offs`: `offs` read on the host at most once for both GEMMs, where a route needs them there."""
         return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
 
     def forward(self, x, experts, weights, add: torch.Tensor | None = None):
@@ -820,15 +822,17 @@ class Experts(nn.Module):
         n, k = self.gate_up_proj.shape[0], experts.shape[1]
         if self.ops.moe_combine is not None:     # sorting, activation, combining: one kernel each
             _, rows, inv, offs = self.ops.expert_order(experts, n)
-            h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs), self.limit, rounded=True)
-            y = self.grouped_mm(h, "down_proj", offs)
+            host = ReadOnce(offs)               # (the GEMMs' routes that need offs on the host read them once)
+            h = self.ops.moe_act(self.grouped_mm(x[rows], "gate_up_proj", offs, host), self.limit, rounded=True)
+            y = self.grouped_mm(h, "down_proj", offs, host)
             if add is not None and self.ops.moe_combine_add is not None:
                 return self.ops.moe_combine_add(y, inv, experts, weights, x.dtype, add)
             out = self.ops.moe_combine(y, inv, experts, weights, x.dtype)
             return out if add is None else out + add
         order, offs = sort_by_expert(experts, n)     # other ranks' experts (-1) last, past the final offset
-        h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs))
-        y = self.grouped_mm(h, "down_proj", offs)
+        host = ReadOnce(offs)
+        h = self._act(self.grouped_mm(x[order // k], "gate_up_proj", offs, host))
+        y = self.grouped_mm(h, "down_proj", offs, host)
         y = y * weights.flatten()[order, None].to(y.dtype)
         y = torch.where(experts.flatten()[order, None] < 0, 0, y)   # rows past the last offset hold anything
         out = torch.zeros_like(x).index_add_(0, order // k, y)
@@ -872,9 +876,10 @@ class QuantizedExperts(Experts):
         gemm = reference_grouped_gemm_a8 if self.ops.quantize_activations else reference_grouped_gemm
         return gemm(x, offs, w[e:e + 1], s[e:e + 1], self.fmt, self.block)
 
-    def grouped_mm(self, rows, name: str, offs):
+    def grouped_mm(self, rows, name: str, offs, host_offs: ReadOnce | None = None):
         gemm = self.ops.grouped_gemm_a8 if self.ops.quantize_activations else self.ops.grouped_gemm
-        return gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt, self.block)
+        return gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt, self.block,
+                    host_offs=host_offs)
 
 
 class MoE(nn.Module):

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.device_io import h2d
+from openinfer.device_io import ReadOnce, h2d
 from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import ExpertRouting, expert_parallel_moe, initial_layout
 from openinfer.distributed.parallel_state import ParallelContext
@@ -622,9 +622,10 @@ class MoE(nn.Module):
         ex = self.experts          # quantized experts round their rows to FP8 themselves (LayerOps.quantize_activations)
         if ex.grouped and self.ops.moe_combine is not None:   # sorting, activation, combining: one kernel each
             order, rows, inv, offs = self.ops.expert_order(experts, ex.gate_up_proj.shape[0])
-            h = self.ops.moe_act(ex.grouped_mm(x[rows], "gate_up_proj", offs), self.limit if self.limit > 0 else None,
-                                 weights.flatten(), order)
-            out = ex.grouped_mm(h, "down_proj", offs)
+            host = ReadOnce(offs)           # (the GEMMs' routes that need offs on the host read them once)
+            h = self.ops.moe_act(ex.grouped_mm(x[rows], "gate_up_proj", offs, host),
+                                 self.limit if self.limit > 0 else None, weights.flatten(), order)
+            out = ex.grouped_mm(h, "down_proj", offs, host)
             if add is not None and self.ops.moe_combine_add is not None:
                 return self.ops.moe_combine_add(out, inv, experts, None, torch.float32, add)
             y = self.ops.moe_combine(out, inv, experts, None, torch.float32)
@@ -633,8 +634,9 @@ class MoE(nn.Module):
         if ex.grouped:
             k = experts.shape[1]
             order, offs = sort_by_expert(experts, ex.gate_up_proj.shape[0])   # other ranks' experts (-1) last
-            h = self._act(ex.grouped_mm(x[order // k], "gate_up_proj", offs), weights.flatten()[order], x.dtype)
-            out = ex.grouped_mm(h, "down_proj", offs).float()
+            host = ReadOnce(offs)
+            h = self._act(ex.grouped_mm(x[order // k], "gate_up_proj", offs, host), weights.flatten()[order], x.dtype)
+            out = ex.grouped_mm(h, "down_proj", offs, host).float()
             # rows past the last offset hold whatever memory held
             y.index_add_(0, order // k, torch.where(experts.flatten()[order, None] < 0, 0.0, out))
         else:
