@@ -242,6 +242,31 @@ def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_b
     return entry_index(tables, torch.arange(n, device=tables.device).expand(tables.shape[0], -1), entries_per_block)
 
 
+def chunk_entries(p, ratio: int, entries_per_block: int, rope: "InterleavedRope", dtype: torch.dtype,
+                  step: dict) -> "ClosedWindows":
+    """A prefill chunk's compressed entries at `ratio`: the flat rows of entries 0 .. n-1 (n = its closed entries,
+    at least 1) and the windows it closes, with their RoPE tables in `dtype`. Every layer of a step with the same
+    ratio, cache page, rope and dtype reads the same (a CSA layer's compressor and indexer, every layer of the
+    ratio): made once per step, in `step` (the forward's own dict, empty at its start)."""
+    key = ("chunk entries", id(p), ratio, entries_per_block, id(rope), dtype)
+    if key not in step:
+        dev = p.block_ids.device
+        start, end = p.context_len - p.query_len, p.context_len
+        flat = entry_index(p.block_ids, torch.arange(max(end // ratio, 1), device=dev), entries_per_block)
+        windows = torch.arange(start // ratio, end // ratio, device=dev)
+        step[key] = ClosedWindows(flat, windows, flat[start // ratio:end // ratio],
+                                  rope.cos_sin(windows * ratio, dtype) if len(windows) else None)
+    return step[key]
+
+
+class ClosedWindows:
+    """`chunk_entries`' answer: flat [n] (rows of entries 0 .. n-1), windows [w] (those the chunk closes), rows [w]
+    (their flat rows), tables (their RoPE cos/sin, None when w = 0)."""
+
+    def __init__(self, flat, windows, rows, tables):
+        self.flat, self.windows, self.rows, self.tables = flat, windows, rows, tables
+
+
 def _coded(codec: KVCodec | None, dtype: torch.dtype | None) -> dict:
     """The fused compressor ops' keyword arguments for entries stored as `codec` rows made in `dtype` (none: plain)."""
     return {} if codec is None else {"codec": codec, "dtype": dtype}
@@ -276,9 +301,11 @@ class Compressor(nn.Module):
         gate = gate + self.position_bias[positions % self.ratio]
         return torch.cat((kv.float(), gate.float()), dim=-1)
 
-    def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, rope: "InterleavedRope") -> torch.Tensor:
+    def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, rope: "InterleavedRope",
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`tables`: the windows' cos/sin in pooled's dtype (`chunk_entries`), None: computed here."""
         pooled = self.kv_norm(pooled)
-        cos, sin = rope.cos_sin(windows * self.ratio, pooled.dtype)
+        cos, sin = rope.cos_sin(windows * self.ratio, pooled.dtype) if tables is None else tables
         return apply_rope(pooled, cos, sin)
 
 
@@ -297,13 +324,15 @@ class RunningCompressor(Compressor):
         wa, wb = torch.exp(a[..., 0, :] - safe), torch.exp(b[..., 0, :] - safe)
         return torch.stack((m, a[..., 1, :] * wa + b[..., 1, :] * wb, a[..., 2, :] * wa + b[..., 2, :] * wb), dim=-2)
 
-    def _entries(self, state, windows, rope, dtype):
-        return self._finish((state[..., 2, :] / state[..., 1, :]).to(dtype), windows, rope)
+    def _entries(self, state, windows, rope, dtype, tables=None):
+        return self._finish((state[..., 2, :] / state[..., 1, :]).to(dtype), windows, rope, tables)
 
-    def close_chunk(self, state, cache, new_rows, positions, rope, p, codec=None, dtype=None) -> None:
+    def close_chunk(self, state, cache, new_rows, positions, rope, p, codec=None, dtype=None,
+                    closed: ClosedWindows | None = None) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
         ([blocks, entries_per_block, dim]; `codec`: its rows, the entries made in `dtype`, else the cache dtype);
-        keep the running state after each of its last L positions in `state` [L, 3, dim]."""
+        keep the running state after each of its last L positions in `state` [L, 3, dim]. `closed`: the chunk's
+        `chunk_entries` for this cache and the entries' dtype (None: computed here)."""
         r, d, dev, L = self.ratio, self.dim, new_rows.device, state.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         lead, n = start % r, len(new_rows)
@@ -317,12 +346,13 @@ class RunningCompressor(Compressor):
         windows = torch.stack((m, e.sum(1), (e * kv).sum(1)), dim=1)         # [nw, 3, d]
         if lead:                                                              # the open window's earlier rows
             windows[0] = self._merge(state[(start - 1) % L], windows[0])
-        closed = end // r - start // r
-        if closed:
-            ids = torch.arange(start // r, end // r, device=dev)
-            entries = self._entries(windows[:closed], ids, rope, dtype if codec is not None else cache.dtype)
-            cache.view(-1, cache.shape[-1])[entry_index(p.block_ids, ids, cache.shape[1])] = stored_rows(
-                entries, codec, cache)
+        n_closed = end // r - start // r
+        if n_closed:
+            edtype = dtype if codec is not None else cache.dtype
+            if closed is None:
+                closed = chunk_entries(p, r, cache.shape[1], rope, edtype, {})
+            entries = self._entries(windows[:n_closed], closed.windows, rope, edtype, closed.tables)
+            cache.view(-1, cache.shape[-1])[closed.rows] = stored_rows(entries, codec, cache)
         if L == 1:
             if end % r:
                 state[0] = windows[-1]
@@ -385,32 +415,36 @@ class OverlappingCompressor(Compressor):
 
     width_factor = 2
 
-    def _entries(self, cur, prev, has_prev, windows, rope, dtype):
-        """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N]."""
+    def _entries(self, cur, prev, has_prev, windows, rope, dtype, tables=None):
+        """cur/prev [N, ratio, 2*width]: rows of windows w and w-1 -> [N, dim] entries for `windows` [N] (`tables`:
+        their cos/sin, as `_finish` takes them)."""
         d, w = self.dim, self.width
         prev_kv = torch.where(has_prev[:, None, None], prev[..., :d], 0.0)
         prev_gate = torch.where(has_prev[:, None, None], prev[..., w:w + d], float("-inf"))
         kv = torch.cat((prev_kv, cur[..., d:w]), dim=1).to(dtype)
         gate = torch.cat((prev_gate, cur[..., w + d:]), dim=1)
-        return self._finish((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1), windows, rope)
+        return self._finish((kv * gate.softmax(dim=1).to(dtype)).sum(dim=1), windows, rope, tables)
 
-    def close_chunk(self, ring, cache, new_rows, positions, rope, p, codec=None, dtype=None) -> None:
+    def close_chunk(self, ring, cache, new_rows, positions, rope, p, codec=None, dtype=None,
+                    closed: ClosedWindows | None = None) -> None:
         """Prefill chunk of one sequence: write the entries of the windows it closes into the paged `cache`
-        ([blocks, entries_per_block, dim]; `codec`, `dtype` as RunningCompressor's); keep the rows open windows need
-        in `ring` [2*ratio, 2*width]."""
+        ([blocks, entries_per_block, dim]; `codec`, `dtype`, `closed` as RunningCompressor's); keep the rows open
+        windows need in `ring` [2*ratio, 2*width]."""
         r, dev, R = self.ratio, new_rows.device, ring.shape[0]
         start, end = p.context_len - p.query_len, p.context_len
         first = max(start // r - 1, 0)                            # oldest window whose rows are still needed
-        windows = torch.arange(start // r, end // r, device=dev)
-        if len(windows):
+        if end // r > start // r:
+            edtype = dtype if codec is not None else cache.dtype
+            if closed is None:
+                closed = chunk_entries(p, r, cache.shape[1], rope, edtype, {})
+            windows = closed.windows
             hist = torch.arange(first * r, start, device=dev)
             rows = torch.cat((ring[hist % R], new_rows))[:(end // r - first) * r]
             win = rows.view(-1, r, rows.shape[-1])
             local = windows - first
-            entries = self._entries(win[local], win[(local - 1).clamp(min=0)], windows > 0, windows, rope,
-                                    dtype if codec is not None else cache.dtype)
-            cache.view(-1, cache.shape[-1])[entry_index(p.block_ids, windows, cache.shape[1])] = stored_rows(
-                entries, codec, cache)
+            entries = self._entries(win[local], win[(local - 1).clamp(min=0)], windows > 0, windows, rope, edtype,
+                                    closed.tables)
+            cache.view(-1, cache.shape[-1])[closed.rows] = stored_rows(entries, codec, cache)
         keep = min(len(new_rows), R)
         ring[positions[-keep:] % R] = new_rows[-keep:]
 
@@ -698,9 +732,11 @@ class DeepseekV4Attention(nn.Module):
                 return flat, None, step["closed mask", r, n]
         else:
             num_closed = ((positions if q_pos is None else q_pos) + 1) // r
-            comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p, codec, dtype)
-            n = max(p.context_len // r, 1)
-            flat = entry_index(p.block_ids, torch.arange(n, device=positions.device), epb)
+            step = state.get("step", {})        # (a chunk's entries, made once per step for every layer of the ratio)
+            edtype = dtype if codec is not None else cache.dtype
+            closed = chunk_entries(p, r, epb, rope, edtype, step)
+            comp.close_chunk(state["rows"][p.state_slot], cache, rows, positions, rope, p, codec, dtype, closed)
+            flat, n = closed.flat, closed.flat.shape[0]
             if self.layer_type == HCA:
                 return flat, None, torch.arange(n, device=positions.device)[None, :] < num_closed[:, None]
         indexer = comp.indexer
@@ -709,7 +745,9 @@ class DeepseekV4Attention(nn.Module):
                                  meta.decode_row_offsets)
             picked, valid = indexer.select_decode(*index_q, state["index"], tables, flat, num_closed)
         else:
-            indexer.close_chunk(state["index_rows"][p.state_slot], state["index"], index_rows, positions, rope, p)
+            index = state["index"]
+            indexer.close_chunk(state["index_rows"][p.state_slot], index, index_rows, positions, rope, p,
+                                closed=chunk_entries(p, r, index.shape[1], rope, index.dtype, step))
             picked, valid = indexer.select(*index_q, state["index"].view(-1, indexer.dim)[flat][None], num_closed)
         return flat, picked, valid
 
