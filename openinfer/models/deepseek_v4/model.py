@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.device_io import ReadOnce
+from openinfer.device_io import ReadOnce, h2d
 from openinfer.distributed.collectives import tp_all_reduce
 from openinfer.distributed.context_parallel import query_spans
 from openinfer.distributed.expert_parallel import (ExpertRouting, expert_parallel_moe, initial_layout,
@@ -240,6 +240,24 @@ def decode_entry_rows(ops: LayerOps, tables: torch.Tensor, n: int, entries_per_b
     if ops.entry_rows is not None:
         return ops.entry_rows(tables, n, entries_per_block)
     return entry_index(tables, torch.arange(n, device=tables.device).expand(tables.shape[0], -1), entries_per_block)
+
+
+def window_store_rows(chunks: list, ring_rows: int, device: torch.device, step: dict) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """The rows of a step's prefill chunks that their window rings keep (each chunk's last min(len, R) rows) and
+    each one's state slot, int64 on `device`: one store into the rings for every chunk (`_store_window`'s rows,
+    chunk by chunk). From the host's values in one copy that does not wait for the GPU; made once per step, in
+    `step`, for every layer."""
+    key = ("window store rows", ring_rows)
+    if key not in step:
+        rows, slots = [], []
+        for p in chunks:
+            keep = min(p.query_len, ring_rows)
+            rows += range(p.query_start + p.query_len - keep, p.query_start + p.query_len)
+            slots += [p.state_slot] * keep
+        table = h2d(torch.tensor(rows + slots, dtype=torch.int64), device)
+        step[key] = table[:len(rows)], table[len(rows):]
+    return step[key]
 
 
 def chunk_entries(p, ratio: int, entries_per_block: int, rope: "InterleavedRope", dtype: torch.dtype,
@@ -685,9 +703,8 @@ class DeepseekV4Attention(nn.Module):
         self.ops.sparse_prefill_attention(q[sl], sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX,
                                           kv=own, positions=positions[sl], cu_seqlens=cu, ring=ring,
                                           slots=slots, window=self.window, ring_codec=codec, out=out[sl], **comp)
-        for p, _ in chunks:
-            rs = slice(p.query_start, p.query_start + p.query_len)
-            self._store_window(kv[rs], positions[rs], ring[p.state_slot], codec)
+        rows, slots = window_store_rows([p for p, _ in chunks], ring.shape[1], q.device, state.get("step", {}))
+        ring[slots, positions[rows] % ring.shape[1]] = stored_rows(kv[rows], codec, ring)
 
     @staticmethod
     def _store_window(kv, positions, ring, codec=None) -> None:
