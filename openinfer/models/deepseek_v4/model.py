@@ -693,8 +693,10 @@ class DeepseekV4Attention(nn.Module):
         """Every prefill chunk of the step through one `ops.sparse_prefill_attention` call (window keys read in place:
         the ring's history, then the chunks' own keys `keys` (`kv` as the ring gives it back), which are stored in
         the ring after it), into `out`."""
-        ring, codec = state["swa"], state.get("codec")
-        sl, cu, slots = prefill_batch([p for p, _ in chunks], q.device)
+        ring, codec, step = state["swa"], state.get("codec"), state.get("step", {})
+        if "prefill batch" not in step:         # (the same chunks at every layer: made once per step)
+            step["prefill batch"] = prefill_batch([p for p, _ in chunks], q.device)
+        sl, cu, slots = step["prefill batch"]
         comp = {}
         if self.compressor is not None:
             rows, valid = stack_picks([c[1][0] for c in chunks], [c[1][1] for c in chunks])
@@ -703,7 +705,7 @@ class DeepseekV4Attention(nn.Module):
         self.ops.sparse_prefill_attention(q[sl], sinks=self.sinks, scale=self.scale, softmax=V4_SOFTMAX,
                                           kv=own, positions=positions[sl], cu_seqlens=cu, ring=ring,
                                           slots=slots, window=self.window, ring_codec=codec, out=out[sl], **comp)
-        rows, slots = window_store_rows([p for p, _ in chunks], ring.shape[1], q.device, state.get("step", {}))
+        rows, slots = window_store_rows([p for p, _ in chunks], ring.shape[1], q.device, step)
         ring[slots, positions[rows] % ring.shape[1]] = stored_rows(kv[rows], codec, ring)
 
     @staticmethod
