@@ -13,7 +13,8 @@ Memory, alive only while a call runs (the caching allocator hands it to the next
   beside the rounded activations (M x K x 2).
 - `grouped_gemm_dequant`: bf16 experts in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, 1 GiB;
   always at least one expert), one chunk alive at a time, plus a chunk's output rows. Eager, it reads `offs` on
-  the host (one sync per call), dequantizes only experts that got rows, and runs one `torch._grouped_mm` per chunk
+  the host (one sync per call; none where the caller's `host_offs` already holds them: a MoE's two GEMMs read
+  them once), dequantizes only experts that got rows, and runs one `torch._grouped_mm` per chunk
   on that chunk's rows.
 Neither is in the KV pool's accounting: `cache_pool._kv_budget` keeps back 1 GiB plus the logits for activations
 and (1 - gpu_memory_utilization) of the GPU. 80 MiB fits that; the experts' 1 GiB competes with a prefill's own
