@@ -200,9 +200,9 @@ def check_v41_mhc(ops, device, dtype, T: int, dim: int, seed: int = 0) -> dict:
 
 def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, seed: int = 0) -> dict:
     """mHC pre (with and without a lagged pre) and V4's head in one launch, whose K splits are counted in as they
-    arrive, equal the two-launch path bit for bit at any row count (hc_pre takes one launch up to ONE_LAUNCH_MAX_T
-    rows); launched `repeats` times they give the same bits each time (a split read before it was stored would
-    not), and leave the kernel's arrival counts zero for the next launch."""
+    arrive, equal the two-launch path bit for bit up to ONE_LAUNCH_MAX_T rows (where hc_pre takes one launch; at
+    any row count on the CPU); launched `repeats` times they give the same bits each time (a split read before it
+    was stored would not), and leave the kernel's arrival counts zero for the next launch."""
     from openinfer.layers import triton_mhc
     n = 4
     g = _gen(seed, device)
@@ -225,9 +225,20 @@ def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, 
 
     names = ["pre", "post", "comb", "collapse", "lagged pre", "lagged post", "lagged comb", "lagged collapse", "head"]
     two = launch(False)
-    for k in range(repeats):
-        for name, got, want in zip(names, launch(True), two):
-            assert torch.equal(got, want), f"hc_pre in one launch ({T} rows, repeat {k}): {name} differs from two"
+    first = launch(True)
+    # bit for bit where hc_pre takes one launch; forced past that (H200, 7-4,500 rows) the one program that
+    # collapses the full width rounds its bf16 collapse differently from the two-launch kernel's blocks (pre, post,
+    # comb equal): there the collapse is held to the bf16 bound, and every launch must repeat the first's bits
+    exact = T <= triton_mhc.ONE_LAUNCH_MAX_T or device == "cpu"
+    for name, got, want in zip(names, first, two):
+        if exact or name not in ("collapse", "lagged collapse", "head"):
+            assert torch.equal(got, want), f"hc_pre in one launch ({T} rows): {name} differs from two"
+        else:
+            err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
+            assert err <= 2 * 2.0 ** -8, f"hc_pre in one launch ({T} rows): {name} {err:.2e} from two"
+    for k in range(1, repeats):
+        for name, got, want in zip(names, launch(True), first):
+            assert torch.equal(got, want), f"hc_pre in one launch ({T} rows, repeat {k}): {name} changed bits"
     arrivals = triton_mhc._arrivals(torch.device(device))
     assert not bool(arrivals.any()), f"hc_pre left arrival counts {arrivals.nonzero().flatten().tolist()} set"
     return {"one_launch_repeats": repeats}
