@@ -45,8 +45,10 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features, self.block, self.ops = in_features, out_features, block, ops
         self.parts = parts
         self.weight = stored_parameters((out_features, in_features), "fp8", block)[0]
-        scales = [stored_parameters((rows, in_features), "fp8", block)[1].data for rows in parts]
-        self.weight_scale = nn.Parameter(torch.cat(scales) if len(scales) > 1 else scales[0], requires_grad=False)
+        # the parts' scale rows in order, allocated at once (a torch.cat on the meta device imports torch._dynamo)
+        tiles = [fp8_scale_shape((rows, in_features), block) for rows in parts]
+        scale = torch.empty((sum(t[0] for t in tiles), tiles[0][1]), dtype=torch.float8_e8m0fnu)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.one_gemm = all(rows % block == 0 for rows in parts[:-1])
 
     def part_rows(self, param: str) -> tuple[int, ...]:
