@@ -145,7 +145,16 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
         bound = 1e-5 * max(1.0, ref.abs().max().item())
         if err <= bound:
             return None, err
-        return f"max |kernel - contract| = {err:.3g} > {bound:.3g}; {_rerun(case, tuning, got, ref)}", err
+        note, got2, ref2 = _rerun(case, tuning, got, ref)
+        err2 = (got2.float() - ref2.float()).abs().max().item()
+        if torch.equal(got, got2) and not torch.equal(ref, ref2) and err2 <= bound:
+            # seen in full-suite runs on the CPU (2026-12-03): the contract's first call in a process came out ~1e-4
+            # off (779 of 3,584 elements) and its second call, like a fresh process, matched the kernel to 3.3e-6.
+            # The kernel is still held to the bound against a contract run; the contract's nondeterminism is an
+            # open bug, reported on stdout
+            print(f"CONTRACT NONDETERMINISTIC: {note}", flush=True)
+            return None, err2
+        return f"max |kernel - contract| = {err:.3g} > {bound:.3g}; {note}", err
     oracle = sparse_prefill_attention(**{**case, "q": q.float()})
     err_k = (got.float() - oracle).abs().max().item()
     err_r = (ref.float() - oracle).abs().max().item()
@@ -155,12 +164,13 @@ def check(case: dict, tuning: dict | None = None) -> tuple[str | None, float]:
     return None, err
 
 
-def _rerun(case: dict, tuning: dict | None, got: torch.Tensor, ref: torch.Tensor) -> str:
+def _rerun(case: dict, tuning: dict | None, got: torch.Tensor, ref: torch.Tensor
+           ) -> tuple[str, torch.Tensor, torch.Tensor]:
     """A failing float32 case once more, to say which side moved: both sides are pure functions of the case, so a
     second run that differs from the first names a nondeterministic side (the interpreted kernel or the torch
     contract), and one that repeats the failure bit for bit names the inputs. The case and all four outputs are
     saved for an offline look (tests/test_sparse_prefill_attention.py: an intermittent failure in full-suite runs
-    that no rerun reproduced)."""
+    that no rerun reproduced). Returns (what moved, the kernel's second output, the contract's)."""
     from openinfer.layers.triton_sparse_prefill import sparse_prefill_attention as fused
 
     got2 = fused(**case, out=torch.full_like(case["q"], float("nan")), tuning=tuning)
@@ -171,7 +181,7 @@ def _rerun(case: dict, tuning: dict | None, got: torch.Tensor, ref: torch.Tensor
     def moved(a, b):
         return "bit for bit the same" if torch.equal(a, b) else f"differs by {(a - b).abs().max().item():.3g}"
     return (f"second run: kernel {moved(got, got2)}, contract {moved(ref, ref2)}, |kernel - contract| "
-            f"{(got2 - ref2).abs().max().item():.3g} (saved to {path})")
+            f"{(got2 - ref2).abs().max().item():.3g} (saved to {path})"), got2, ref2
 
 
 def check_all(device: str, quick: bool = False, formats: tuple = (False, True, "ds_mla")) -> list[str]:
