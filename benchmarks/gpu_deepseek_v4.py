@@ -40,6 +40,7 @@ from deepseek_probe import InWindow, first_traffic, start_up  # noqa: E402
 from gpu_llama8b import ceilings, start_decoding  # noqa: E402
 
 from openinfer import LLM, SamplingParams  # noqa: E402
+from openinfer.layers import flash_mla_prefill  # noqa: E402
 from openinfer.models.deepseek_v4.config import CSA, HCA  # noqa: E402
 from openinfer.quantization import kernel_choice  # noqa: E402
 
@@ -293,6 +294,8 @@ def main() -> None:
                     help="fp8_ds_mla: DeepSeek-V4's own cache format (FlashMLA's FP8 rows)")
     ap.add_argument("--expert-route", choices=("table", "w4a16", "bf16_dequant"), default="table",
                     help="force the MXFP4 experts' GEMM route at every size (kernel_choice's table by default)")
+    ap.add_argument("--flash-mla", choices=("auto", "off"), default="auto",
+                    help="EngineConfig.flash_mla: FlashMLA's SM90 sparse prefill where installed (auto) or not")
     ap.add_argument("--part-out", default=None, help="internal: run one weights kind, write its results here")
     ap.add_argument("--ceilings-json", default=None, help="internal: the ceilings measured by the parent run")
     args = ap.parse_args()
@@ -304,6 +307,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
            "torch": torch.__version__, "ops": args.ops, "kv_cache_dtype": args.kv_cache_dtype,
+           "flash_mla": args.flash_mla if args.flash_mla == "off" else (flash_mla_prefill.load_error() or "on"),
            "config": {**FLASH_WIDTH, **layout(args.layers)}}
     if args.only_fidelity:
         res["fidelity"] = fidelity(args.tokenizer_json)
@@ -323,7 +327,7 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--tokenizer-json", args.tokenizer_json, "--layers",
                             str(args.layers), "--batches", args.batches, "--weights", weights, "--part-out", str(part),
                             "--max-model-len", str(args.max_model_len), "--ops", args.ops,
-                            "--kv-cache-dtype", args.kv_cache_dtype,
+                            "--kv-cache-dtype", args.kv_cache_dtype, "--flash-mla", args.flash_mla,
                             *(["--skip-first-traffic"] if args.skip_first_traffic else []),
                             "--ceilings-json", json.dumps(ceil)], check=False)
             res.setdefault("runs", {})[weights] = (json.loads(part.read_text()) if part.is_file()
@@ -335,7 +339,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(str(d), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
                   max_num_batched_tokens=8192, enable_prefix_caching=False, max_model_len=args.max_model_len,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, flash_mla=args.flash_mla)
         run = res.setdefault("runs", {})[weights] = {}
         # a fresh engine as `openinfer serve` starts it (graphs captured, warm-up), then its first users
         run["start_up"] = start_up(llm, time.perf_counter() - t0)
@@ -372,7 +376,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     tag = (("_next" if args.ops == "next" else "") + ("" if args.expert_route == "table" else f"_{args.expert_route}")
-           + ("_fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else ""))
+           + ("_fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else "")
+           + ("_no_flash_mla" if args.flash_mla == "off" else ""))
     (out / f"gpu_deepseek_v4_{res['date']}_{commit}{tag}.json").write_text(json.dumps(res, indent=1))
 
 

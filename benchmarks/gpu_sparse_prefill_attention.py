@@ -32,6 +32,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from openinfer.layers.sparse_attention import V4_SOFTMAX, V41_SOFTMAX  # noqa: E402
+from openinfer.layers import flash_mla_prefill  # noqa: E402
 from openinfer.layers.sparse_attention import sparse_prefill_attention as torch_path  # noqa: E402
 from openinfer.layers.triton_sparse_prefill import prefill_launch  # noqa: E402
 from openinfer.layers.triton_sparse_prefill import sparse_prefill_attention as fused  # noqa: E402
@@ -108,6 +109,29 @@ def kernels_launched(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
+def flash_mla_peer(args: dict, ref: torch.Tensor, out: torch.Tensor, softmax: str, pairs: int) -> dict:
+    """The peer in the same run: FlashMLA's SM90 sparse prefill (openinfer/layers/flash_mla_prefill.py: two calls and a
+    merge) where it applies (V4's softmax, bf16 keys), else why not."""
+    why_not = flash_mla_prefill.applies(args["q"], softmax, args["ring"], args.get("ring_codec"), args.get("cache"),
+                                        args.get("cache_codec"))
+    if why_not is not None:
+        return {"flash_mla": why_not}
+    row = {}
+
+    def run():
+        return flash_mla_prefill.sparse_prefill_attention(**args, out=out)
+    try:
+        got = flash_mla_prefill.sparse_prefill_attention(**args, out=torch.full_like(out, float("nan")))
+        row["flash_mla_max_abs_err"] = (got.float() - ref.float()).abs().max().item()
+        row["flash_mla_all_written"] = not bool(got.isnan().any())
+        row["flash_mla_us"] = eager_time(run) * 1e6
+        row["flash_mla_launches"] = kernels_launched(run)
+        row["flash_mla_TFLOPs"] = 4 * H * D * pairs / (row["flash_mla_us"] * 1e-6) / 1e12
+    except Exception:
+        row["flash_mla"] = "error: " + traceback.format_exc()[-1500:]
+    return row
+
+
 def bench(name: str, chunks: int, length: int, sweep: bool) -> dict:
     softmax, quantized, ratio, topk = SHAPES[name]
     args = make_inputs(chunks, length, softmax, quantized, ratio, topk)
@@ -125,6 +149,7 @@ def bench(name: str, chunks: int, length: int, sweep: bool) -> dict:
     row["torch_launches"] = kernels_launched(lambda: torch_path(**args))
     pairs = row["tokens"] * row["keys_per_query"]
     row["kernel_TFLOPs"] = 4 * H * D * pairs / (row["kernel_us"] * 1e-6) / 1e12
+    row.update(flash_mla_peer(args, ref, out, softmax, pairs))
     if sweep:
         row["sweep"] = {}
         for bh in (16, 32, 64):
@@ -172,7 +197,10 @@ def main():
             print(f"{name:12} {w:>8} {row['keys_per_query']:>6} {row['kernel_us']:>10.1f} {row['torch_us']:>10.1f} "
                   f"{row['speedup']:>7.1f}x {row['kernel_launches']:>6}/{row['torch_launches']:<6} "
                   f"{row['kernel_TFLOPs']:>8.1f} {row['max_abs_err']:>8.2g}"
-                  + ("" if row["all_written"] else "  NOT ALL WRITTEN"), flush=True)
+                  + ("" if row["all_written"] else "  NOT ALL WRITTEN")
+                  + (f"  flash_mla {row['flash_mla_us']:.1f} us {row['flash_mla_TFLOPs']:.0f} TFLOP/s "
+                     f"err {row['flash_mla_max_abs_err']:.2g}" if "flash_mla_us" in row
+                     else f"  flash_mla: {row.get('flash_mla')}"), flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

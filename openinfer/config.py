@@ -137,6 +137,10 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "torch (reference) | triton (CUDA); auto: triton on CUDA",
                                   choices=["auto", "torch", "triton"])
     enforce_eager: bool = _opt(False, "CUDA: no CUDA graphs for decode steps")
+    flash_mla: str = _opt(
+        "auto", "CUDA, DeepSeek-V4 prefill attention through FlashMLA's SM90 sparse prefill (PyPI sgl-flash-mla, "
+                "optional): auto (where it is installed, the GPU is SM90 and a layer's keys are bf16; else the Triton "
+                "kernel) or off (the Triton kernel always; docs/deepseek_v4.md)", choices=["auto", "off"])
     cuda_graph_capture: str = _opt(
         "startup", "CUDA: when decode graphs of models with context buckets (DeepSeek-V4/V4.1) are captured: "
                    "startup (every batch x context bucket before the first request, so no step captures under "
@@ -286,6 +290,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.flash_mla not in ("auto", "off"):
+            raise ValueError(f"flash_mla must be 'auto' or 'off', got {self.flash_mla!r}")
         if self.cuda_graph_capture not in ("startup", "first_use"):
             raise ValueError(f"cuda_graph_capture must be 'startup' or 'first_use', got {self.cuda_graph_capture!r}")
         if self.attention_backend == "triton" and self.device == "cpu":

@@ -41,6 +41,11 @@ def make_kernels(config: EngineConfig):
         from openinfer.layers.triton_ops import TRITON_OPS
 
         backend, ops = TritonPagedAttention(), TRITON_OPS
+        if config.flash_mla == "auto":
+            from openinfer.layers import flash_mla_prefill
+
+            if flash_mla_prefill.load_error() is None:      # else the Triton kernel, as with flash_mla="off"
+                ops = dataclasses.replace(ops, sparse_prefill_attention=flash_mla_prefill.sparse_prefill_attention)
         if config.batch_invariant:
             from openinfer.layers.triton_batch_invariant import BatchInvariantTritonAttention
 
