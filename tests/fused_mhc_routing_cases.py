@@ -30,6 +30,7 @@ from openinfer.models.deepseek_v4.model import Experts, HyperConnection, HyperHe
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.family import DEEPSEEK_V41_TINY_CONFIG
 from openinfer.models.deepseek_v41.model import Block, Gate
+from openinfer.models.deepseek_v41.model import hc_weights as v41_hc_weights
 from openinfer.models.deepseek_v41.model import Expert as SharedExpert41
 from openinfer.models.deepseek_v41.model import MoE as MoE41
 
@@ -103,6 +104,21 @@ def _close(got, ref, name, atol, rtol) -> float:
     return float((got.float() - ref.float()).abs().max())
 
 
+def _close_or_nearer(got, ref, oracle, name, atol=1e-5, rtol=1e-5, margin=2.0) -> float:
+    """mHC weights whose mixes the kernel sums in another order than the torch path (K = 16,384 float32 terms,
+    products exact in both): within atol/rtol of the torch path, or else no farther from the float64 oracle (the same
+    math on exact mixes) than `margin` x the torch path is — its own float32 summation error, which Sinkhorn
+    carries into comb for both alike. Returns max |got - ref|."""
+    err = float((got.float() - ref.float()).abs().max())
+    if torch.allclose(got.float(), ref.float(), atol=atol, rtol=rtol):
+        return err
+    err_k = float((got.double() - oracle).abs().max())
+    err_r = float((ref.double() - oracle).abs().max())
+    assert err_k <= margin * err_r, (f"{name}: max |fused - torch| {err:.3g} past atol/rtol {atol}, and the fused "
+                                     f"error vs float64 {err_k:.3g} > {margin} x the torch path's {err_r:.3g}")
+    return err
+
+
 def _random_hc(module_params: list[torch.nn.Parameter], g, device, fan_in: int):
     fn, base, scale = module_params
     fn.data = _randn(g, *fn.shape, device=device, scale=fan_in ** -0.5)
@@ -137,8 +153,11 @@ def check_v4_mhc(ops, device, dtype, T: int, hidden: int, seed: int = 0) -> dict
         pre_r = TORCH_OPS.hc_weights(mixes, hc.base, hc.scale, n, hc.iters, hc.eps)[0]
         mixes_h = F.linear(unweighted_rms_norm(xf.flatten(1), head.norm_eps), head.hc_fn.float())
         pre_h = torch.sigmoid(mixes_h * head.hc_scale.float() + head.hc_base.float()) + head.eps
-    errs["post"] = _close(post, post_r, "V4 mHC post", 1e-5, 1e-5)
-    errs["comb"] = _close(comb, comb_r, "V4 mHC comb", 1e-5, 1e-5)
+        x64 = xf.double().flatten(1)
+        mixes64 = F.linear(x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + hc.norm_eps), hc.fn.double())
+        _, post_o, comb_o = TORCH_OPS.hc_weights(mixes64, hc.base.double(), hc.scale.double(), n, hc.iters, hc.eps)
+    errs["post"] = _close_or_nearer(post, post_r, post_o, "V4 mHC post")
+    errs["comb"] = _close_or_nearer(comb, comb_r, comb_o, "V4 mHC comb")
     errs["collapsed_of_bound"] = check_rounded(x, (pre_r.unsqueeze(-1) * xf).sum(1), x_r, "V4 mHC collapse",
                                           (pre_r.unsqueeze(-1) * xf).abs().sum(1))
     errs["head_of_bound"] = check_rounded(head_y, (pre_h.unsqueeze(-1) * xf).sum(1), head_r, "V4 hc_head",
@@ -185,9 +204,13 @@ def check_v41_mhc(ops, device, dtype, T: int, dim: int, seed: int = 0) -> dict:
         block.ops = ops
         pre, post, comb, x = block.hc_pre(streams, "attn", lagged)
         y = block.hc_post(out, streams, post_r, comb_r)
-    errs["pre"] = _close(pre, pre_r, "V4.1 mHC pre", 1e-5, 1e-5)
-    errs["post"] = _close(post, post_r, "V4.1 mHC post", 1e-5, 1e-5)
-    errs["comb"] = _close(comb, comb_r, "V4.1 mHC comb", 1e-5, 1e-5)
+        x64 = streams.double().flatten(1)
+        mixes64 = F.linear(x64, block.hc_attn_fn.double()) * torch.rsqrt(x64.square().mean(-1, keepdim=True) + block.eps)
+        oracle = v41_hc_weights(mixes64, block.hc_attn_base.double(), block.hc_attn_scale.double(), n, block.iters,
+                                block.hc_eps)
+    errs["pre"] = _close_or_nearer(pre, pre_r, oracle[0], "V4.1 mHC pre")
+    errs["post"] = _close_or_nearer(post, post_r, oracle[1], "V4.1 mHC post")
+    errs["comb"] = _close_or_nearer(comb, comb_r, oracle[2], "V4.1 mHC comb")
     sf = streams.float()
     terms = lagged.unsqueeze(-1) * sf
     errs["collapsed_of_bound"] = check_rounded(x, terms.sum(1), x_r, "V4.1 mHC collapse", terms.abs().sum(1))
@@ -200,8 +223,8 @@ def check_v41_mhc(ops, device, dtype, T: int, dim: int, seed: int = 0) -> dict:
 
 def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, seed: int = 0) -> dict:
     """mHC pre (with and without a lagged pre) and V4's head in one launch, whose K splits are counted in as they
-    arrive, equal the two-launch path bit for bit up to ONE_LAUNCH_MAX_T rows (where hc_pre takes one launch; at
-    any row count on the CPU); launched `repeats` times they give the same bits each time (a split read before it
+    arrive, equal the two-launch path: pre, post and comb bit for bit, the bf16 collapse within its bound on the GPU
+    (bit for bit on the CPU); launched `repeats` times they give the same bits each time (a split read before it
     was stored would not), and leave the kernel's arrival counts zero for the next launch."""
     from openinfer.layers import triton_mhc
     n = 4
@@ -226,10 +249,12 @@ def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, 
     names = ["pre", "post", "comb", "collapse", "lagged pre", "lagged post", "lagged comb", "lagged collapse", "head"]
     two = launch(False)
     first = launch(True)
-    # bit for bit where hc_pre takes one launch; forced past that (H200, 7-4,500 rows) the one program that
-    # collapses the full width rounds its bf16 collapse differently from the two-launch kernel's blocks (pre, post,
-    # comb equal): there the collapse is held to the bf16 bound, and every launch must repeat the first's bits
-    exact = T <= triton_mhc.ONE_LAUNCH_MAX_T or device == "cpu"
+    # pre, post and comb bit for bit (the same partials); the collapse too in the interpreter. On the GPU the one
+    # program that collapses the full width may round its four-term float32 sum (mul-add or FMA, as the compiler
+    # contracts it in each kernel) differently from the two-launch kernel's blocks: seen at 7-4,500 rows forced
+    # (H200), and at 1 row once the mixes moved to the tensor cores (2026-12-03), pre equal bit for bit. There the
+    # collapse is held to the bf16 bound, and every launch must repeat the first's bits
+    exact = device == "cpu"
     for name, got, want in zip(names, first, two):
         if exact or name not in ("collapse", "lagged collapse", "head"):
             assert torch.equal(got, want), f"hc_pre in one launch ({T} rows): {name} differs from two"

@@ -58,8 +58,8 @@ def test_gpu_mhc_at_flash_widths(T):
 def test_gpu_hc_pre_one_launch_at_flash_widths(T):
     """hc_pre in one launch (1, 2 rows: 128 and 64 K splits arriving at one count) or two, equal to the torch path;
     and the one-launch kernel forced at every row count (1000 rows: 32 token blocks of 8 splits; 4500: K unsplit,
-    more token blocks than SMs) equal to the two-launch path bit for bit over 20 launches, its arrival counts left
-    zero."""
+    more token blocks than SMs) equal to the two-launch path (pre, post, comb bit for bit; the collapse within the
+    bf16 bound) and repeating its bits over 20 launches, its arrival counts left zero."""
     from tests.fused_mhc_routing_cases import check_hc_pre_launches, check_v4_mhc, check_v41_mhc
     print(check_v4_mhc(_ops(), "cuda", torch.bfloat16, T, V4_FLASH["hidden_size"], seed=T))
     print(check_v41_mhc(_ops(), "cuda", torch.bfloat16, T, V41_FLASH["dim"], seed=T))
@@ -161,3 +161,35 @@ def test_gpu_fused_kernels_replay_in_cuda_graphs_and_compile_once_for_every_batc
     torch.cuda.synchronize()
     for got, want in zip(captured, _flash_step(ops, **fresh)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hidden", (V4_FLASH["hidden_size"], V41_FLASH["dim"]))
+def test_gpu_mix_products_are_exact(hidden):
+    """The mixes' tensor-core path splits fn into three bf16 parts: with one nonzero stream value (+-1, or a power
+    of two) per token, every sum holds one product, so each mix must equal that product exactly — a part dropped
+    or rounded would show in fn's low bits."""
+    import triton
+
+    from openinfer.layers import triton_mhc
+
+    n, T = 4, 300
+    K, mix = n * hidden, (2 + n) * n
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    fn = torch.randn(mix, K, device="cuda", generator=g) * 0.37          # full float32 mantissas
+    where = torch.randint(0, K, (T,), device="cuda", generator=g)
+    value = 2.0 ** torch.randint(-3, 4, (T,), device="cuda", generator=g).float()
+    value = value * (torch.randint(0, 2, (T,), device="cuda", generator=g) * 2 - 1)
+    x = torch.zeros(T, K, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(T, device="cuda"), where] = value.bfloat16()
+    mixp = 32
+    part = torch.empty(4, T, mixp, device="cuda")
+    kps = K // 4
+    triton_mhc._hc_mix_partials_kernel[(triton.cdiv(T, triton_mhc.BLOCK_T), 4)](
+        x, fn, part, T, K, kps, x.stride(0), part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=triton_mhc.BLOCK_T,
+        BLOCK_K=triton_mhc.BLOCK_K, UPCAST=False)
+    got = part.sum(0)[:, :mix]
+    want = fn[:, where].T * value[:, None]
+    assert torch.equal(got, want)
+    assert torch.equal(part.sum(0)[:, mix], value * value)

@@ -68,14 +68,47 @@ def sinkhorn(w, iters, eps, ROW: tl.constexpr, COL: tl.constexpr):
 
 
 @triton.jit
+def _split3(w):
+    """float32 w -> bf16 (hi, mid, lo) with hi + mid + lo == w exactly: each part takes the next 8 of the 24
+    significant bits (each remainder is exact in float32, the last fits bf16), by rounding or by truncation alike."""
+    hi = w.to(tl.bfloat16)
+    r = w - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(x, hi, mid, lo, UPCAST: tl.constexpr):
+    """x @ (hi + mid + lo) for one K tile, bf16 operands: the parts chained through the tensor cores' accumulator
+    (low first) from zero. The caller adds the tile to its float32 sum with an ordinary add: Triton folds `acc +
+    dot(a, b)` into the MMA's accumulator only for a dot started from zero, and a K loop summed inside the tensor cores
+    came out ~10x farther from the float64 oracle than the torch path at prefill sizes (post 1.8e-5 vs 1.5e-6, H200,
+    2026-12-03). UPCAST (Triton's CPU interpreter): float32 dots, where the products are exact as on the tensor cores."""
+    if UPCAST:
+        xf = x.to(tl.float32)
+        t = tl.dot(xf, lo.to(tl.float32), input_precision="ieee")
+        t = tl.dot(xf, mid.to(tl.float32), t, input_precision="ieee")
+        return tl.dot(xf, hi.to(tl.float32), t, input_precision="ieee")
+    t = tl.dot(x, lo)
+    t = tl.dot(x, mid, t)
+    return tl.dot(x, hi, t)
+
+
+@triton.jit
 def _mix_partial(x_ptr, fn_ptr, part_ptr, blk, split, T, K, k_per_split, stride_x, stride_ps, MIX: tl.constexpr,
-                 MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                 MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """Token block `blk`, K split `split`: x [T, K] (the flattened streams) times fn [MIX, K]^T over the split's K
-    range, float32 (IEEE products, not TF32), and the split's sum of squares in column MIX: part[split, t, :MIX + 1]."""
+    range, and the split's sum of squares in column MIX: part[split, t, :MIX + 1]. Every product is exact, as in the
+    float32 torch path (bf16 x times float32 fn fits float32), the sums are float32 in another order:
+    - bf16 streams: on the tensor cores. fn's tile splits exactly into three bf16 parts (`_split3`), each product
+      of a part with x is exact, and each K tile's three dots sum in the tensor cores from zero before an ordinary
+      float32 add into the running sum (`_dot3`);
+    - float32 streams: IEEE float32 dots (not TF32)."""
     rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, MIXP)
     rmask = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    SPLIT: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     acc = tl.zeros((BLOCK_T, MIXP), tl.float32)
     squares = tl.zeros((BLOCK_T,), tl.float32)
     k_lo = split * k_per_split
@@ -83,10 +116,16 @@ def _mix_partial(x_ptr, fn_ptr, part_ptr, blk, split, T, K, k_per_split, stride_
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_hi
-        x = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < MIX) & kmask[:, None], other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
-        squares += tl.sum(x * x, axis=1)
+        x = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < MIX) & kmask[:, None],
+                    other=0.0).to(tl.float32)
+        if SPLIT:
+            hi, mid, lo = _split3(w)
+            acc += _dot3(x, hi, mid, lo, UPCAST)
+        else:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
     acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
     tl.store(part_ptr + split * stride_ps + rows[:, None] * MIXP + cols[None, :], acc, mask=rmask[:, None])
 
@@ -137,13 +176,13 @@ def _hc_pre_kernel(x_ptr, fn_ptr, part_ptr, arrivals_ptr, T, K, k_per_split, str
                    base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, y_ptr, stride_y, H, inv_k, iters, eps, norm_eps,
                    N: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr,
-                   LAGGED: tl.constexpr):
+                   LAGGED: tl.constexpr, UPCAST: tl.constexpr):
     """mHC pre in one launch. Program (token block, K split) of S splits: the split's partials (`_mix_partial`);
     the block's last program to store them (the S-th arrival counted in arrivals[token block], which it sets back
     to 0 for the next launch) then finishes each of the block's tokens over every hidden column (`_hc_token`)."""
     blk = tl.program_id(0)
     _mix_partial(x_ptr, fn_ptr, part_ptr, blk, tl.program_id(1), T, K, k_per_split, stride_x, stride_ps, MIX, MIXP,
-                 BLOCK_T, BLOCK_K)
+                 BLOCK_T, BLOCK_K, UPCAST)
     arrived = S
     if S > 1:           # this program's partials all stored (bar.sync) before its arrival is released
         tl.debug_barrier()
@@ -159,10 +198,11 @@ def _hc_pre_kernel(x_ptr, fn_ptr, part_ptr, arrivals_ptr, T, K, k_per_split, str
 
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps"])
 def _hc_mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_x, stride_ps,
-                            MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                            MIX: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                            UPCAST: tl.constexpr):
     """The two-launch pre's first: program (token block, K split) -> the split's partials (`_mix_partial`)."""
     _mix_partial(x_ptr, fn_ptr, part_ptr, tl.program_id(0), tl.program_id(1), T, K, k_per_split, stride_x, stride_ps,
-                 MIX, MIXP, BLOCK_T, BLOCK_K)
+                 MIX, MIXP, BLOCK_T, BLOCK_K, UPCAST)
 
 
 @triton.jit(do_not_specialize=["S", "stride_ps", "h_per_split"])
@@ -251,11 +291,12 @@ def _hc_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
         _hc_pre_kernel[(token_blocks, splits)](
             streams, fn, part, arrivals, T, K, k_per_split, streams.stride(0), part.stride(0), splits, lag, base,
             scale, pre, post, comb, y, y.stride(0), H, 1.0 / K, iters, eps, norm_eps, N=n, MIX=mix, MIXP=mixp,
-            BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_HC, HEAD=head, LAGGED=lagged is not None)
+            BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_S=MAX_SPLITS, BLOCK_H=BLOCK_HC, HEAD=head, LAGGED=lagged is not None,
+            UPCAST=streams.device.type != "cuda")
         return
     _hc_mix_partials_kernel[(token_blocks, splits)](streams, fn, part, T, K, k_per_split, streams.stride(0),
                                                    part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=BLOCK_T,
-                                                   BLOCK_K=BLOCK_K)
+                                                   BLOCK_K=BLOCK_K, UPCAST=streams.device.type != "cuda")
     h_splits = max(1, min(triton.cdiv(H, BLOCK_HC), triton.cdiv(2 * sms, T)))   # one per token at large T
     h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_HC) * BLOCK_HC
     _hc_finish_kernel[(T, triton.cdiv(H, h_per_split))](
