@@ -11,11 +11,12 @@ Sinkhorn weights, the collapse, and the merge. Here:
   by the lagged pre V4.1 passes in) for each of the block's tokens (`hc_head`, V4's final collapse: the same kernel);
 - `hc_post` = one launch: post * sublayer output + comb^T @ streams.
 
-Float32 math throughout, as the references. Two roundings are offered for the merge: V4's torch path (transformers'
-semantics) computes it in the model dtype (post and comb cast to it, the two terms rounded, then their sum), V4.1's
-(DeepSeek's reference) in float32 with one rounding at the end; `rounded=True` reproduces the first exactly.
-Sums run in the references' orders where they have one (the merge's streams in stream order); elsewhere results
-agree within float32 rounding. Integer arguments that change with the batch are not specialized on (one compile
+Float32 math throughout, as the references (the mixes of bf16 streams on the tensor cores, every product exact:
+`_mix_partial`). Two roundings are offered for the merge: V4's torch path (transformers' semantics) computes it in
+the model dtype (post and comb cast to it, the two terms rounded, then their sum), V4.1's (DeepSeek's reference) in
+float32 with one rounding at the end; `rounded=True` reproduces the first exactly. Sums run in the references'
+orders where they have one (the merge's streams in stream order); elsewhere results agree within float32 rounding
+(the mixes: no farther from float64 than twice the torch path, tests/fused_mhc_routing_cases.py). Integer arguments that change with the batch are not specialized on (one compile
 per model width, whatever the batch: openinfer/engine/compile_watch.py). Tests: tests/test_fused_mhc_routing.py.
 """
 
