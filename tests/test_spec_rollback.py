@@ -55,10 +55,20 @@ class ScriptedDrafter:
         return drafts, [0.5] * len(drafts)
 
 
+# V4.1's tiny model is in DeepSeek's published formats, whose W8A8 linears round each activation to FP8 per token
+# group. Speculative and plain runs batch rows differently, and the float32 GEMMs then sum in other orders (1e-7);
+# where an activation sits near an FP8 rounding midpoint, that moves it one E4M3 step. On an AVX2 CPU (2026-12-03)
+# this gave a logprob 1.1e-3 from plain decoding under async scheduling with no draft rejected, against 9.5e-7 with
+# the weights dequantized alone (W8A16): batch-shape sensitivity of W8A8, not a trace of rolled-back drafts, which
+# would show in W8A16 too. So these engines run W8A16; the caches keep V4.1's FP8/FP4 formats.
+MODEL_OPTIONS = {"deepseek-v41-tiny": {"quantize_activations": False}}
+
+
 def _engine(model, spec: bool, **kw) -> LLMEngine:
     opts = dict(model=model, device="cpu", block_size=32, max_num_batched_tokens=64, max_num_seqs=4,
                 enable_prefix_caching=True, num_state_snapshots=64,
-                speculative_config={"method": "ngram", "num_speculative_tokens": K} if spec else None)
+                speculative_config={"method": "ngram", "num_speculative_tokens": K} if spec else None,
+                **MODEL_OPTIONS.get(model, {}))
     return LLMEngine(EngineConfig(**{**opts, **kw}))
 
 
