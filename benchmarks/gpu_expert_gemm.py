@@ -131,7 +131,8 @@ def expert_variants(w, s, dense, act_block, quick: bool = False):
     """name -> call(rows, offs): the routes and peers timed for the expert GEMM."""
     dt = dense.transpose(1, 2)
     out = {
-        "w4a8": lambda x, o: triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block),
+        "w4a8": lambda x, o: w4a8_route(x, o, w, s, act_block),
+        "w4a8_per32": lambda x, o: triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block),
         "w4a16": lambda x, o: tk.grouped_gemm(tk.quantize_dequantize_activations(x, act_block), o, w, s, "mxfp4",
                                               act_block),
         "bf16_dequant": lambda x, o: dequant_gemm.grouped_gemm_dequant(
@@ -142,8 +143,16 @@ def expert_variants(w, s, dense, act_block, quick: bool = False):
         "bf16_grouped_mm": lambda x, o: torch._grouped_mm(x, dt, offs=o),
     }
     if quick:
-        del out["w4a16_kernel_only"], out["bf16_dequant_4g"]
+        del out["w4a16_kernel_only"], out["bf16_dequant_4g"], out["w4a8_per32"]
     return out
+
+
+def w4a8_route(x, o, w, s, act_block):
+    """The W4A8 route as the dispatcher takes it: the folded kernel for 1 x 128 activation groups (these random
+    scales span 7 binades, so `fold_exact` holds), the per-32-group kernel otherwise."""
+    if act_block == triton_w4a8.FOLD_BLOCK:
+        return triton_w4a8.grouped_gemm_w4a8_folded(x, o, w, s)
+    return triton_w4a8.grouped_gemm_w4a8(x, o, w, s, act_block)
 
 
 def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, quick: bool = False,
@@ -171,7 +180,9 @@ def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, qui
                 xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in offs]
                 flops = 2 * m * n * k
                 row = dict(op="expert_gemm", model=model, proj=proj, N=n, K=k, experts=e, act_block=act_block,
-                           tokens=tokens, M=m, w4a8_config=triton_w4a8.w4a8_config(m, n, e, act_block).__dict__,
+                           tokens=tokens, M=m, w4a8_config=(triton_w4a8.folded_config(m, n, e).__dict__
+                                                            if act_block == triton_w4a8.FOLD_BLOCK else
+                                                            triton_w4a8.w4a8_config(m, n, e, act_block).__dict__),
                            w4a16_config=tk.grouped_config(m, n, k, e, "mxfp4", act_block).__dict__,
                            route_now=kernel_choice.expert_kernel(m, e))
                 for name, fn in variants.items():
@@ -180,7 +191,8 @@ def bench_experts(models: list[str], max_tokens: int, sweep: bool, rows_out, qui
                     row[name + "_us"] = t * 1e6 if isinstance(t, float) else t
                     row[name + "_TFLOPs"] = tflops(flops, t)
                 if sweep and tokens in SWEEP_TOKENS:
-                    row["w4a8_sweep"] = sweep_w4a8(xs, offs, w, s, act_block, m, n, e)
+                    row["w4a8_sweep"] = (sweep_folded(xs, offs, w, s, m, n, e) if act_block == triton_w4a8.FOLD_BLOCK
+                                         else sweep_w4a8(xs, offs, w, s, act_block, m, n, e))
                 rows_out.append(row)
                 print(f"{model:9s} {proj:7s} T={tokens:6d} M={m:6d}: " + "  ".join(
                     f"{v} {fmt_tf(row[v + '_TFLOPs'])}" for v in variants) + f"  (table: {row['route_now']})")
@@ -205,6 +217,26 @@ def sweep_w4a8(xs, offs, w, s, act_block, m, n, e) -> dict:
                         out[f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}"] = t * 1e6 if isinstance(t, float) else t
     best = min((v, c) for c, v in out.items() if isinstance(v, float))
     print(f"    w4a8 sweep best {best[1]}: {best[0]:.1f} us")
+    return out
+
+
+def sweep_folded(xs, offs, w, s, m, n, e) -> dict:
+    """The folded W4A8 kernel's tiles around its default (GEMM only: the rows quantized once beforehand)."""
+    quantized = [triton_w4a8.quantize_activations(x, 128, w4a8_order=True) for x in xs]
+    base = triton_w4a8.folded_config(m, n, e)
+    out = {}
+    for bm in sorted({base.block_m, max(16, base.block_m // 2), min(128, base.block_m * 2)}):
+        for bn in (64, 128, 256):
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    for swap in (False, True):
+                        cfg = triton_w4a8.FoldedConfig(bm, bn, warps, stages, swap)
+                        t = try_time([lambda q=q, o=o: triton_w4a8.grouped_gemm_w4a8_folded_quantized(
+                            q[0], q[1], o, w, s, torch.bfloat16, cfg) for q, o in zip(quantized, offs)])
+                        out[f"bm{bm}_bn{bn}_w{warps}_s{stages}{'_swap' if swap else ''}"] = (
+                            t * 1e6 if isinstance(t, float) else str(t)[:80])
+    best = min((v, c) for c, v in out.items() if isinstance(v, float))
+    print(f"    folded sweep best {best[1]}: {best[0]:.1f} us (default {base})")
     return out
 
 
@@ -331,6 +363,7 @@ def main():
     ap.add_argument("--variants", help="comma-separated expert routes/peers to time (default: all)")
     ap.add_argument("--max-m", type=int, default=max(FP8_MS), help="largest M for the FP8 linears")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--sweep-tokens", help=f"comma-separated T to sweep at (default {sorted(SWEEP_TOKENS)})")
     ap.add_argument("--quick", action="store_true", help="V4.1 shapes at M in QUICK_MS, the routes only (~2 min)")
     args = ap.parse_args()
     if args.quick:
@@ -339,6 +372,9 @@ def main():
             args.out = f"benchmarks/results/gpu_expert_gemm_quick_{date}.json"
         args.sweep = False
         gpu_quant_kernels.REPLAYS = 20
+    if args.sweep_tokens:
+        SWEEP_TOKENS.clear()
+        SWEEP_TOKENS.update(int(t) for t in args.sweep_tokens.split(","))
     result = run_header(date)
     result["tables_in_code"] = {"EXPERT_KERNEL_BY_ROWS_PER_EXPERT": kernel_choice.EXPERT_KERNEL_BY_ROWS_PER_EXPERT,
                                 "FP8_FINE_BLOCK_BY_M": kernel_choice.FP8_FINE_BLOCK_BY_M}

@@ -1,4 +1,5 @@
-"""The W4A8 grouped GEMM (openinfer/quantization/triton_w4a8.py) against `reference.grouped_gemm_a8`, and the
+"""The W4A8 grouped GEMMs (openinfer/quantization/triton_w4a8.py: per 32-group, and folded per 128) against
+`reference.grouped_gemm_a8`, and the
 W4A16 grouped GEMM's `tl.dot_scaled` tiles against `reference.grouped_gemm`, on random small shapes: 1 x 32 and
 1 x 128 activation groups, ragged routing with empty experts, K not a multiple of the activation group or of the
 tile, weight groups whose scales differ by many binades.
@@ -78,6 +79,32 @@ def w4a8_case(rng: random.Random, act_block: int) -> float:
     return rel
 
 
+def folded_case(rng: random.Random) -> float:
+    """The folded W4A8 kernel's plain-Triton decode (the interpreter cannot run its inline PTX; the GPU tests hold
+    the two bit for bit) on rows in its K order vs reference.grouped_gemm_a8 with 1 x 128 groups, fp32 out,
+    weight groups up to FOLD_SPREAD binades below their block's largest, both products."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    e, n, k = rng.choice([(3, 48, 256), (4, 80, 128), (2, 16, 384)])
+    m = rng.randint(1, 40)
+    counts, offs = _routing(rng, e, m)
+    w = torch.randn(e, n, k, generator=g) * 0.05
+    w *= 2.0 ** -torch.randint(0, triton_w4a8.FOLD_SPREAD - 2, (1, 1, k // 32), generator=g).repeat_interleave(32, -1)
+    weight, scale = formats.quantize_mxfp4(w)
+    assert triton_w4a8.fold_exact(scale)
+    spread = 2.0 ** torch.randint(-6, 7, (1, k // 32), generator=g).repeat_interleave(32, 1)
+    rows = (torch.randn(m + 2, k, generator=g) * spread * rng.choice([0.01, 1.0, 30.0])).to(torch.bfloat16)
+    a, a_scale = formats.quantize_activations(rows, 128)
+    a = triton_w4a8.w4a8_order(a.view(torch.uint8)).view(torch.float8_e4m3fn)
+    cfg = triton_w4a8.FoldedConfig(rng.choice([16, 32]), rng.choice([16, 32, 64]), 4, 1,
+                                   swap_ab=rng.random() < 0.5, use_asm=False)
+    out = triton_w4a8.grouped_gemm_w4a8_folded_quantized(a, a_scale, offs, weight, scale, torch.float32, cfg)
+    ref = reference.grouped_gemm_a8(rows.float(), offs, weight, scale, "mxfp4", 128)
+    assert out.shape == (m + 2, n)
+    rel = _rel(out[:m], ref[:m])
+    assert rel < 1e-5, (rel, counts, cfg)
+    return rel
+
+
 def dot_scaled_case(rng: random.Random) -> float:
     """The W4A16 grouped GEMM's `tl.dot_scaled` tiles (GroupedConfig.dot_scaled, plain and swapped) vs
     reference.grouped_gemm on bf16 rows: the weights decode exactly, so only the fp32 summation order and the
@@ -114,6 +141,7 @@ def run(seed: int = 0, quick: bool = False) -> None:
     rng = random.Random(seed)
     reps = 3 if quick else 10
     cases = [("w4a8 act 1x32", lambda: w4a8_case(rng, 32)), ("w4a8 act 1x128", lambda: w4a8_case(rng, 128)),
+             ("w4a8 folded", lambda: folded_case(rng)),
              ("w4a16 dot_scaled", lambda: dot_scaled_case(rng))]
     for name, case in cases:
         for _ in range(reps):

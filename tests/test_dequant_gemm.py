@@ -50,6 +50,29 @@ def test_dispatchers_take_the_bf16_dequant_route_when_the_table_names_it(monkeyp
     assert calls == [("linear", 32), ("experts", 32, None), ("experts", 32, host)]
 
 
+def test_foldable_experts_with_128_groups_take_the_folded_table(monkeypatch):
+    """`grouped_gemm_a8` takes FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT, and through it the folded W4A8 kernel, only
+    for MXFP4 experts the caller found foldable with 1 x 128 groups over whole 128-blocks of K; others keep the
+    plain table."""
+    import torch
+
+    from openinfer.quantization import kernel_choice, triton_w4a8
+
+    monkeypatch.setattr(triton_w4a8, "grouped_gemm_w4a8_folded", lambda *a: "folded")
+    monkeypatch.setattr(triton_w4a8, "grouped_gemm", lambda *a: "w4a16")
+    monkeypatch.setattr(triton_w4a8, "quantize_dequantize_activations", lambda x, block: x)
+    monkeypatch.setattr(kernel_choice, "EXPERT_KERNEL_BY_ROWS_PER_EXPERT", ((0, "w4a16"),))
+    monkeypatch.setattr(kernel_choice, "FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT", ((0, "w4a8"),))
+    we, se = torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64, 8, dtype=torch.uint8)
+    offs = torch.zeros(2, dtype=torch.int32)
+
+    def route(k=256, fmt="mxfp4", block=128, foldable=True):
+        return triton_w4a8.grouped_gemm_a8(torch.zeros(8, k), offs, we, se, fmt, block, w4a8_foldable=foldable)
+
+    assert route() == "folded"
+    assert route(foldable=False) == route(block=32) == route(k=192) == "w4a16"
+
+
 def test_calls_sharing_offsets_read_them_on_the_host_once():
     """A MoE's two grouped GEMMs share one ReadOnce of their offsets: the first route that needs the values on the
     host reads them (one sync on CUDA), the second reuses them."""

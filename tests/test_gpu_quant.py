@@ -257,16 +257,21 @@ def test_w4a8_at_full_width(model, tokens):
         del weight, scale
 
 
-def test_w4a8_cuda_graph_replay_equals_eager():
-    """The W4A8 path captured once and replayed on new rows and a new routing (tiles found on the device)."""
+@pytest.mark.parametrize("folded", [False, True])
+def test_w4a8_cuda_graph_replay_equals_eager(folded):
+    """The W4A8 kernels (per 32-group; folded per 128) captured once and replayed on new rows and a new routing
+    (tiles found on the device)."""
     from openinfer.quantization import triton_w4a8
 
     g = _gen()
     weight, scale = _experts("mxfp4", 8, 256, 1024, 32, g)
+    assert triton_w4a8.fold_exact(scale)
     rows = torch.randn(24, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
     offs = _offs([3, 0, 5, 0, 0, 16, 0, 0])
 
     def step():
+        if folded:
+            return triton_w4a8.grouped_gemm_w4a8_folded(rows, offs, weight, scale)
         return triton_w4a8.grouped_gemm_w4a8(rows, offs, weight, scale, 128)
 
     step()

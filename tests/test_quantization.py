@@ -152,6 +152,38 @@ def test_w4a8_expert_gemm_equals_deepseek_act_quant_then_fp4_gemm(act_block):
         start += c
 
 
+def test_folded_w4a8_weights_are_the_dequantized_weights_when_fold_exact_accepts():
+    """The folded W4A8 kernel's operands (`triton_w4a8.fold_reference`: E4M3 values with each 128-block's scales
+    folded in, one power of two per block) times their block scale are the MXFP4 weights exactly, for every code
+    at fold distances 0 .. FOLD_SPREAD; one 32-group further below its block's largest and `fold_exact` refuses
+    (values would leave E4M3's normal range), as it does a block scale outside 7 .. 243."""
+    from openinfer.quantization import triton_w4a8
+
+    g = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (2, 16, 256), generator=g, dtype=torch.uint8)
+    packed[0, 0] = torch.arange(256, dtype=torch.uint8)
+    scale = (120 - torch.randint(0, triton_w4a8.FOLD_SPREAD + 1, (2, 16, 16), generator=g)).to(torch.uint8)
+    scale[..., ::4] = 120
+    assert triton_w4a8.fold_exact(scale)
+    vals, block = triton_w4a8.fold_reference(packed, scale)
+    assert vals.dtype == torch.float8_e4m3fn and block.shape == (2, 16, 4)
+    assert torch.equal(vals.float() * block.repeat_interleave(128, -1), dequantize_mxfp4(packed, scale))
+    for bad in (120 - triton_w4a8.FOLD_SPREAD - 1, 250):
+        wide = scale.clone()
+        wide[1, 3, 5] = bad
+        assert not triton_w4a8.fold_exact(wide)
+    assert not triton_w4a8.fold_exact(scale[..., :6])             # K not whole 128-blocks
+
+
+def test_w4a8_order_groups_each_eight_by_halves():
+    from openinfer.quantization import triton_w4a8
+
+    k = torch.arange(256).repeat(3, 1)
+    order = triton_w4a8.w4a8_order(k)[0].tolist()
+    want = [b + 8 * i + j for b in (0, 128) for half in (0, 4) for i in range(16) for j in range(half, half + 4)]
+    assert order == want
+
+
 def test_quantizers_keep_grid_values_exactly():
     g = torch.Generator().manual_seed(1)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -226,6 +258,7 @@ def test_kernel_tables_cover_every_size_with_known_kernels():
     from openinfer.quantization import kernel_choice
 
     for table, names in ((kernel_choice.EXPERT_KERNEL_BY_ROWS_PER_EXPERT, {"w4a16", "w4a8", "bf16_dequant"}),
+                         (kernel_choice.FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT, {"w4a16", "w4a8", "bf16_dequant"}),
                          (kernel_choice.FP8_FINE_BLOCK_BY_M, {"fp8", "bf16", "bf16_dequant"})):
         starts = [start for start, _ in table]
         assert starts[0] == 0 and starts == sorted(set(starts)), table

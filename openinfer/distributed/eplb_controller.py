@@ -75,6 +75,8 @@ class EplbController:
             new, moves = decision
             apply_moves([list(m.experts.parameters()) for m in self.moes], moves, self.ctx.ep_rank,
                         self.ctx.ep_group)
+            for m in self.moes:
+                m.experts.weights_changed()
             self.placement = new
             self._set_routing()
             self.num_rebalances += 1

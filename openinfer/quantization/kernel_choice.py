@@ -18,6 +18,12 @@ from __future__ import annotations
 # bf16_dequant / w4a16: V4-Flash 96 rows per expert 111-114 / 143-146, 192: 196-210 / 143-149, 384: 289-291 /
 # 167-172; V4.1-Flash 128: 133-135 / 138-141 (even), 256: 218-234 / 163-170
 EXPERT_KERNEL_BY_ROWS_PER_EXPERT: tuple[tuple[int, str], ...] = ((0, "w4a16"), (192, "bf16_dequant"))
+# The same for experts the folded W4A8 kernel takes (1 x 128 activation groups, as V4's; scales that fold exactly:
+# `triton_w4a8.fold_exact`). H200 (gpu_expert_gemm.py --sweep, 2026-12-03), V4-Flash, us per GEMM at its tuned
+# tiles (gate_up / down) against W4A16 and bf16_dequant: 1 token 36.9 / 19.9 vs 56 / 27; 32 tokens 508 / 269 vs
+# 780 / 353; 1K 1,343 / 641 vs 2,497 / 1,147; 8K (192 rows per expert) 5,201 / 2,504 (317-329 TFLOP/s) vs the
+# dequant route's 7,400 / 3,900 (210-222 TFLOP/s)
+FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT: tuple[tuple[int, str], ...] = ((0, "w4a8"),)
 # FP8 linears with blocks under 128 (V4.1's 32 x 32; cuBLAS' blockwise scaling takes only 128), by tokens: "fp8" =
 # the W8A8 Triton kernel (a rescale per block of K); "bf16" = weight tiles dequantized to bf16 inside a bf16 GEMM,
 # on activations rounded as W8A8 rounds them; "bf16_dequant" = the same rounded activations, the weight dequantized
@@ -35,9 +41,11 @@ def choose(table: tuple[tuple[int, str], ...], m: int) -> str:
     return kernel
 
 
-def expert_kernel(rows: int, experts: int) -> str:
-    """The route for `rows` routed rows over `experts` stacked experts (by whole rows per expert)."""
-    return choose(EXPERT_KERNEL_BY_ROWS_PER_EXPERT, rows // max(1, experts))
+def expert_kernel(rows: int, experts: int, folded: bool = False) -> str:
+    """The route for `rows` routed rows over `experts` stacked experts (by whole rows per expert); `folded`: the
+    experts can take the folded W4A8 kernel."""
+    table = FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT if folded else EXPERT_KERNEL_BY_ROWS_PER_EXPERT
+    return choose(table, rows // max(1, experts))
 
 
 def fp8_fine_block_kernel(m: int) -> str:

@@ -78,7 +78,8 @@ def grouped_gemm(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, s
 
 
 def grouped_gemm_a8(rows: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                    block: int, host_offs=None) -> torch.Tensor:
+                    block: int, host_offs=None, w4a8_foldable: bool = False) -> torch.Tensor:
+    """`w4a8_foldable`: a kernel choice of the CUDA ops (`triton_w4a8.fold_exact`), the same values here."""
     a = dequantize_activations(*quantize_activations(rows.float(), block), block)
     return grouped_gemm(a, offs, weight, scale, fmt, block, host_offs).to(rows.dtype)
 

@@ -41,10 +41,11 @@ def _quantize_groups(x):
 # ---- activation quantization --------------------------------------------------------------------------
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                      BLOCK: tl.constexpr, ROWS: tl.constexpr, DEQUANT: tl.constexpr):
+                      BLOCK: tl.constexpr, ROWS: tl.constexpr, DEQUANT: tl.constexpr, W4A8_ORDER: tl.constexpr = False):
     """One program: ROWS tokens x one group of BLOCK channels; one read of x, fp8 values + fp32 scales out
     (DEQUANT: the values times their scale in q's dtype instead, no scales). Rows M..M_OUT (padding) come
-    out as zeros."""
+    out as zeros. W4A8_ORDER (BLOCK 128): the group's values stored in the folded W4A8 kernel's K order (those
+    with k % 8 < 4 first, then the rest: `triton_w4a8.w4a8_order`)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * BLOCK + tl.arange(0, BLOCK)
@@ -57,14 +58,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, st
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :],
                  (q.to(tl.float32) * s[:, None]).to(q_ptr.dtype.element_ty), mask=out_mask)
     else:
+        if W4A8_ORDER:          # permuted in registers, so that the store stays contiguous
+            q = tl.reshape(tl.permute(tl.reshape(q, (ROWS, BLOCK // 8, 2, 4)), (0, 2, 1, 3)), (ROWS, BLOCK))
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=out_mask)
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rows < M_OUT)
 
 
-def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool = False, rows: int | None = None):
+def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool = False, rows: int | None = None,
+                         w4a8_order: bool = False):
     """x [M, K] -> (float8_e4m3fn [rows, K], float32 scales [rows, ceil(K/block)]), bit-identical to
     `formats.quantize_activations` (rows past M, if `rows` > M, are zero). `scales_column_major` lays the
-    scales out token-fastest (what torch._scaled_mm's 1x128 blockwise scaling expects)."""
+    scales out token-fastest (what torch._scaled_mm's 1x128 blockwise scaling expects). `w4a8_order` (block
+    128, K a multiple of it): the values in the folded W4A8 kernel's K order (`triton_w4a8.w4a8_order`)."""
     m, k = x.shape
     rows = m if rows is None else rows
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -72,9 +77,12 @@ def quantize_activations(x: torch.Tensor, block: int, scales_column_major: bool 
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = (torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if scales_column_major
          else torch.empty(rows, groups, dtype=torch.float32, device=x.device))
+    if w4a8_order and (block != 128 or k % block):
+        raise ValueError(f"the W4A8 K order is defined for 1 x 128 groups over whole groups (block {block}, K {k})")
     tile = max(1, 4096 // block)
     _act_quant_kernel[(triton.cdiv(rows, tile), groups)](x, q, s, m, rows, k, x.stride(0), q.stride(0), s.stride(0),
-                                                         s.stride(1), BLOCK=block, ROWS=tile, DEQUANT=False)
+                                                         s.stride(1), BLOCK=block, ROWS=tile, DEQUANT=False,
+                                                         W4A8_ORDER=w4a8_order)
     return q, s
 
 

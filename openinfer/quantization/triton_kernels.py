@@ -338,6 +338,13 @@ def _grouped_gemm_kernel(x_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
                 acc += tl.dot(w, tl.trans(x))
             else:
                 acc += tl.dot(x, tl.trans(w))
+    _store_rows(out_ptr, acc, rm, rn, m_mask, n_mask, stride_om, SWAP_AB)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, rm, rn, m_mask, n_mask, stride_om, SWAP_AB: tl.constexpr):
+    """A grouped GEMM's output tile: acc [BLOCK_M, BLOCK_N] into rows rm, columns rn of out, or acc
+    [BLOCK_N, BLOCK_M] (the transposed product, SWAP_AB) stored transposed."""
     if SWAP_AB:
         out = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])

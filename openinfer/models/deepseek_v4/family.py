@@ -101,6 +101,12 @@ class DeepseekV4Family(ModelFamily):
         scale_names = _stored_quantization(read_headers(model.path), QuantScheme.from_hf(model.hf_config))[1]
         load_weights(net, ((scale_names.get(n, n), t) for n, t in iter_safetensors(model.path)))
 
+    def finish(self, net, model, config):
+        from openinfer.models.deepseek_v4.model import expert_weights_loaded
+
+        expert_weights_loaded(net)          # e.g. which MXFP4 experts the folded W4A8 kernel takes
+        return net
+
     def write_random_checkpoint(self, hf_config: dict, out: Path, seed: int = 0, std: float = 0.02,
                                 shard_bytes: int = 64 << 20, tokenizer_dir: Path | str | None = "own") -> None:
         from openinfer.models.deepseek_v4.writer import write_checkpoint

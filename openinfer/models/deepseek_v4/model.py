@@ -860,6 +860,10 @@ class Experts(nn.Module):
         """`host_offs`: `offs` read on the host at most once for both GEMMs, where a route needs them there."""
         return torch._grouped_mm(rows, getattr(self, name).transpose(1, 2), offs=offs)
 
+    def weights_changed(self) -> None:
+        """Called after the weights were written (loaded, or moved between slots by EPLB): recompute anything
+        derived from them (bf16 experts: nothing)."""
+
     def forward(self, x, experts, weights, add: torch.Tensor | None = None):
         """x [T, H], experts [T, k] slot ids (-1: not computed here, expert parallelism), weights [T, k]; `add` [T, H]
         (the shared expert's rows): returned added to the sums, `experts(x) + add` (in the combine's epilogue where the
@@ -896,6 +900,14 @@ class Experts(nn.Module):
         return out if add is None else out + add
 
 
+def expert_weights_loaded(net: nn.Module) -> None:
+    """After the checkpoint is in: every routed-experts module recomputes what it derives from its weights
+    (`Experts.weights_changed`)."""
+    for m in net.modules():
+        if isinstance(m, Experts):
+            m.weights_changed()
+
+
 def expert_scratch_bytes(net: nn.Module) -> int:
     """`ModelTraits.prefill_scratch_bytes` of a DeepSeek model: quantized experts on CUDA may take the dequant route
     at large prefill steps (`kernel_choice`), whose bf16 scratch holds at most `dequant_gemm.SCRATCH_BYTES` (or
@@ -922,10 +934,23 @@ class QuantizedExperts(Experts):
         self.gate_up_proj, self.gate_up_proj_scale = stored_parameters((E, 2 * inter, H), fmt, block)
         self.down_proj, self.down_proj_scale = stored_parameters((E, H, inter), fmt, block)
         self.fmt, self.block, self.limit, self.ops = fmt, block, cfg.swiglu_limit, ops
+        # per GEMM: whether the folded W4A8 kernel reproduces these MXFP4 experts exactly (`weights_changed`)
+        self.w4a8_foldable = {"gate_up_proj": False, "down_proj": False}
 
     @property
     def grouped(self) -> bool:
         return self.gate_up_proj.is_cuda
+
+    def weights_changed(self) -> None:
+        """MXFP4 experts on CUDA: check once whether every 128-wide K block's scales fold into E4M3
+        (`triton_w4a8.fold_exact`, one reduction and one host read per tensor), which the expert GEMM's folded
+        W4A8 route requires. At load (`finish`) and after EPLB moved slots."""
+        if self.fmt != "mxfp4" or not self.grouped:
+            return
+        from openinfer.quantization.triton_w4a8 import fold_exact
+
+        for name in self.w4a8_foldable:
+            self.w4a8_foldable[name] = fold_exact(getattr(self, name + "_scale"))
 
     def expert_linear(self, x, name: str, e: int):
         offs = torch.full((1,), x.shape[0], dtype=torch.int32)
@@ -934,9 +959,11 @@ class QuantizedExperts(Experts):
         return gemm(x, offs, w[e:e + 1], s[e:e + 1], self.fmt, self.block)
 
     def grouped_mm(self, rows, name: str, offs, host_offs: ReadOnce | None = None):
-        gemm = self.ops.grouped_gemm_a8 if self.ops.quantize_activations else self.ops.grouped_gemm
-        return gemm(rows, offs, getattr(self, name), getattr(self, name + "_scale"), self.fmt, self.block,
-                    host_offs=host_offs)
+        w, s = getattr(self, name), getattr(self, name + "_scale")
+        if self.ops.quantize_activations:
+            return self.ops.grouped_gemm_a8(rows, offs, w, s, self.fmt, self.block, host_offs=host_offs,
+                                            w4a8_foldable=self.w4a8_foldable[name])
+        return self.ops.grouped_gemm(rows, offs, w, s, self.fmt, self.block, host_offs=host_offs)
 
 
 class MoE(nn.Module):

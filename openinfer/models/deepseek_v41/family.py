@@ -141,8 +141,10 @@ class DeepseekV41Family(ModelFamily):
         load_weights(net, iter_safetensors(model.path, keep=model_keeps(net)))
 
     def finish(self, net, model, config):
+        from openinfer.models.deepseek_v4.model import expert_weights_loaded
         from openinfer.models.deepseek_v41.loader import engram_hasher
 
+        expert_weights_loaded(net)
         engram = engram_hasher(net.config, model.path)
         if engram is not None:
             net.attach_hasher(engram[1].to(net.embed.weight.device))
