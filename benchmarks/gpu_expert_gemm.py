@@ -345,7 +345,10 @@ def recommended_tables(result: dict) -> dict:
         if sizes:
             experts = EXPERT_MODELS[model][0]
             per_expert = {m // experts: times for m, times in sizes.items()}
-            out[f"EXPERT_KERNEL_BY_ROWS_PER_EXPERT ({model})"] = route_table(per_expert, EXPERT_ROUTES)
+            # "w4a8" is the folded kernel for 1 x 128 activation groups (its own table), the per-32 one otherwise
+            name = ("FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT" if EXPERT_MODELS[model][3] == triton_w4a8.FOLD_BLOCK
+                    else "EXPERT_KERNEL_BY_ROWS_PER_EXPERT")
+            out[f"{name} ({model})"] = route_table(per_expert, EXPERT_ROUTES)
     sizes = _summed(result.get("fp8", []), FP8_ROUTES)
     if sizes:
         out["FP8_FINE_BLOCK_BY_M"] = route_table(sizes, FP8_ROUTES)
