@@ -199,13 +199,47 @@ def prefill(llm: LLM, batch: int, n: int, ceil: dict) -> dict:
     gpu_ms = sum(e.device_time for e in step_kernels) / 1e3        # the rest of a step's time is host work
     while eng.has_unfinished_requests():
         eng.step()
+    host = host_ops(eng, batch, per_step, n, g)
     fl = 0.0
     for s in range(steps):   # each step: `per_step` sequences' whole prompts (n <= budget)
         seqs = min(per_step, batch - s * per_step)
         fl += floor_ms(eng.runner.model, [n] * seqs, [n] * seqs, ceil)[0]
     return {"batch": batch, "prompt_tokens": n, "steps": steps, "time_ms": t * 1e3, "ms_per_step": t * 1e3 / steps,
             "floor_ms": fl, "ratio_to_floor": t * 1e3 / fl, "tokens_per_s": batch * n / t,
-            "gpu_kernel_ms_one_step": gpu_ms, "top_kernels_one_step": top}
+            "gpu_kernel_ms_one_step": gpu_ms, "top_kernels_one_step": top, "kernels_one_step": len(step_kernels),
+            "kernels_per_layer_one_step": len(step_kernels) / len(layout_of(eng)), **host}
+
+
+def layout_of(eng) -> list:
+    return eng.runner.model.config.layer_types
+
+
+def host_ops(eng, batch: int, per_step: int, n: int, g: torch.Generator, top: int = 15) -> dict:
+    """Where a prefill step's host time goes: one more untimed step under the profiler (its overhead inflates the
+    times; the counts are exact): the host-side events (torch ops, CUDA runtime and driver calls) with the most
+    self CPU time (name, calls, ms), and the kernel launches the host issued (cudaLaunchKernel, cuLaunchKernelEx:
+    torch's and Triton's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(min(batch, per_step)):
+        eng.add_request(torch.randint(100, 128000, (n,), generator=g).tolist(), SamplingParams(max_tokens=1))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        a = acc.setdefault(e.name[:80], [0, 0.0])
+        a[0] += 1
+        a[1] += e.self_cpu_time_total
+    launches = sum(c for name, (c, _) in acc.items() if "LaunchKernel" in name)    # runtime and driver launches
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"host_profiled_step_ms": wall * 1e3, "host_launches_one_step": launches,
+            "host_top_ops_one_step": [(name, c, round(t / 1e3, 2)) for name, (c, t) in rows]}
 
 
 def fidelity(tokenizer_json: str) -> dict:
