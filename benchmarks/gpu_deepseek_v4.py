@@ -239,7 +239,38 @@ def host_ops(eng, batch: int, per_step: int, n: int, g: torch.Generator, top: in
     launches = sum(c for name, (c, _) in acc.items() if "LaunchKernel" in name)    # runtime and driver launches
     rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
     return {"host_profiled_step_ms": wall * 1e3, "host_launches_one_step": launches,
-            "host_top_ops_one_step": [(name, c, round(t / 1e3, 2)) for name, (c, t) in rows]}
+            "host_top_ops_one_step": [(name, c, round(t / 1e3, 2)) for name, (c, t) in rows],
+            "host_syncs_one_step": host_syncs(eng, batch, per_step, n, g)}
+
+
+def host_syncs(eng, batch: int, per_step: int, n: int, g: torch.Generator) -> dict:
+    """The torch ops that made a prefill step wait for the GPU (torch.cuda.set_sync_debug_mode("warn") on one more
+    step), counted per openinfer source line: each stalls the host until the GPU drains, so the step's host and
+    GPU times add up instead of overlapping."""
+    import traceback
+    import warnings
+    for _ in range(min(batch, per_step)):
+        eng.add_request(torch.randint(100, 128000, (n,), generator=g).tolist(), SamplingParams(max_tokens=1))
+    where: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/openinfer/" in f.filename]
+        key = f"{frames[-1].filename.split('/openinfer/')[-1]}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
+        where[key] = where.get(key, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            eng.step()
+    finally:
+        warnings.showwarning = shown
+        torch.cuda.set_sync_debug_mode("default")
+    while eng.has_unfinished_requests():
+        eng.step()
+    return dict(sorted(where.items(), key=lambda kv: -kv[1]))
 
 
 def fidelity(tokenizer_json: str) -> dict:
