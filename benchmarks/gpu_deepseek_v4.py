@@ -256,7 +256,8 @@ def host_syncs(eng, batch: int, per_step: int, n: int, g: torch.Generator) -> di
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "/openinfer/" in f.filename]
-        key = f"{frames[-1].filename.split('/openinfer/')[-1]}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
+        at = frames[-1] if frames else None
+        key = f"{at.filename.split('/openinfer/')[-1]}:{at.lineno}" if at else f"{filename}:{lineno}"
         where[key] = where.get(key, 0) + 1
 
     torch.cuda.set_sync_debug_mode("warn")

@@ -70,7 +70,8 @@ def test_published_v4_every_kernel_route_follows_cpu_reference(request, table, r
     monkeypatch.setattr(kernel_choice, table, ((0, route),))
     folded_calls = []
     folded = triton_w4a8.grouped_gemm_w4a8_folded
-    monkeypatch.setattr(triton_w4a8, "grouped_gemm_w4a8_folded", lambda *a, **k: folded_calls.append(1) or folded(*a, **k))
+    monkeypatch.setattr(triton_w4a8, "grouped_gemm_w4a8_folded",
+                        lambda *a, **k: folded_calls.append(1) or folded(*a, **k))
     got = _prompt_logits(LLM(str(published_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3), prompt)
     # the 128 x 128 tiny (scales within a few binades of each other) takes the folded kernel where it is named
     assert bool(folded_calls) == (table.startswith("FOLDED") and route == "w4a8")

@@ -71,7 +71,8 @@ def test_every_code_at_every_fold_distance_decodes_exactly(spread):
     rows = torch.zeros(k, k, device="cuda", dtype=torch.bfloat16)
     rows.fill_diagonal_(1.0)
     offs = _offs([k])
-    for cfg in (triton_w4a8.FoldedConfig(64, 64, 4, 3, False, True), triton_w4a8.FoldedConfig(32, 64, 4, 3, True, True)):
+    for cfg in (triton_w4a8.FoldedConfig(64, 64, 4, 3, False, True),
+                triton_w4a8.FoldedConfig(32, 64, 4, 3, True, True)):
         out = triton_w4a8.grouped_gemm_w4a8_folded(rows, offs, weight, scale, cfg)
         assert torch.equal(out.float(), dense.T.to(torch.bfloat16).float()), cfg
 
