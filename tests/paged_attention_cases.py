@@ -171,6 +171,9 @@ def check_all(device: str, quick: bool = False) -> list[str]:
 
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     fails = check_all(sys.argv[1] if len(sys.argv) > 1 else "cpu", quick="--quick" in sys.argv)
     print("\n".join(fails) or "all cases pass")
     sys.exit(1 if fails else 0)

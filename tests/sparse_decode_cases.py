@@ -256,6 +256,9 @@ def compare_engines(model: str, device: str, dtype: str, tol: float, max_tokens:
     return failures
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if "--engine" in sys.argv:      # the tiny models, float32 (Triton's interpreter on the CPU: its fp32 dots)
         fails = [f for m in ("deepseek-v4-tiny", "deepseek-v41-tiny")

@@ -501,6 +501,9 @@ def run_ds_mla(device: str, quick: bool) -> None:
 
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     if "--engine" in sys.argv:
         for model in sys.argv[sys.argv.index("--engine") + 1:]:
             check_engine(model)

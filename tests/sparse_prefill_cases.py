@@ -351,6 +351,9 @@ def compare_engine_ops(model: str, device: str, dtype: str, tol: float, op) -> l
 
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if "--per-sequence" in sys.argv:
         fails = check_per_sequence(device)

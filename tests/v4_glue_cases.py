@@ -413,5 +413,8 @@ def run(which: str = "kernels") -> list[str]:
 
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     fails = run(*sys.argv[1:2])
     print("\n".join(fails) or "all cases pass")
