@@ -426,7 +426,10 @@ def check_engine(name: str) -> None:
     """The tiny model (`LLM(name)`, float32 on the CPU) generating greedily with the torch ops and with the sparse
     decode kernels in their place (through `make_kernels`; Triton's interpreter): the same tokens, the same
     cumulative log-probabilities to 1e-4. Decode steps cross compression windows and score more entries than
-    index_topk (and, V4.1, than its candidate blocks hold)."""
+    index_topk (and, V4.1, than its candidate blocks hold): 8 tokens after prompts of 9 and 40 feed decode positions
+    9-15 and 40-46, which close V4's CSA windows (ratio 4: 11, 15, 43), an HCA window (ratio 16: 15) and V4.1's
+    every step (ratios 2 and 1); V4's 9-token request starts below index_topk (2 entries of 4), the 40-token one
+    above it, and above V4.1's index_topk and 3 candidate blocks of 4 entries."""
     import dataclasses
 
     from openinfer import LLM, SamplingParams
@@ -440,7 +443,7 @@ def check_engine(name: str) -> None:
         v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 120000, (n,), generator=g).tolist() for n in (9, 40)]
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     make = llm_engine.make_kernels
     runs = []
     for ops in (None, fused):
