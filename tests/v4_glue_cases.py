@@ -332,7 +332,9 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
                       op: str = "v4_norm_rope", engine_kwargs: dict | None = None) -> dict:
     """deepseek-v4-tiny and deepseek-v41-tiny through the engine with the runtime's ops without `v4_norm_rope` (the
     models' torch glue), and with it: the same greedy tokens, prompt and sampled logprobs within `tol`, over a
-    batched prefill and batched decode steps that cross compression windows. `same_tokens` False (bf16 on a GPU,
+    batched prefill and batched decode steps that cross compression windows (4 tokens after prompts of 14 and 5:
+    decode positions 14-16 and 5-7 close V4's HCA window (ratio 16: 15) and CSA windows (ratio 4: 15, 7), V4.1's at
+    every step, and wrap the 16-row sliding window). `same_tokens` False (bf16 on a GPU,
     where a last-bit difference may flip a near-tie of the random model): the prompt logprobs within `tol`, the
     sampled ones up to the first token that differs, and the share of equal tokens reported.
 
@@ -362,7 +364,7 @@ def check_tiny_models(device: str = "cpu", dtype: str = "float32", tol: float = 
         return backend, dataclasses.replace(base, **common, **{op: None})
 
     prompts = [[(i * 7919 + 13 * k) % 120000 + 100 for i in range(n)] for k, n in enumerate((14, 5))]
-    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=0, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=0, ignore_eos=True)
     errs = {}
     for model in ("deepseek-v4-tiny", "deepseek-v41-tiny"):
         runs = []
