@@ -141,4 +141,7 @@ def run(seed: int = 0, quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    from tests.triton_interpreter import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
     run(quick="--quick" in sys.argv)
