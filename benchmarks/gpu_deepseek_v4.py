@@ -240,7 +240,28 @@ def host_ops(eng, batch: int, per_step: int, n: int, g: torch.Generator, top: in
     rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
     return {"host_profiled_step_ms": wall * 1e3, "host_launches_one_step": launches,
             "host_top_ops_one_step": [(name, c, round(t / 1e3, 2)) for name, (c, t) in rows],
-            "host_syncs_one_step": host_syncs(eng, batch, per_step, n, g)}
+            "host_syncs_one_step": host_syncs(eng, batch, per_step, n, g),
+            "host_python_one_step": host_python(eng, batch, per_step, n, g)}
+
+
+def host_python(eng, batch: int, per_step: int, n: int, g: torch.Generator, top: int = 25) -> list:
+    """Where a prefill step's Python time goes: cProfile over one more step, the openinfer functions with the most
+    cumulative time (file:line function, calls, ms; the profiler's own overhead inflates them, evenly per call)."""
+    import cProfile
+    import pstats
+    for _ in range(min(batch, per_step)):
+        eng.add_request(torch.randint(100, 128000, (n,), generator=g).tolist(), SamplingParams(max_tokens=1))
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{path.split('/openinfer/')[-1]}:{line} {fn}", calls, cum * 1e3)
+            for (path, line, fn), (_, calls, _, cum, _) in stats.items() if "/openinfer/" in path]
+    return [(name, calls, round(ms, 2)) for name, calls, ms in sorted(rows, key=lambda r: -r[2])[:top]]
 
 
 def host_syncs(eng, batch: int, per_step: int, n: int, g: torch.Generator) -> dict:

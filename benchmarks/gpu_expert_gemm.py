@@ -307,6 +307,78 @@ def sweep_fp8_bf16(xs, copies, m, n, k) -> dict:
     return out
 
 
+# ---- V4's grouped wo_a ------------------------------------------------------------------------------------
+# V4-Flash's `wo_a`: o_groups x o_lora_rank rows over num_heads x head_dim / o_groups columns, FP8 128 x 128
+WO_A = (8, 1024, 4096, 128)
+WO_A_TOKENS = [1, 8, 32, 64, 128, 256, 512, 2048, 8192, 32768]
+WO_A_SWEEP_TOKENS = {1, 32, 128}
+
+
+def bench_wo_a(sweep: bool, rows_out) -> None:
+    """The block-diagonal FP8 `wo_a` through `Fp8Linear.forward_groups` by each route: "w8a16" (the grouped Triton
+    kernel, a group per "expert"), "bf16_dequant" (dequant_gemm.grouped_linear_dequant), and the peer
+    "bf16_bmm_only" (the same batched GEMM on a weight dequantized beforehand: the cuBLAS part alone)."""
+    g, rows_per_group, k, block = WO_A
+    n = g * rows_per_group
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bps = 2 * src.numel() / try_time([lambda: dst.copy_(src)])       # bytes read + written per second
+    del src, dst
+    w, s = formats.quantize_fp8(torch.randn(n, k, device="cuda") * 0.05, block)
+    copies = [(w.clone(), s.clone()) for _ in range(copies_for(w.numel() + s.numel()))]
+    dense = [dequant_gemm.dequantize_to_bf16(cw, cs, "fp8", block).view(g, rows_per_group, k) for cw, cs in copies]
+
+    def w8a16(x, cw, cs):
+        t = x.shape[0]
+        rows = x.transpose(0, 1).reshape(g * t, k)
+        offs = torch.arange(1, g + 1, dtype=torch.int32, device=x.device) * t
+        return tk.grouped_gemm(rows, offs, cw.view(g, rows_per_group, k), cs.view(g, -1, cs.shape[-1]), "fp8", block)
+
+    routes = {"w8a16": w8a16,
+              "bf16_dequant": lambda x, cw, cs: dequant_gemm.grouped_linear_dequant(x, cw, cs, block)}
+    for tokens in WO_A_TOKENS:
+        xs = [torch.randn(tokens, g, k, device="cuda", dtype=torch.bfloat16) for _ in copies]
+        ref = w8a16(xs[0], *copies[0]).view(g, tokens, rows_per_group).transpose(0, 1).float()
+        got = routes["bf16_dequant"](xs[0], *copies[0]).float()
+        flops = 2 * tokens * n * k
+        row = dict(op="fp8_grouped_wo_a", groups=g, N=n, K=k, M=tokens, route_now=kernel_choice.fp8_grouped_kernel(tokens),
+                   w8a16_config=tk.grouped_config(g * tokens, rows_per_group, k, g, "fp8", block).__dict__,
+                   bf16_dequant_vs_w8a16_rel=float((got - ref).norm() / ref.norm()),
+                   weight_floor_us=(w.numel() + s.numel()) / copy_bps * 1e6)
+        for name, fn in routes.items():
+            t = try_time([lambda x=x, c=c, fn=fn: fn(x, *c) for x, c in zip(xs, copies)])
+            row[name + "_us"] = t * 1e6 if isinstance(t, float) else t
+            row[name + "_TFLOPs"] = tflops(flops, t)
+        t = try_time([lambda x=x, d=d: torch.bmm(x.transpose(0, 1), d.transpose(1, 2)) for x, d in zip(xs, dense)])
+        row["bf16_bmm_only_us"] = t * 1e6 if isinstance(t, float) else t
+        if sweep and tokens in WO_A_SWEEP_TOKENS:
+            out = {}
+            for bn in (32, 64, 128):
+                for bk in (128, 256):
+                    for warps in (4,):
+                        for stages in (3, 4):
+                            for swap in (False, True):
+                                cfg = tk.GroupedConfig(16 if tokens <= 16 else min(128, tokens), bn, bk, warps,
+                                                       stages, swap)
+                                t = try_time([lambda x=x, c=c: tk.grouped_gemm_with(
+                                    x.transpose(0, 1).reshape(g * tokens, k),
+                                    torch.arange(1, g + 1, dtype=torch.int32, device="cuda") * tokens,
+                                    c[0].view(g, rows_per_group, k), c[1].view(g, -1, c[1].shape[-1]), "fp8", block,
+                                    cfg) for x, c in zip(xs, copies)])
+                                out[f"bm{cfg.block_m}_bn{bn}_bk{bk}_w{warps}_s{stages}{'_swap' if swap else ''}"] = (
+                                    t * 1e6 if isinstance(t, float) else str(t)[:80])
+            row["w8a16_sweep"] = out
+            best = min((v, c) for c, v in out.items() if isinstance(v, float))
+            print(f"    w8a16 sweep best {best[1]}: {best[0]:.1f} us")
+        rows_out.append(row)
+        print(f"wo_a T={tokens:6d}: " + "  ".join(f"{v} {row[v + '_us']:.1f} us" for v in
+                                                   ("w8a16", "bf16_dequant", "bf16_bmm_only")
+                                                   if isinstance(row[v + "_us"], float))
+              + f"  floor {row['weight_floor_us']:.1f} us  rel {row['bf16_dequant_vs_w8a16_rel']:.1e}"
+              + f"  (table: {row['route_now']})")
+        del xs
+
+
 # ---- the tables for kernel_choice.py ------------------------------------------------------------------
 def fmt_tf(v) -> str:
     return f"{v:6.1f}" if isinstance(v, float) else f"n/a ({str(v)[:60]})"
@@ -335,6 +407,7 @@ def _summed(rows: list[dict], routes: tuple[str, ...]) -> dict[int, dict[str, fl
 
 EXPERT_ROUTES = ("w4a16", "w4a8", "bf16_dequant")
 FP8_ROUTES = ("fp8", "bf16", "bf16_dequant")
+WO_A_ROUTES = ("w8a16", "bf16_dequant")
 
 
 def recommended_tables(result: dict) -> dict:
@@ -352,6 +425,9 @@ def recommended_tables(result: dict) -> dict:
     sizes = _summed(result.get("fp8", []), FP8_ROUTES)
     if sizes:
         out["FP8_FINE_BLOCK_BY_M"] = route_table(sizes, FP8_ROUTES)
+    sizes = _summed(result.get("wo_a", []), WO_A_ROUTES)
+    if sizes:
+        out["FP8_GROUPED_BY_TOKENS"] = route_table(sizes, WO_A_ROUTES)
     return out
 
 
@@ -359,7 +435,7 @@ def main():
     date = datetime.date.today().isoformat()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=f"benchmarks/results/gpu_expert_gemm_{date}.json")
-    ap.add_argument("--only", choices=["experts", "fp8"], help="run one half")
+    ap.add_argument("--only", choices=["experts", "fp8", "wo_a"], help="run one part")
     ap.add_argument("--models", default=",".join(EXPERT_MODELS), help="expert shapes: v4_flash, v41_flash")
     ap.add_argument("--max-tokens", type=int, default=max(TOKENS), help="largest T for the experts")
     ap.add_argument("--tokens", help="comma-separated T for the experts (default: TOKENS)")
@@ -390,7 +466,8 @@ def main():
     parts = (("experts", lambda rows: bench_experts(args.models.split(","), args.max_tokens, args.sweep, rows,
                                                     args.quick, tokens,
                                                     set(args.variants.split(",")) if args.variants else None)),
-             ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows, args.quick)))
+             ("fp8", lambda rows: bench_fp8(args.max_m, args.sweep, rows, args.quick)),
+             ("wo_a", lambda rows: bench_wo_a(args.sweep, rows)))
     for part, fn in parts:
         if args.only and part != args.only:
             continue

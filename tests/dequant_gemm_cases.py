@@ -121,6 +121,24 @@ def grouped_case(rng: random.Random, fmt: str) -> float:
     return max(rels)
 
 
+def grouped_linear_case(rng: random.Random) -> float:
+    """grouped_linear_dequant (V4's block-diagonal `wo_a`) vs each group's rows times its rows of the dequantized
+    weight, groups whole tiles or narrower than one (a group's rows then share a tile's scale row)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    block = rng.choice([32, 128])
+    groups, per_group, k = rng.choice([(2, 64, 96), (4, 48, 64), (3, 32, 128), (8, 16, 64)])
+    t = rng.randint(1, 9)
+    w, s = formats.quantize_fp8(torch.randn(groups * per_group, k, generator=g) * 0.05, block)
+    x = torch.randn(t, groups, k, generator=g).to(torch.bfloat16)
+    dense = reference.dequantize_weight(w, s, "fp8", block).view(groups, per_group, k)
+    ref = torch.einsum("tgk,gnk->tgn", x.float(), dense)
+    out = dequant_gemm.grouped_linear_dequant(x, w, s, block)
+    assert out.shape == (t, groups, per_group) and out.dtype == torch.bfloat16
+    rel = _rel(out, ref)
+    assert rel < 1e-2, rel
+    return rel
+
+
 def run(seed: int = 0, quick: bool = False) -> None:
     rng = random.Random(seed)
     reps = 3 if quick else 10
@@ -132,6 +150,7 @@ def run(seed: int = 0, quick: bool = False) -> None:
             case()
         print(f"{name}: exact x{reps}")
     cases = [("fp8_linear_dequant", lambda: fp8_linear_case(rng)),
+             ("grouped_linear_dequant", lambda: grouped_linear_case(rng)),
              ("grouped_gemm_dequant mxfp4", lambda: grouped_case(rng, "mxfp4")),
              ("grouped_gemm_dequant fp8", lambda: grouped_case(rng, "fp8"))]
     for name, case in cases:

@@ -73,6 +73,42 @@ def test_foldable_experts_with_128_groups_take_the_folded_table(monkeypatch):
     assert route(foldable=False) == route(block=32) == route(k=192) == "w4a16"
 
 
+def test_grouped_projection_takes_the_dequant_route_from_the_tables_token_count(monkeypatch):
+    """`Fp8Linear.forward_groups` (V4's `wo_a`) calls `ops.fp8_grouped_dequant` from the token count
+    FP8_GROUPED_BY_TOKENS names "bf16_dequant" on, the grouped GEMM below it, and the grouped GEMM at every size
+    where the ops have no dequant route (the CPU's); both routes give the reference's values."""
+    import dataclasses
+
+    import torch
+
+    from openinfer.layers.basic import TORCH_OPS
+    from openinfer.layers.fp8_linear import Fp8Linear
+    from openinfer.quantization import dequant_gemm, formats, kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "FP8_GROUPED_BY_TOKENS", ((0, "w8a16"), (4, "bf16_dequant")))
+    calls = []
+
+    def dequant(x, w, s, block):
+        calls.append(x.shape[0])
+        return dequant_gemm.grouped_linear_dequant(x, w, s, block)
+    ops = dataclasses.replace(TORCH_OPS, fp8_grouped_dequant=dequant)
+    # (the dequant kernel in torch here: tests/dequant_gemm_cases.py checks the Triton one in the interpreter)
+    monkeypatch.setattr(dequant_gemm, "dequantize_to_bf16",
+                        lambda w, s, fmt, block: formats.dequantize_fp8(w, s, block).to(torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    lin = Fp8Linear(64, 4 * 32, 128, ops)
+    w, s = formats.quantize_fp8(torch.randn(128, 64, generator=g) * 0.05, 128)
+    lin.weight.data, lin.weight_scale.data = w, s
+    plain = Fp8Linear(64, 4 * 32, 128)
+    plain.weight.data, plain.weight_scale.data = w, s
+    for t in (1, 3, 4, 9):
+        x = torch.randn(t, 4, 64, generator=g).to(torch.bfloat16)
+        out, ref = lin.forward_groups(x), plain.forward_groups(x)
+        assert out.shape == ref.shape == (t, 4, 32)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    assert calls == [4, 9]
+
+
 def test_calls_sharing_offsets_read_them_on_the_host_once():
     """A MoE's two grouped GEMMs share one ReadOnce of their offsets: the first route that needs the values on the
     host reads them (one sync on CUDA), the second reuses them."""

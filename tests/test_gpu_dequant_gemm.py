@@ -5,6 +5,7 @@ chunked scratch, the dispatchers with the route forced, and CUDA-graph capture o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -183,3 +184,26 @@ def test_routes_captured_in_a_cuda_graph(experts_fit, monkeypatch):
         assert _rel(y_grp, reference.grouped_gemm_a8(rows, offs, w4, s4, "mxfp4", 32)) < 1e-2
         eager_lin, eager_grp = step()
         assert _rel(y_lin, eager_lin) < 2e-3 and _rel(y_grp, eager_grp) < 2e-3
+
+
+@pytest.mark.parametrize("per_group, block", [(1024, 128), (64, 128), (1024, 32)])
+@pytest.mark.parametrize("tokens", [1, 130, 2048])
+def test_grouped_linear_dequant_matches_the_grouped_kernel_and_the_reference(per_group, block, tokens):
+    """V4's block-diagonal `wo_a` (8 groups over 4096 columns; V4-Flash's 1024 rows per group, and groups narrower
+    than a 128-row scale tile): the dequant route, the grouped W8A16 kernel `Fp8Linear.forward_groups` runs below
+    it, and each group's rows times its rows of the dequantized weight in fp32."""
+    from openinfer.layers.fp8_linear import Fp8Linear
+    from openinfer.layers.triton_ops import TRITON_OPS
+
+    g, k = 8, 4096
+    gen = _gen()
+    w, s = formats.quantize_fp8(torch.randn(g * per_group, k, generator=gen, device="cuda") * 0.05, block)
+    x = torch.randn(tokens, g, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dense = reference.dequantize_weight(w, s, "fp8", block).view(g, per_group, k)
+    ref = torch.einsum("tgk,gnk->tgn", x.float(), dense)
+    lin = Fp8Linear(k, g * per_group, block, dataclasses.replace(TRITON_OPS, fp8_grouped_dequant=None)).cuda()
+    lin.weight.data, lin.weight_scale.data = w, s
+    kernel = lin.forward_groups(x)
+    out = dequant_gemm.grouped_linear_dequant(x, w, s, block)
+    assert out.shape == kernel.shape == (tokens, g, per_group)
+    assert _rel(out, ref) < 1e-2 and _rel(kernel, ref) < 1e-2 and _rel(out, kernel) < 1e-2

@@ -19,7 +19,7 @@ from openinfer.quantization.triton_w4a8 import folded_config
 @pytest.mark.parametrize("experts", [8, 64, 256])
 def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
     """Every step size up to the token budget picks, for each kernel, a variant (FP8 GEMM config, grouped MoE GEMM
-    configs, the folded W4A8 config of its 6M routed rows, kernel_choice routes (top-6 routing), M == 1,
+    configs, V4's grouped wo_a config and route, the folded W4A8 config of its 6M routed rows, kernel_choice routes (top-6 routing), M == 1,
     M % 16 == 0) — what makes Triton compile a new variant — that one of the warm-up's lengths picked."""
     counts = warm_up_token_counts(budget, 10**6)
     assert max(counts) == budget and len(counts) <= 40
@@ -31,6 +31,8 @@ def test_warm_up_lengths_meet_every_gemm_variant(budget, experts):
         return (fp8_variant(m, 4096, 7168, 128), fp8_variant(m, 512, 7168, 32),
                 grouped_config(m, 2048, 7168, experts, "mxfp4", 32), grouped_config(m, 2048, 7168, experts, "fp8", 128),
                 folded_config(6 * m, 2048, experts),
+                grouped_config(8 * m, 1024, 4096, 8, "fp8", 128),        # V4's grouped wo_a: 8 groups of T rows
+                kernel_choice.fp8_grouped_kernel(m),
                 kernel_choice.fp8_fine_block_kernel(m), kernel_choice.expert_kernel(6 * m, experts),   # the routes per size
                 kernel_choice.expert_kernel(6 * m, experts, folded=True),
                 m == 1, m % 16 == 0)

@@ -87,6 +87,10 @@ class LayerOps:
     grouped_gemm: Callable = quant_reference.grouped_gemm
     # the same grouped GEMM with the rows quantized to FP8 per token in groups of `block` first (W4A8 / W8A8)
     grouped_gemm_a8: Callable = quant_reference.grouped_gemm_a8
+    # a block-diagonal FP8 projection (DeepSeek-V4's grouped `wo_a`) by the dequant route, (x [T, g, K], weight,
+    # scale, block) -> [T, g, N/g] (dequant_gemm.grouped_linear_dequant), where kernel_choice.fp8_grouped_kernel names
+    # it for T; None: `grouped_gemm` at every size
+    fp8_grouped_dequant: Callable | None = None
     # whether quantized GEMMs see FP8-quantized activations (EngineConfig.quantize_activations): `fp8_linear`
     # does it itself; DeepSeek's routed experts read it to take `grouped_gemm_a8` or `grouped_gemm`
     quantize_activations: bool = True

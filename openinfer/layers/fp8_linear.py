@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from openinfer.layers.basic import TORCH_OPS, LayerOps, StackedLinear
+from openinfer.quantization import kernel_choice
 from openinfer.quantization.formats import MXFP4_GROUP, fp8_scale_shape, mxfp4_scale_shape
 
 
@@ -79,8 +80,13 @@ class Fp8Linear(nn.Module):
         a group is whole `block`-row tiles; otherwise (groups narrower than a tile, as V4's layout allows and
         transformers' dequantization reads: row r scaled by tile r // block) slices of gcd(N/g, block) rows,
         each inside one tile, whose one scale row is that tile's. A group spanning two tiles is then several
-        slices over the same activations (their rows repeated); a group inside one tile is one slice."""
+        slices over the same activations (their rows repeated); a group inside one tile is one slice.
+        From the token count `kernel_choice.fp8_grouped_kernel` names on, where the ops have it, the weight is
+        dequantized to bf16 and the groups multiplied by one batched GEMM instead (`ops.fp8_grouped_dequant`: the
+        same values up to fp32 summation order)."""
         T, g, k = x.shape
+        if self.ops.fp8_grouped_dequant is not None and kernel_choice.fp8_grouped_kernel(T) == "bf16_dequant":
+            return self.ops.fp8_grouped_dequant(x, self.weight, self.weight_scale, self.block)
         rows_per_group = self.out_features // g
         sub = rows_per_group if rows_per_group % self.block == 0 else math.gcd(rows_per_group, self.block)
         parts = rows_per_group // sub

@@ -19,7 +19,7 @@ from openinfer.layers.triton_mhc import sinkhorn
 from openinfer.layers.triton_sparse_decode import sparse_decode_attention
 from openinfer.layers.triton_sparse_prefill import sparse_prefill_attention
 from openinfer.quantization import triton_kernels as quant_kernels
-from openinfer.quantization import triton_w4a8
+from openinfer.quantization import dequant_gemm, triton_w4a8
 
 
 @triton.jit
@@ -258,6 +258,7 @@ def _bf16_io(kernel):
 TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=rotary,
                       hc_weights=hc_weights, fp8_linear=_bf16_io(quant_kernels.fp8_linear),
                       grouped_gemm=_bf16_io(quant_kernels.grouped_gemm),
+                      fp8_grouped_dequant=_bf16_io(dequant_gemm.grouped_linear_dequant),
                       grouped_gemm_a8=_bf16_io(triton_w4a8.grouped_gemm_a8), hc_pre=triton_mhc.hc_pre,
                       hc_head=triton_mhc.hc_head, hc_post=triton_mhc.hc_post, route=triton_moe_routing.route,
                       expert_order=triton_moe_routing.expert_order, moe_act=triton_moe_routing.moe_act,

@@ -10,7 +10,8 @@ only a large M amortizes. Which route runs at which size is `kernel_choice.py`'s
 
 Memory, alive only while a call runs (the caching allocator hands it to the next call or layer):
 - `fp8_linear_dequant`: one bf16 copy of the weight, N x K x 2 bytes (V4.1's largest, wq_b and wo_b: 80 MiB),
-  beside the rounded activations (M x K x 2).
+  beside the rounded activations (M x K x 2); `grouped_linear_dequant` (V4's grouped `wo_a`) the same (64 MiB
+  at V4-Flash width).
 - `grouped_gemm_dequant`: bf16 experts in chunks of at most `scratch_bytes` (default `SCRATCH_BYTES`, 1 GiB;
   always at least one expert), one chunk alive at a time, plus a chunk's output rows. Eager, it reads `offs` on
   the host (one sync per call; none where the caller's `host_offs` already holds them: a MoE's two GEMMs read
@@ -151,6 +152,16 @@ def fp8_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     a = quantize_dequantize_activations(x, block) if quantize_input else x
     w = dequantize_to_bf16(weight, scale, "fp8", block)
     return F.linear(a, w.to(a.dtype))
+
+
+def grouped_linear_dequant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """x [T, g, K] through a block-diagonal FP8 projection (`Fp8Linear.forward_groups`: group i multiplies by rows
+    [i*N/g, (i+1)*N/g) of weight [N, K]) -> [T, g, N/g] in x's dtype, weight-only (`reference.fp8_linear` on each
+    group's unrounded rows): the weight dequantized to one bf16 buffer (scale tile r // block for row r, whatever
+    the group width), then one cuBLAS batched GEMM over the groups."""
+    t, g, k = x.shape
+    w = dequantize_to_bf16(weight, scale, "fp8", block).view(g, -1, k)
+    return torch.bmm(x.transpose(0, 1), w.to(x.dtype).transpose(1, 2)).transpose(0, 1)
 
 
 def fits_capture(weight: torch.Tensor, fmt: str, scratch_bytes: int | None = None) -> bool:

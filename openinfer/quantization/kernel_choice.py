@@ -30,6 +30,13 @@ FOLDED_EXPERT_KERNEL_BY_ROWS_PER_EXPERT: tuple[tuple[int, str], ...] = ((0, "w4a
 # to a bf16 buffer, then cuBLAS (dequant_gemm.py). H200, V4.1 shapes: 255-263 TFLOP/s for "fp8" against 646-668
 # for "bf16_dequant" (dequant included) from 256 tokens on
 FP8_FINE_BLOCK_BY_M: tuple[tuple[int, str], ...] = ((0, "fp8"), (256, "bf16_dequant"))
+# V4's grouped output projection `wo_a` (block-diagonal FP8, weight-only), by tokens (rows per group): "w8a16" = the
+# grouped Triton kernel, each group an "expert" (LayerOps.grouped_gemm); "bf16_dequant" = the weight dequantized to
+# a bf16 buffer, then one cuBLAS batched GEMM over the groups (dequant_gemm.grouped_linear_dequant). H200,
+# V4-Flash width (8 groups of 1,024 x 4,096; gpu_expert_gemm.py --only wo_a, 2026-12-03), us w8a16 / bf16_dequant:
+# 32 tokens 42.9 / 52.5, 64: 68.4 / 53.7, 128: 141 / 55.7, 2K: 647 / 214, 8K: 2,475 / 809 (the batched GEMM alone:
+# 794)
+FP8_GROUPED_BY_TOKENS: tuple[tuple[int, str], ...] = ((0, "w8a16"), (64, "bf16_dequant"))
 
 
 def choose(table: tuple[tuple[int, str], ...], m: int) -> str:
@@ -50,3 +57,7 @@ def expert_kernel(rows: int, experts: int, folded: bool = False) -> str:
 
 def fp8_fine_block_kernel(m: int) -> str:
     return choose(FP8_FINE_BLOCK_BY_M, m)
+
+
+def fp8_grouped_kernel(tokens: int) -> str:
+    return choose(FP8_GROUPED_BY_TOKENS, tokens)
