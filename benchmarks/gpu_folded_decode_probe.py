@@ -14,6 +14,7 @@ bit-equal to production.
     python benchmarks/gpu_folded_decode_probe.py [--modes 0,1,2,...] [--out PATH]
 """
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -225,7 +226,7 @@ def main() -> None:
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
-    result = run_header(__import__("datetime").date.today().isoformat())
+    result = run_header(datetime.date.today().isoformat())
     result["rows"] = rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     e_count, hidden, inter = 256, 4096, 2048          # V4-Flash's routed experts
