@@ -151,6 +151,37 @@ def check_v4_indexer(device, g, dims: dict, dtype, batch: int, contexts: list[in
     print(f"V4 indexer {dtype}: B={batch} H={H} D={D} n={n} equal to the torch path")
 
 
+def check_v4_indexer_chunk(device, g, dims: dict, dtype, context: int, queries: int, budget: int) -> None:
+    """Indexer.select_chunk (a prefill chunk's last `queries` positions of `context`, every query with the chunk's
+    one block table) with the fused scores + top-k against its torch path (the gathered keys, `select`), the
+    queries in blocks of `budget` // n."""
+    cfg = v4_config(**dims)
+    H, D, r = cfg.index_n_heads, cfg.index_head_dim, cfg.compress_rates["compressed_sparse_attention"]
+    from openinfer.layers.triton_ops import TRITON_OPS_NEXT
+
+    ref_ix, fused_ix = Indexer(cfg, r, TORCH_OPS), Indexer(cfg, r, TRITON_OPS_NEXT)
+    assert fused_ix.ops.index_prefill_scores is not None
+    epb = 128 // r
+    positions = torch.arange(context - queries, context)
+    num_closed = ((positions + 1) // r).to(device)
+    n = max(context // r, 1)
+    cache, tables = paged(g, [n], epb, (D,), dtype, device)
+    block_ids = tables[0]
+    flat = entry_index(block_ids, torch.arange(n, device=device), epb)
+    q = torch.randn(queries, H, D, generator=g).to(dtype).to(device)
+    w = torch.randn(queries, H, generator=g).to(device)
+    picks, valid = fused_ix.select_chunk(q, w, cache, block_ids, flat, num_closed, budget)
+    ref_picks, ref_valid = ref_ix.select_chunk(q, w, cache, block_ids, flat, num_closed, budget)
+    keys = cache.view(-1, D)[flat][None]
+    want = ref_ix.scores(q, w, keys, num_closed)
+    tol = (D + H + 2) * 2.0 ** -24 * ref_ix.scores(q.abs(), w.abs(), keys.abs(), num_closed)
+    _assert_topk_of(want, picks, valid, cfg.index_topk, num_closed, 2 * tol.nan_to_num(0.0).amax())
+    assert torch.equal(valid, ref_valid)
+    agree = (picks == ref_picks).float().mean().item()
+    print(f"V4 indexer chunk {dtype}: context={context} queries={queries} n={n} budget={budget}: top-k of the torch "
+          f"path's scores ({agree:.1%} of picks identical)")
+
+
 def check_v41_indexer(device, g, heads: int, dim: int, topk: int, dtype, batch: int, n: int, block: int) -> None:
     """V4.1's scores over FP4 index keys (decoded in the kernel; the model dtype's roundings) and over plain rows,
     with and without the candidate mask, and the candidate blocks and picks through the fused top-k."""
@@ -424,7 +455,7 @@ def check_v41_compressor(device, g, dims: dict, dtype, batch: int, layer: int, e
 
 def check_engine(name: str) -> None:
     """The tiny model (`LLM(name)`, float32 on the CPU) generating greedily with the torch ops and with the sparse
-    decode kernels in their place (through `make_kernels`; Triton's interpreter): the same tokens, the same
+    decode kernels (and V4's prefill indexer scores) in their place (through `make_kernels`; Triton's interpreter): the same tokens, the same
     cumulative log-probabilities to 1e-4. Decode steps cross compression windows and score more entries than
     index_topk (and, V4.1, than its candidate blocks hold): 8 tokens after prompts of 9 and 40 feed decode positions
     9-15 and 40-46, which close V4's CSA windows (ratio 4: 11, 15, 43), an HCA window (ratio 16: 15) and V4.1's
@@ -438,7 +469,7 @@ def check_engine(name: str) -> None:
 
     fused = dataclasses.replace(
         TORCH_OPS, index_topk=triton_indexer.index_topk, index_scores=triton_indexer.index_scores,
-        v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
+        index_prefill_scores=triton_indexer.index_scores, v4_hca_decode=triton_compressor.v4_hca_decode, v4_csa_decode=triton_compressor.v4_csa_decode,
         v41_compress_decode=triton_compressor.v41_compress_decode,
         v41_index_keys_decode=triton_compressor.v41_index_keys_decode)
     g = torch.Generator().manual_seed(0)
@@ -475,6 +506,9 @@ def run_all(device: str, quick: bool) -> None:
             contexts = [1, 3, 4, 5, 63, 64, 65, 200] if quick else [1, 4, 5, 1024, 2047, 4096, 16384, 65536]
             for batch in ((6,) if quick else (1, 32, 128)):
                 check_v4_indexer(device, g, dims, dtype, batch, contexts)
+            for context, queries, budget in (((9, 9, 1 << 26), (200, 23, 128)) if quick else
+                                             ((1024, 1024, 1 << 26), (8192, 2048, 1 << 26), (4096, 700, 1 << 18))):
+                check_v4_indexer_chunk(device, g, dims, dtype, context, queries, budget)
             block = 4 if quick else 64
             for batch, n in (((5, 40),) if quick else ((1, 4096), (32, 1024), (128, 512))):
                 check_v41_indexer(device, g, dims["heads"], dims["index_dim"], dims["topk"], dtype, batch, n, block)

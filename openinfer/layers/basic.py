@@ -120,6 +120,9 @@ class LayerOps:
     # steps (HCA's running state, CSA's ring) and V4.1's KV-source step and index keys (layers/triton_compressor.py)
     index_topk: Callable = torch_index_topk
     index_scores: Callable | None = None
+    # ... the same scores for a prefill chunk's queries (V4's `Indexer.select_chunk`: every query with the chunk's one
+    # block table); None: the model's torch code over the gathered keys
+    index_prefill_scores: Callable | None = None
     v4_hca_decode: Callable | None = None
     v4_csa_decode: Callable | None = None
     v41_compress_decode: Callable | None = None

@@ -540,6 +540,28 @@ class Indexer(OverlappingCompressor):
             valid.append(ok)
         return torch.cat(picks), torch.cat(valid)
 
+    def select_chunk(self, q, weights, cache, block_ids, flat, num_closed,
+                     budget: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select` for a prefill chunk's queries over its entries 0 .. n-1 (rows `flat` [n] of the paged index cache
+        `cache`, whose block table is `block_ids` [W]): `ops.index_prefill_scores` (the decode rows' paged kernel)
+        reads the keys in place, every query with the chunk's one table (a stride-0 expansion, no copy); the torch
+        path (`select` over the gathered keys) where the ops have none. Queries go in blocks whose scores hold about
+        `budget` floats."""
+        if self.ops.index_prefill_scores is None:
+            return self.select(q, weights, cache.view(-1, self.dim)[flat][None], num_closed, budget)
+        T, n = q.shape[0], flat.shape[0]
+        tables = block_ids[None].expand(T, -1)
+        step = max(1, budget // max(n, 1))
+        picks, valid = [], []
+        for i0 in range(0, T, step):
+            sl = slice(i0, min(i0 + step, T))
+            scores = self.ops.index_prefill_scores(q[sl], weights[sl], cache, tables[sl], n, num_closed[sl],
+                                                   self.dim ** -0.5, weight_scale=self.num_heads ** -0.5)
+            pk, ok = self.ops.index_topk(scores, self.topk, num_closed[sl])
+            picks.append(pk)
+            valid.append(ok)
+        return (picks[0], valid[0]) if len(picks) == 1 else (torch.cat(picks), torch.cat(valid))
+
     def select_decode(self, q, weights, cache, tables, flat, num_closed) -> tuple[torch.Tensor, torch.Tensor]:
         """`select` for decode rows over the paged index cache: their entries' rows are `flat` [T, N] (the block
         table `tables` walked); `ops.index_scores` reads them in place."""
@@ -767,7 +789,7 @@ class DeepseekV4Attention(nn.Module):
             index = state["index"]
             indexer.close_chunk(state["index_rows"][p.state_slot], index, index_rows, positions, rope, p,
                                 closed=chunk_entries(p, r, index.shape[1], rope, index.dtype, step))
-            picked, valid = indexer.select(*index_q, state["index"].view(-1, indexer.dim)[flat][None], num_closed)
+            picked, valid = indexer.select_chunk(*index_q, state["index"], p.block_ids, flat, num_closed)
         return flat, picked, valid
 
 
