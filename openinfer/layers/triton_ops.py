@@ -274,9 +274,9 @@ TRITON_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=sil
 
 
 # TRITON_OPS and the kernels that pass their tests in the interpreter but not yet on a GPU (`--ops next` in the GPU
-# benchmarks), joining TRITON_OPS once their GPU tests pass. Today: V4's prefill indexer scores through the paged
-# `index_scores` kernel (`Indexer.select_chunk`; interpreter cases and the tiny engine in tests/
-# test_sparse_decode_indexer.py; its GPU case is in the same file's GPU test). Earlier ones (the batched prefill
+# benchmarks), joining TRITON_OPS once their GPU tests pass. Today: V4's and V4.1's prefill indexer scores through
+# the paged `index_scores` kernel (V4 `Indexer.select_chunk`, V4.1 `_index_paged`; interpreter cases and both tiny
+# engines in tests/test_sparse_decode_indexer.py; its GPU case is in the same file's GPU test). Earlier ones (the batched prefill
 # attention, the ring write in v4_norm_rope's epilogue, V4's compressor rows, `entry_rows`, the combine that adds the
 # shared expert) joined TRITON_OPS on 2026-12-03 (their GPU tests on the H200; BENCHMARKS.md, issues 34 and 35).
 TRITON_OPS_NEXT = dataclasses.replace(TRITON_OPS, index_prefill_scores=triton_indexer.index_scores)

@@ -148,7 +148,8 @@ class Indexer(nn.Module):
     tie-free inputs. `owns_keys`: this source also makes the keys (from its compressor's latent)."""
 
     def __init__(self, cfg: DeepseekV41Config, owns_keys: bool, ops: LayerOps = TORCH_OPS):
-        """`ops`: the top-k (`index_topk`) and, for decode rows, the fused paged scores (`index_scores`)."""
+        """`ops`: the top-k (`index_topk`) and the fused paged scores (`index_scores` for decode rows,
+        `index_prefill_scores` for prefill chunks)."""
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.ops = ops
@@ -182,14 +183,18 @@ class Indexer(nn.Module):
         the reference attends, valid [T, k]: score above -inf)."""
         return self.ops.index_topk(scores, self.topk)
 
-    def fused_scores(self, codec) -> dict | None:
-        """`ops.index_scores`' keyword arguments for index keys stored with `codec` (DeepSeek's FP4 rows, or
-        unquantized), None where it has no kernel for them (the torch path then runs)."""
-        if self.ops.index_scores is None:
+    def fused_scores(self, codec, prefill: bool = False) -> dict | None:
+        """The paged scores kernel for index keys stored with `codec` (DeepSeek's FP4 rows, or unquantized) and its
+        keyword arguments: {"kernel": ops.index_scores (decode rows) or ops.index_prefill_scores (a chunk's
+        queries), ...}; None where the ops have no kernel for them (the torch path then runs)."""
+        kernel = self.ops.index_prefill_scores if prefill else self.ops.index_scores
+        if kernel is None:
             return None
         if isinstance(codec, Fp4BlockCodec) and (codec.group, codec.scale_fmt) == (32, "e8m0"):
-            return {"fp4": True, "round_products": True}
-        return {"fp4": False, "round_products": True} if isinstance(codec, IdentityCodec) else None
+            return {"kernel": kernel, "fp4": True, "round_products": True}
+        if isinstance(codec, IdentityCodec):
+            return {"kernel": kernel, "fp4": False, "round_products": True}
+        return None
 
 
 class StepShared:
@@ -396,9 +401,12 @@ class Attention(nn.Module):
         if self.is_kv_source and close_groups:
             self._close_groups(positions, rows, rope, state, meta, p, x.dtype)
         if self.is_index_source:
-            fused = self.indexer.fused_scores(state["codecs"]["cidx"]) if p is None else None
-            if fused is not None:
-                shared.picks[span] = self._index_decode(iq, cidx, tables, n, num_closed, shared, span, fused)
+            fused = self.indexer.fused_scores(state["codecs"]["cidx"], prefill=p is not None)
+            if fused is not None and iq[0].shape[0]:
+                if p is not None:           # every query of the chunk reads its one block table (no copy)
+                    tables = p.block_ids[None].expand(iq[0].shape[0], -1)
+                shared.picks[span] = self._index_paged(iq, cidx, tables, n, num_closed, shared, span, fused,
+                                                       budget=None if p is None else 1 << 26)
             else:
                 shared.picks[span] = self._index(iq, state["codecs"]["cidx"].decode(cache_rows(cidx)[flat], x.dtype),
                                                  num_closed, shared, span)
@@ -434,19 +442,34 @@ class Attention(nn.Module):
             shared.candidates[span] = torch.cat(blocks)
         return torch.cat(picks), torch.cat(valid)
 
-    def _index_decode(self, iq, cidx, tables, n, num_closed, shared: StepShared, span: int, fused: dict):
-        """`_index` for decode rows through `ops.index_scores`: the paged index keys read (and decoded) in place,
-        the candidate blocks masked in the same launch, no [T, heads, N] scores."""
+    def _index_paged(self, iq, cidx, tables, n, num_closed, shared: StepShared, span: int, fused: dict,
+                     budget: int | None = None):
+        """`_index` through the paged scores kernel (`Indexer.fused_scores`: `ops.index_scores` for decode rows,
+        `ops.index_prefill_scores` for a chunk's queries, `tables` [T, W] their block tables): the index keys read
+        (and decoded) in place, the candidate blocks masked in the same launch, no [T, heads, N] scores. `budget`:
+        queries in blocks whose scores hold about that many floats (None: all at once)."""
         bs, ops = self.cfg.candidate_block_size, self.indexer.ops
+        scores_fn = fused.pop("kernel")
         inside = shared.candidates[span] if self.uses_candidates else None
         if inside is not None and inside.shape[1] * bs < n:
             raise ValueError(f"the candidate blocks cover {inside.shape[1] * bs} entries, this layer scores {n}")
-        scores = ops.index_scores(*iq, cidx, tables, n, num_closed, 1.0, candidates=inside, candidate_block=max(bs, 1),
-                                  **fused)
+        q, w = iq
+        T = q.shape[0]
+        step = T if budget is None else max(1, budget // max(n, 1))
+        picks, valid, blocks = [], [], []
+        for i0 in range(0, T, step):
+            sl = slice(i0, min(i0 + step, T))
+            scores = scores_fn(q[sl], w[sl], cidx, tables[sl], n, num_closed[sl], 1.0,
+                               candidates=None if inside is None else inside[sl], candidate_block=max(bs, 1), **fused)
+            if self.is_candidate_source:
+                blocks.append(select_candidate_blocks(scores, num_closed[sl], self.cfg.candidate_topk_blocks, bs,
+                                                      ops.index_topk))
+            pk, ok = self.indexer.pick(scores)
+            picks.append(pk)
+            valid.append(ok)
         if self.is_candidate_source:
-            shared.candidates[span] = select_candidate_blocks(scores, num_closed, self.cfg.candidate_topk_blocks, bs,
-                                                              ops.index_topk)
-        return self.indexer.pick(scores)
+            shared.candidates[span] = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return (picks[0], valid[0]) if len(picks) == 1 else (torch.cat(picks), torch.cat(valid))
 
     def close_all(self, x, positions, ropes, state: dict, meta: AttentionMetadata) -> None:
         """Close this KV source's groups for every token of the step (YOCO: the decoder's global KV is a projection
