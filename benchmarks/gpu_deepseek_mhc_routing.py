@@ -17,6 +17,11 @@ At b = 1, 32, 128 (decode rows) and 8192 (a prefill chunk), each reports:
  - kernels: GPU operations per call (torch.profiler's CUDA events: kernels, copies, fills).
 
     python benchmarks/gpu_deepseek_mhc_routing.py [--out PATH] [--batches 1,32,128,8192]
+    python benchmarks/gpu_deepseek_mhc_routing.py --mix-tiles [--batches 32,128,1024,8192]
+
+`--mix-tiles`: instead, V4-Flash's mHC pre (`triton_mhc.hc_pre`, the two-launch path) with the mixes' partial tiles
+(tokens x K x warps) swept around the default, gpu_us per tiling and its largest relative difference from the
+default's outputs (float32 summation order).
 """
 
 from __future__ import annotations
@@ -144,17 +149,60 @@ def pieces(T: int):
     yield "moe_bf16", "V4", experts, lambda: experts(x4, picks4, w4)
 
 
+def sweep_mix_tiles(batches: list[int], result: dict, out: Path) -> None:
+    from openinfer.layers import triton_mhc
+    v4 = DeepseekV4Config.from_hf({**DEEPSEEK_V4_TINY_CONFIG, **V4})
+    n, H = v4.hc_mult, v4.hidden_size
+    with torch.device("cuda"):
+        hc = HyperConnection(v4)
+    hc.fn.data = randn(*hc.fn.shape, dtype=torch.float32, scale=(n * H) ** -0.5)
+    args = (hc.fn, hc.base, hc.scale, hc.iters, hc.eps, hc.norm_eps)
+    for T in batches:
+        if T <= triton_mhc.ONE_LAUNCH_MAX_T:
+            continue
+        streams = randn(T, n, H)
+        default = (triton_mhc.BLOCK_T, triton_mhc.BLOCK_K, 4)
+        want = triton_mhc.hc_pre(streams, *args)
+        reps = REPS if T <= 256 else 3
+        for bt in (16, 32, 64, 128):
+            for bk in (64, 128, 256):
+                for warps in (4, 8):
+                    tiles = (bt, bk, warps)
+                    row = dict(piece="mix_tiles", model="V4", T=T, tiles=tiles, default=tiles == default)
+                    try:
+                        got = triton_mhc.hc_pre(streams, *args, tiles=tiles)
+                        row["max_rel_vs_default"] = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                                        for a, b in zip(got, want))
+                        call = [lambda: triton_mhc.hc_pre(streams, *args, tiles=tiles)] * reps
+                        row["gpu_us"] = graph_time(call) * 1e6
+                    except Exception as e:       # a tiling that does not compile (shared memory, registers)
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    result["rows"].append(row)
+                    shown = (f"{row['gpu_us']:9.1f} us  rel {row['max_rel_vs_default']:.1e}" if "gpu_us" in row
+                             else row["error"])
+                    print(f"mix tiles T={T:>5} {tiles}: {shown}" + ("  (default)" if row["default"] else ""),
+                          flush=True)
+                    out.write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+
+
 def main():
     date = datetime.date.today().isoformat()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=f"benchmarks/results/gpu_deepseek_mhc_routing_{date}.json")
     ap.add_argument("--batches", default="1,32,128,8192")
+    ap.add_argument("--mix-tiles", action="store_true", help="sweep V4's mHC pre partial tiles instead")
     args = ap.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date,
                   git=rev, reps_per_graph=REPS, rows=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.mix_tiles:
+        with torch.no_grad():
+            sweep_mix_tiles([int(b) for b in args.batches.split(",")], result, out)
+        print(f"wrote {out}")
+        return
     print(f"{'piece':9} {'model':11} {'T':>5} | {'unfused us':>10} {'fused us':>9} {'x':>6} | {'eager':>7} {'eager':>7}"
           f" | {'ops':>4} {'ops':>4}")
     for T in (int(b) for b in args.batches.split(",")):

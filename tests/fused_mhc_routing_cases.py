@@ -269,6 +269,34 @@ def check_hc_pre_launches(device, dtype, T: int, hidden: int, repeats: int = 3, 
     return {"one_launch_repeats": repeats}
 
 
+def check_hc_pre_tiles(device, dtype, T: int, hidden: int, tiles: list[tuple[int, int, int]], seed: int = 0) -> dict:
+    """The two-launch mHC pre with other partial tiles (`hc_pre(..., tiles=)`, the benchmark's sweep) against the
+    default tiles, relative to their norms: within float32 summation order (1e-5: the K tiles sum in another
+    order), the collapse of bf16 streams within one bf16 ulp; the one-launch path refuses tiles."""
+    from openinfer.layers import triton_mhc
+    n = 4
+    g = _gen(seed, device)
+    streams = _randn(g, T, n, hidden, device=device, dtype=dtype)
+    fn = _randn(g, (2 + n) * n, n * hidden, device=device, scale=(n * hidden) ** -0.5)
+    base, scale = _randn(g, (2 + n) * n, device=device, scale=0.5), torch.rand(3, generator=g, device=device) + 0.5
+    want = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    errs = {}
+    for t in tiles:
+        got = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, tiles=t)
+        for name, a, b in zip(("pre", "post", "comb", "collapse"), got, want):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            bound = 2.0 ** -8 if name == "collapse" and dtype == torch.bfloat16 else 1e-5
+            assert err <= bound, f"hc_pre tiles {t}: {name} {err:.2e} from the default tiles"
+            errs[f"{t} {name}"] = err
+    try:
+        triton_mhc.hc_pre(streams[:1], fn, base, scale, 20, 1e-6, 1e-6, tiles=tiles[0])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the one-launch hc_pre took tiles")
+    return {"max_rel": max(errs.values())}
+
+
 # ---- routing ------------------------------------------------------------------------------------------
 def reference_route(logits, bias, k: int, scale: float, renormalize: bool, table=None, ids=None):
     """The models' routing in the logits' dtype with the CUDA tie rule (a stable sort: lowest id first)."""
@@ -629,6 +657,7 @@ def kernel_cases(ops, device: str) -> list:
         ("v4 mhc fp32, K in one split", lambda: check_v4_mhc(ops, device, torch.float32, 9, 16, seed=4)),
         ("hc_pre one launch = two, 1 row", lambda: check_hc_pre_launches(device, torch.bfloat16, 1, 40)),
         ("hc_pre one launch = two, 2 token blocks", lambda: check_hc_pre_launches(device, torch.float32, 33, 24, 1)),
+        ("hc_pre partial tiles", lambda: check_hc_pre_tiles(device, torch.float32, 70, 24, [(64, 32, 4), (16, 64, 4)])),
         ("route fp32", lambda: check_route(ops, device, torch.float32, 9, 24, 3)),
         ("routers fp32", lambda: check_routers(ops, device, torch.float32, 6, v4_route, v41_route)),
         ("expert order", lambda: check_expert_order(ops, device, 37, 3, 10)),

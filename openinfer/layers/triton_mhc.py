@@ -268,21 +268,25 @@ def _arrivals(device: torch.device) -> torch.Tensor:
 
 def _hc_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                eps: float, norm_eps: float, lagged: torch.Tensor | None, pre, post, comb, y, head: bool,
-               one_launch: bool) -> None:
+               one_launch: bool, tiles: tuple[int, int, int] | None = None) -> None:
     """mHC pre (or `head`) over streams [T, n, H] (T > 0) and fn [mix, n*H]: K split until the token blocks and their
     splits fill the GPU twice over (a decode step's handful of rows still spreads the 1.5-2 MB of fn over every SM).
     `one_launch`: `_hc_pre_kernel`, whose last split of a block finishes the block's tokens one after another (over
     the whole width, a few BLOCK_H steps); else the partials' launch and a second launch of T x hidden-split programs
-    (`_hc_finish_kernel`), which spreads the finish over the GPU."""
+    (`_hc_finish_kernel`), which spreads the finish over the GPU. `tiles`: (tokens, K, warps) of the two-launch
+    path's partials (the benchmark's sweep; default (BLOCK_T, BLOCK_K, 4))."""
     T, n, H = streams.shape
     _check_streams(n)
     K, mix = n * H, fn.shape[0]
     mixp = max(16, triton.next_power_of_2(mix + 1))
-    token_blocks = triton.cdiv(T, BLOCK_T)
-    k_blocks = triton.cdiv(K, BLOCK_K)
+    if tiles is not None and one_launch:
+        raise ValueError("the one-launch mHC pre takes the default tiles")
+    block_t, block_k, warps = tiles or (BLOCK_T, BLOCK_K, 4)
+    token_blocks = triton.cdiv(T, block_t)
+    k_blocks = triton.cdiv(K, block_k)
     sms = num_sms(streams.device)
     splits = max(1, min(MAX_SPLITS, k_blocks, 2 * sms // token_blocks))
-    k_per_split = triton.cdiv(k_blocks, splits) * BLOCK_K
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(K, k_per_split)
     part = torch.empty(splits, T, mixp, dtype=torch.float32, device=streams.device)
     lag = lagged if lagged is not None else y
@@ -296,8 +300,9 @@ def _hc_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
             UPCAST=streams.device.type != "cuda")
         return
     _hc_mix_partials_kernel[(token_blocks, splits)](streams, fn, part, T, K, k_per_split, streams.stride(0),
-                                                   part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=BLOCK_T,
-                                                   BLOCK_K=BLOCK_K, UPCAST=streams.device.type != "cuda")
+                                                   part.stride(0), MIX=mix, MIXP=mixp, BLOCK_T=block_t,
+                                                   BLOCK_K=block_k, UPCAST=streams.device.type != "cuda",
+                                                   num_warps=warps)
     h_splits = max(1, min(triton.cdiv(H, BLOCK_HC), triton.cdiv(2 * sms, T)))   # one per token at large T
     h_per_split = triton.cdiv(triton.cdiv(H, h_splits), BLOCK_HC) * BLOCK_HC
     _hc_finish_kernel[(T, triton.cdiv(H, h_per_split))](
@@ -307,11 +312,11 @@ def _hc_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, lagged: torch.Tensor | None = None):
+           norm_eps: float, lagged: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None):
     """mHC before a sublayer, in one launch: streams [T, n, H] -> (pre [T, n], post [T, n], comb [T, n, n] float32,
     the sublayer input [T, H] in the streams' dtype) = the streams collapsed by `pre`, or by `lagged` [T, n] when
     given (V4.1 collapses a sublayer's streams by the previous sublayer's pre). fn [(2+n)*n, n*H], base [(2+n)*n],
-    scale [3]."""
+    scale [3]. `tiles`: `_hc_launch`'s, past ONE_LAUNCH_MAX_T rows."""
     streams = streams.contiguous()
     T, n, H = streams.shape
     dev = streams.device
@@ -321,7 +326,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     y = torch.empty(T, H, dtype=streams.dtype, device=dev)
     if T:
         _hc_launch(streams, fn, base, scale, iters, eps, norm_eps, None if lagged is None else lagged.contiguous(),
-                   pre, post, comb, y, head=False, one_launch=T <= ONE_LAUNCH_MAX_T)
+                   pre, post, comb, y, head=False, one_launch=T <= ONE_LAUNCH_MAX_T, tiles=tiles)
     return pre, post, comb, y
 
 
